@@ -1,0 +1,1 @@
+"""gpt2kit: GPT-2, complete, exact and fast."""
