@@ -1,0 +1,56 @@
+"""A preallocated key/value cache, written in place at the current position.
+
+Generation allocates one KVCache for the whole run (prompt + new tokens), so a decode step
+writes one column per layer instead of growing tensors with torch.cat.
+
+Legend: L layers, B batch, nh heads, M max length, hs head size, T new tokens, P cached tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
+        shape = (n_layer, batch_size, n_head, max_len, head_dim)  # (L, B, nh, M, hs)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # P: positions [0, P) hold keys and values
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, batch_size: int, max_len: int) -> KVCache:
+        cfg = model.config
+        if max_len > cfg.n_ctx:
+            raise ValueError(f"KV cache length {max_len} exceeds the model's context n_ctx={cfg.n_ctx}")
+        p = model.wte.weight
+        return cls(cfg.n_layer, batch_size, cfg.n_head, max_len, cfg.head_dim, device=p.device, dtype=p.dtype)
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, nh, T, hs) at [P, P+T) of `layer`; return views of [0, P+T)."""
+        P, T = self.length, k.shape[2]
+        self.k[layer, :, :, P:P + T] = k
+        self.v[layer, :, :, P:P + T] = v
+        return self.k[layer, :, :, :P + T], self.v[layer, :, :, :P + T]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows `rows` (finished rows stop costing work)."""
+        self.k = self.k[:, rows]
+        self.v = self.v[:, rows]
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def to_present(self) -> torch.Tensor:
+        """The cached keys and values in the official layout (B, L, 2, nh, P, hs)."""
+        P = self.length
+        return torch.stack([self.k[:, :, :, :P], self.v[:, :, :, :P]], dim=2).transpose(0, 1)
