@@ -65,11 +65,85 @@ def _register_tokenize(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_tokenize)
 
 
-REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_register_tokenize]
+def cmd_score(args: argparse.Namespace) -> int:
+    from gpt2kit.checkpoint import load_model, load_tokenizer
+    from gpt2kit.score import score_text
+
+    text = _read_text(args.file)
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    result = score_text(model, load_tokenizer(args.model), text, stride=args.stride)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(f"tokens: {len(result.tokens)}  nll: {result.nll:.4f} nats/token  "
+              f"perplexity: {result.ppl:.3f}  bits/byte: {result.bits_per_byte:.4f}")
+    return 0
+
+
+def _register_score(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("score", help="how likely a text is under a model (log-probs, NLL, perplexity)")
+    p.add_argument("file", nargs="?", help="text file (default: stdin)")
+    _add_model_args(p)
+    p.add_argument("--stride", type=int, default=None, help="sliding-window stride for long texts (default n_ctx/2)")
+    p.add_argument("--json", action="store_true", help='print {"tokens", "logprobs", "nll", "ppl"}')
+    p.set_defaults(func=cmd_score)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from gpt2kit.checkpoint import load_model, load_tokenizer, save_model
+
+    model = load_model(args.src, dtype=args.dtype)
+    out = save_model(model, args.dst, tokenizer=load_tokenizer(args.src))
+    print(f"wrote {out} ({model.num_parameters():,} parameters, {args.dtype or 'float32'})")
+    return 0
+
+
+def _register_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="write any loadable checkpoint as an HF-format directory")
+    p.add_argument("src", help="hub id, HF directory or OpenAI TF release directory")
+    p.add_argument("dst", help="output directory")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default float32)")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from gpt2kit.checkpoint import describe
+
+    info = describe(args.model)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    cfg = info["config"]
+    print(f"source:     {info['source']} ({info['path']})")
+    print(f"config:     {cfg['n_layer']} layers, n_embd {cfg['n_embd']}, {cfg['n_head']} heads, "
+          f"n_ctx {cfg['n_ctx']}, n_vocab {cfg['n_vocab']}")
+    print(f"parameters: {info['parameters']:,}")
+    print(f"dtype:      {info['dtype']}")
+    for name, size in info["files"].items():
+        print(f"file:       {name} ({size:,} bytes)")
+    return 0
+
+
+def _register_info(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("info", help="a checkpoint's config, parameter count, dtype and files")
+    p.add_argument("model", help="hub id, HF directory or OpenAI TF release directory")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_info)
+
+
+REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _register_tokenize, _register_score, _register_convert, _register_info,
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage block
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpt2kit", description="GPT-2, complete, exact and fast.")
+    parser = _Parser(prog="gpt2kit", description="GPT-2, complete, exact and fast.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

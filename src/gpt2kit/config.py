@@ -55,6 +55,11 @@ class GPT2Config:
     def embedding_rows(self) -> int:
         return self.n_vocab_padded or self.n_vocab
 
+    @property
+    def eot_id(self) -> int | None:
+        """<|endoftext|>'s id, when the vocabulary is GPT-2's (random test models may be smaller)."""
+        return 50256 if self.n_vocab > 50256 else None
+
     def replace(self, **changes: Any) -> GPT2Config:
         return dataclasses.replace(self, **changes)
 
@@ -137,8 +142,8 @@ class GPT2Config:
             "summary_activation": None,
             "summary_proj_to_labels": True,
             "summary_first_dropout": 0.1,
-            "bos_token_id": 50256,
-            "eos_token_id": 50256,
+            "bos_token_id": self.eot_id,
+            "eos_token_id": self.eot_id,
             "tie_word_embeddings": True,
             "use_cache": True,
         }

@@ -1,0 +1,74 @@
+"""Scoring: how likely a text is under the model (per-token log-probabilities, NLL, perplexity).
+
+<|endoftext|> is prepended as context, so every token of the text is scored, the first one too.
+Texts longer than the context are scored with a sliding window as in transformers' documented
+strided perplexity: windows of n_ctx tokens start every `stride` tokens, and each window scores only
+the tokens that no earlier window scored, with up to n_ctx - stride tokens of context before them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    tokens: list[int]  # the text's tokens (without the <|endoftext|> context)
+    logprobs: list[float]  # logprobs[i] = ln p(tokens[i] | <|endoftext|>, tokens[:i]) within its window
+    n_bytes: int  # UTF-8 bytes of the text
+
+    @property
+    def nll(self) -> float:
+        """Mean negative log-likelihood per token, in nats."""
+        return -math.fsum(self.logprobs) / len(self.logprobs)
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll)
+
+    @property
+    def bits_per_byte(self) -> float:
+        return -math.fsum(self.logprobs) / math.log(2) / max(self.n_bytes, 1)
+
+    def to_json(self) -> dict:
+        return {"tokens": self.tokens, "logprobs": self.logprobs, "nll": self.nll, "ppl": self.ppl}
+
+
+@torch.inference_mode()
+def score_tokens(model, tokens: list[int], *, eot_token: int = 50256, stride: int | None = None) -> list[float]:
+    """ln p(tokens[i] | eot, tokens[:i]) for every i, with the strided sliding window."""
+    n_ctx = model.config.n_ctx
+    stride = n_ctx // 2 if stride is None else stride
+    if not 1 <= stride < n_ctx:
+        # Each window needs one token of context before the first token it scores.
+        raise ValueError(f"stride must be in [1, n_ctx - 1 = {n_ctx - 1}], got {stride}")
+    if not tokens:
+        raise ValueError("the text has no tokens to score")
+    if not 0 <= eot_token < model.config.n_vocab:
+        raise ValueError(f"context token {eot_token} is outside the vocabulary [0, {model.config.n_vocab})")
+    device = model.wte.weight.device
+    seq = torch.tensor([eot_token, *tokens], device=device)  # targets are seq[1:]
+    out: list[float] = []
+    scored_to = 1  # seq positions < scored_to have been scored (position 0 is the context)
+    begin = 0
+    while scored_to < len(seq):
+        end = min(begin + n_ctx, len(seq))
+        window = seq[begin:end]
+        logits = model(window[None]).logits[0].float()  # (W, V); row k predicts seq[begin + k + 1]
+        logp = torch.log_softmax(logits[:-1], dim=-1)  # (W - 1, V)
+        targets = window[1:]
+        first = scored_to - begin - 1  # the row that predicts the first unscored position
+        picked = logp[first:].gather(1, targets[first:, None])[:, 0]
+        out.extend(picked.tolist())
+        scored_to = end
+        begin += stride
+    return out
+
+
+def score_text(model, tokenizer, text: str, *, stride: int | None = None) -> ScoreResult:
+    tokens = tokenizer.encode(text)
+    logprobs = score_tokens(model, tokens, eot_token=tokenizer.eot_token, stride=stride)
+    return ScoreResult(tokens, logprobs, len(text.encode("utf-8")))
