@@ -1,0 +1,267 @@
+"""Loading every published layout (HF dirs, hub cache, OpenAI TF) and saving for transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY, random_hf_model
+
+from gpt2kit.checkpoint import CheckpointError, describe, load_model, load_tokenizer, save_model
+from gpt2kit.config import GPT2Config
+
+FIXTURE_TF = Path(__file__).parent / "fixtures" / "openai_tf_tiny"
+ATOL = 1e-4
+
+
+def _ids(n_vocab: int = TINY.n_vocab, T: int = 24) -> torch.Tensor:
+    return torch.randint(0, n_vocab, (2, T), generator=torch.Generator().manual_seed(0))
+
+
+def _same_logits(model, hf, x=None) -> float:
+    x = _ids(model.config.n_vocab) if x is None else x
+    with torch.no_grad():
+        return (model(x).logits - hf(x).logits).abs().max().item()
+
+
+# --- HF directories -------------------------------------------------------------------------
+
+def test_hf_dir_with_transformer_prefix(tmp_path):
+    hf = random_hf_model()
+    hf.save_pretrained(tmp_path)
+    keys = json.loads((tmp_path / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+        (tmp_path / "model.safetensors").read_bytes()[:8], "little")])
+    assert any(k.startswith("transformer.") for k in keys)
+    assert _same_logits(load_model(tmp_path), hf) < ATOL
+
+
+def test_hf_dir_without_prefix(tmp_path):
+    hf = random_hf_model()
+    hf.transformer.save_pretrained(tmp_path)  # GPT2Model: keys without "transformer."
+    assert _same_logits(load_model(tmp_path), hf) < ATOL
+
+
+def test_hf_dir_pytorch_bin_with_mask_buffers(tmp_path):
+    hf = random_hf_model()
+    hf.config.save_pretrained(tmp_path)
+    sd = dict(hf.state_dict())
+    for i in range(TINY.n_layer):  # what older transformers versions wrote
+        sd[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 64, 64))
+        sd[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    assert _same_logits(load_model(tmp_path), hf) < ATOL
+
+
+def test_hf_dir_sharded_safetensors(tmp_path):
+    hf = random_hf_model()
+    hf.save_pretrained(tmp_path, max_shard_size="60KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    assert _same_logits(load_model(tmp_path), hf) < ATOL
+
+
+def test_dtype_and_eval_mode(tmp_path):
+    random_hf_model().save_pretrained(tmp_path)
+    m = load_model(tmp_path, dtype="bfloat16")
+    assert not m.training
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="unknown dtype 'int7'"):
+        load_model(tmp_path, dtype="int7")
+
+
+# --- strictness -----------------------------------------------------------------------------
+
+def _rewrite_safetensors(path: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(path / "model.safetensors")
+    edit(sd)
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda sd: sd.pop("transformer.h.1.mlp.c_fc.weight"), "missing tensor.*h.1.mlp.c_fc.weight"),
+    (lambda sd: sd.__setitem__("transformer.h.0.attn.extra", torch.zeros(3)), "unexpected.*h.0.attn.extra"),
+    (lambda sd: sd.__setitem__("transformer.ln_f.weight", torch.ones(31)), r"ln_f.weight has shape \(31,\)"),
+    (lambda sd: sd.__setitem__("lm_head.weight", torch.zeros(1000, 32)), "lm_head.weight differs"),
+])
+def test_strict_loading_names_the_tensor(tmp_path, edit, needle):
+    random_hf_model().save_pretrained(tmp_path)
+    _rewrite_safetensors(tmp_path, edit)
+    with pytest.raises(CheckpointError, match=needle):
+        load_model(tmp_path)
+
+
+def test_truncated_safetensors_names_the_file(tmp_path):
+    random_hf_model().save_pretrained(tmp_path)
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_model(tmp_path)
+
+
+def test_corrupt_pytorch_bin_and_missing_pieces(tmp_path):
+    hf = random_hf_model()
+    hf.config.save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not a zip file at all")
+    with pytest.raises(CheckpointError, match="pytorch_model.bin"):
+        load_model(tmp_path)
+    (tmp_path / "pytorch_model.bin").unlink()
+    with pytest.raises(CheckpointError, match="no weights found"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="not a GPT-2 checkpoint directory"):
+        load_model(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        load_model(tmp_path / "nope")
+
+
+# --- saving ---------------------------------------------------------------------------------
+
+def test_saved_dir_loads_in_transformers_with_identical_logits(tmp_path):
+    from transformers import GPT2LMHeadModel, GPT2TokenizerFast
+
+    ours = load_model(FIXTURE_TF)
+    save_model(ours, tmp_path)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json"} <= names
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert _same_logits(ours, hf) < ATOL
+    tok = GPT2TokenizerFast.from_pretrained(tmp_path)
+    assert tok.encode("Hello world") == [15496, 995]
+    again = load_model(tmp_path)
+    for k, v in ours.state_dict().items():
+        assert torch.equal(v, again.state_dict()[k]), k
+
+
+def test_saving_drops_padded_vocab_rows(tmp_path):
+    from gpt2kit.model import GPT2
+
+    model = GPT2(TINY.replace(n_vocab_padded=1024)).eval()
+    save_model(model, tmp_path)
+    again = load_model(tmp_path)
+    assert again.wte.weight.shape == (1000, 32)
+    assert torch.equal(again.wte.weight, model.wte.weight[:1000])
+
+
+# --- OpenAI's TF release --------------------------------------------------------------------
+
+def test_openai_tf_fixture_equals_same_weights_in_hf_layout():
+    """Build the HF model from the reference arrays TF wrote (independent of our key map)."""
+    from transformers import GPT2LMHeadModel
+
+    from conftest import hf_config
+
+    ref = np.load(FIXTURE_TF / "reference.npz")
+    hp = json.loads((FIXTURE_TF / "hparams.json").read_text())
+    cfg = GPT2Config.from_openai(hp)
+    hf = GPT2LMHeadModel(hf_config(cfg)).eval()
+    sd = {"transformer.wte.weight": ref["model/wte"], "transformer.wpe.weight": ref["model/wpe"],
+          "transformer.ln_f.weight": ref["model/ln_f/g"], "transformer.ln_f.bias": ref["model/ln_f/b"]}
+    for i in range(cfg.n_layer):
+        for mod in ("ln_1", "ln_2"):
+            sd[f"transformer.h.{i}.{mod}.weight"] = ref[f"model/h{i}/{mod}/g"]
+            sd[f"transformer.h.{i}.{mod}.bias"] = ref[f"model/h{i}/{mod}/b"]
+        for mod in ("attn/c_attn", "attn/c_proj", "mlp/c_fc", "mlp/c_proj"):
+            dotted = mod.replace("/", ".")
+            sd[f"transformer.h.{i}.{dotted}.weight"] = ref[f"model/h{i}/{mod}/w"][0]  # Conv1D keeps (in, out)
+            sd[f"transformer.h.{i}.{dotted}.bias"] = ref[f"model/h{i}/{mod}/b"]
+    hf.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in sd.items()}, strict=False)
+    hf.tie_weights()
+    ours = load_model(FIXTURE_TF)
+    assert ours.config == cfg
+    assert _same_logits(ours, hf, _ids(cfg.n_vocab, cfg.n_ctx)) < ATOL
+
+
+def test_openai_dir_tokenizer_files_win(tmp_path):
+    d = tmp_path / "124M"
+    shutil.copytree(FIXTURE_TF, d)
+    assert load_tokenizer(d).encode("Hello world") == [15496, 995]  # packaged files
+    pkg = Path(__file__).parents[1] / "src" / "gpt2kit" / "data"
+    (d / "vocab.bpe").write_text((pkg / "vocab.bpe").read_text(encoding="utf-8"), encoding="utf-8")
+    (d / "encoder.json").write_text("{broken", encoding="utf-8")
+    with pytest.raises(ValueError, match="encoder.json"):
+        load_tokenizer(d)
+
+
+def test_openai_dir_missing_or_truncated_data(tmp_path):
+    d = tmp_path / "124M"
+    shutil.copytree(FIXTURE_TF, d)
+    data = d / "model.ckpt.data-00000-of-00001"
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="model.ckpt.data"):
+        load_model(d)
+    data.unlink()
+    with pytest.raises(CheckpointError, match="model.ckpt.data"):
+        load_model(d)
+
+
+def test_describe_reports_config_and_counts():
+    info = describe(FIXTURE_TF)
+    assert info["source"] == "openai-tf"
+    assert info["config"]["n_layer"] == 2
+    ours = load_model(FIXTURE_TF)
+    assert info["parameters"] == ours.num_parameters() == 59520
+
+
+# --- the hub, through a pre-populated local cache --------------------------------------------
+
+def _populate_hub_cache(cache: Path, repo: str, src: Path) -> None:
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = cache / ("models--" + repo.replace("/", "--"))
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    shutil.copytree(src, repo_dir / "snapshots" / commit)
+
+
+def test_hub_id_from_local_cache_offline(tmp_path, monkeypatch):
+    hf = random_hf_model()
+    hf.save_pretrained(tmp_path / "src")
+    _populate_hub_cache(tmp_path / "hub", "openai-community/gpt2-tiny-test", tmp_path / "src")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = load_model("openai-community/gpt2-tiny-test")
+    assert _same_logits(model, hf) < ATOL
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache.*HF_HUB_OFFLINE"):
+        load_model("openai-community/not-cached")
+
+
+def test_hf_home_is_honoured(tmp_path, monkeypatch):
+    hf = random_hf_model()
+    hf.save_pretrained(tmp_path / "src")
+    _populate_hub_cache(tmp_path / "home" / "hub", "gpt2-tiny-test", tmp_path / "src")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert _same_logits(load_model("gpt2-tiny-test"), hf) < ATOL
+
+
+# --- real weights: only when they are already cached -----------------------------------------
+
+def _real_gpt2_cached() -> bool:
+    from gpt2kit.checkpoint.hub import hub_cache_dir
+
+    hub = Path(hub_cache_dir())
+    return any((hub / d / "snapshots").is_dir() for d in ("models--gpt2", "models--openai-community--gpt2"))
+
+
+@pytest.mark.skipif(not _real_gpt2_cached(), reason="the real gpt2 weights are not in the local HF cache")
+def test_golden_greedy_continuation_of_the_dog(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    name = "openai-community/gpt2" if os.path.isdir(
+        Path(__import__("gpt2kit.checkpoint.hub", fromlist=["x"]).hub_cache_dir())
+        / "models--openai-community--gpt2") else "gpt2"
+    model = load_model(name)
+    assert model.num_parameters() == 124_439_808
+    ids = torch.tensor([[464, 3290]])
+    with torch.no_grad():
+        for _ in range(18):
+            nxt = model(ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], 1)
+    assert ids[0].tolist() == [464, 3290, 373, 1043, 287, 257, 2214, 1474, 262, 16246, 286, 2688, 290, 2688,
+                               27262, 13, 198, 198, 464, 3290]
