@@ -1,0 +1,110 @@
+"""The core CLI subcommands (tokenize, score, convert, info) and its error handling."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_model
+
+from gpt2kit.checkpoint import load_model, save_model
+from gpt2kit.cli import main
+from gpt2kit.config import GPT2Config
+from gpt2kit.score import score_text
+from gpt2kit.tokenizer import Tokenizer
+
+FIXTURE_TF = Path(__file__).parent / "fixtures" / "openai_tf_tiny"
+CFG = GPT2Config(n_vocab=50257, n_ctx=64, n_embd=16, n_head=2, n_layer=2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("model")
+    save_model(random_model(CFG, seed=5), d)
+    return d
+
+
+def run(capsys, argv, stdin: str | None = None, monkeypatch=None):
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_tokenize_stdin_json_count(capsys, monkeypatch, tmp_path):
+    assert run(capsys, ["tokenize"], "Hello world", monkeypatch)[1].strip() == "15496 995"
+    assert json.loads(run(capsys, ["tokenize", "--json"], "Hello world", monkeypatch)[1]) == {"tokens": [15496, 995]}
+    f = tmp_path / "t.txt"
+    f.write_text("The quick brown fox jumps over the lazy dog.", encoding="utf-8")
+    assert run(capsys, ["tokenize", "--count", str(f)])[1].strip() == "10"
+    special = run(capsys, ["tokenize", "--json", "--allow-special"], "a<|endoftext|>", monkeypatch)[1]
+    assert json.loads(special)["tokens"][-1] == 50256
+
+
+def test_score_json_matches_library(capsys, monkeypatch, model_dir):
+    text = "The capital of France is Paris. " * 5
+    code, out, err = run(capsys, ["score", "--model", str(model_dir), "--json"], text, monkeypatch)
+    assert code == 0, err
+    got = json.loads(out)
+    ref = score_text(load_model(model_dir), Tokenizer.default(), text)
+    assert got["tokens"] == ref.tokens
+    assert max(abs(a - b) for a, b in zip(got["logprobs"], ref.logprobs)) < 1e-6
+    assert abs(got["nll"] - ref.nll) < 1e-6 and abs(got["ppl"] - ref.ppl) < 1e-4
+    code, out, _ = run(capsys, ["score", "--model", str(model_dir), "--stride", "16"], text, monkeypatch)
+    assert code == 0 and "perplexity" in out and "bits/byte" in out
+
+
+def test_convert_and_info(capsys, tmp_path):
+    code, out, err = run(capsys, ["convert", str(FIXTURE_TF), str(tmp_path / "hf")])
+    assert code == 0, err
+    a, b = load_model(FIXTURE_TF), load_model(tmp_path / "hf")
+    x = torch.randint(0, 1000, (1, 10))
+    with torch.no_grad():
+        assert torch.equal(a(x).logits, b(x).logits)
+    code, out, _ = run(capsys, ["info", str(tmp_path / "hf")])
+    assert code == 0 and "parameters: 59,520" in out and "model.safetensors" in out
+    info = json.loads(run(capsys, ["info", "--json", str(FIXTURE_TF)])[1])
+    assert info["source"] == "openai-tf" and info["config"]["n_embd"] == 32
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["info", "/nonexistent/model"], "no such directory"),
+    (["score", "--model", "openai-community/not-cached-anywhere", "/dev/null"], "not in the local Hugging Face cache"),
+    (["tokenize", "/nonexistent.txt"], "no such file"),
+    (["score", "--model", str(FIXTURE_TF), "--dtype", "int3", "/dev/null"], "unknown dtype"),
+])
+def test_errors_are_one_line_without_traceback(capsys, monkeypatch, argv, needle):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, out, err = run(capsys, argv)
+    assert code == 1
+    assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_corrupt_checkpoint_one_line(capsys, tmp_path, model_dir):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    (d / "model.safetensors").write_bytes(b"\x00" * 100)
+    code, _, err = run(capsys, ["info", str(d)])
+    assert code == 1 and "model.safetensors" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_flag_exits_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["tokenize", "--frobnicate"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--frobnicate" in err and len(err.strip().splitlines()) == 1
+
+
+def test_debug_shows_traceback():
+    proc = subprocess.run([sys.executable, "-m", "gpt2kit", "info", "/nonexistent/model", "--debug"],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
