@@ -153,9 +153,8 @@ def test_saving_drops_padded_vocab_rows(tmp_path):
 
 def test_openai_tf_fixture_equals_same_weights_in_hf_layout():
     """Build the HF model from the reference arrays TF wrote (independent of our key map)."""
-    from transformers import GPT2LMHeadModel
-
     from conftest import hf_config
+    from transformers import GPT2LMHeadModel
 
     ref = np.load(FIXTURE_TF / "reference.npz")
     hp = json.loads((FIXTURE_TF / "hparams.json").read_text())

@@ -54,7 +54,7 @@ def test_score_json_matches_library(capsys, monkeypatch, model_dir):
     got = json.loads(out)
     ref = score_text(load_model(model_dir), Tokenizer.default(), text)
     assert got["tokens"] == ref.tokens
-    assert max(abs(a - b) for a, b in zip(got["logprobs"], ref.logprobs)) < 1e-6
+    assert max(abs(a - b) for a, b in zip(got["logprobs"], ref.logprobs, strict=True)) < 1e-6
     assert abs(got["nll"] - ref.nll) < 1e-6 and abs(got["ppl"] - ref.ppl) < 1e-4
     code, out, _ = run(capsys, ["score", "--model", str(model_dir), "--stride", "16"], text, monkeypatch)
     assert code == 0 and "perplexity" in out and "bits/byte" in out
