@@ -1,0 +1,524 @@
+"""Token shards for training, in llm.c's GPT-2 shard format.
+
+A shard is a 1024-byte header of 256 little-endian int32 (magic 20240520, version 1, token count,
+then zeros) followed by the tokens as little-endian uint16. This is what llm.c's dev/data scripts
+and modded-nanogpt write for FineWeb, so their shards load here and ours load there.
+
+    prepare(["corpus/"], "shards/")          # text/.jsonl -> val_000000.bin, train_000000.bin, ...
+    loader = ShardLoader("shards/", "train", batch_size=8, seq_len=1024, rank=r, world_size=W)
+    x, y = loader.next_batch()               # (B, T) int64, y is x shifted left by one
+
+Legend: B batch size, T sequence length, W world size (number of data-parallel ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import multiprocessing as mp
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import numpy as np
+from tqdm import tqdm
+
+if TYPE_CHECKING:
+    import torch
+
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+TOKEN_DTYPE = np.dtype("<u2")
+MAX_SHARD_TOKENS = 2**31 - 1  # the count lives in an int32
+
+
+class ShardError(ValueError):
+    """A file is not a valid llm.c GPT-2 token shard."""
+
+
+# ---------------------------------------------------------------------------------------------
+# one shard: write, validate, read
+
+
+def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write via a temporary file in the same directory, then os.replace: readers never see half a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int]) -> None:
+    """Write `tokens` (1-D, each in [0, 65536)) as an llm.c shard at `path`, atomically."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.size > MAX_SHARD_TOKENS:
+        raise ValueError(f"a shard holds at most {MAX_SHARD_TOKENS} tokens, got {arr.size}")
+    if arr.size:
+        bad = np.flatnonzero((arr < 0) | (arr >= 2**16))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"token {int(arr[i])} at index {i} does not fit a uint16 shard (need 0 <= token < 65536)")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (MAGIC, VERSION, arr.size)
+    payload = arr.astype(TOKEN_DTYPE, copy=False)
+
+    def write(f: IO[bytes]) -> None:
+        f.write(header.tobytes())
+        f.write(payload.tobytes())
+
+    _atomic_write(Path(path), write)
+
+
+def _shard_token_count(path: Path) -> int:
+    """Validate the header and length of the shard at `path` and return its token count."""
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise ShardError(f"{path}: not a token shard: expected at least {HEADER_BYTES} header bytes, found {size}")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    magic, version, count = (int(v) for v in header[:3])
+    if magic != MAGIC:
+        raise ShardError(f"{path}: bad magic number: expected {MAGIC}, found {magic}")
+    if version != VERSION:
+        raise ShardError(
+            f"{path}: unsupported shard version: expected {VERSION} (GPT-2, uint16 tokens), found {version}"
+        )
+    expected = HEADER_BYTES + 2 * count
+    if count < 0 or size != expected:
+        raise ShardError(
+            f"{path}: file length does not match the header's token count {count}: "
+            f"expected {expected} bytes, found {size}"
+        )
+    return count
+
+
+def read_shard(path: str | os.PathLike) -> np.ndarray:
+    """Return the tokens of the shard at `path` as a read-only uint16 memmap (header validated)."""
+    path = Path(path)
+    count = _shard_token_count(path)
+    if count == 0:  # mmap cannot map zero bytes
+        return np.empty(0, dtype=TOKEN_DTYPE)
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def find_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
+    """The shards of `split` in `data_dir`, sorted by name.
+
+    Matches our names (train_000000.bin) and llm.c's prefixed ones (fineweb_train_000001.bin).
+    """
+    data_dir = Path(data_dir)
+    pattern = re.compile(rf"(?:.*_)?{re.escape(split)}_\d+\.bin")
+    shards = sorted(p for p in data_dir.glob(f"*{split}_*.bin") if pattern.fullmatch(p.name))
+    if not shards:
+        raise ValueError(f"no {split!r} shards in {data_dir} (looked for files named like '{split}_000000.bin')")
+    return shards
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare: text and .jsonl documents -> shards
+
+_TOKENIZER: Any = None  # per worker process, set by _init_worker
+
+
+def _init_worker() -> None:
+    global _TOKENIZER
+    from gpt2kit.tokenizer import Tokenizer
+
+    _TOKENIZER = Tokenizer.default()
+
+
+def _decode(raw: bytes) -> tuple[str, bool]:
+    """UTF-8 (a leading BOM dropped); undecodable bytes become U+FFFD. Returns (text, replaced)."""
+    try:
+        return raw.decode("utf-8-sig"), False
+    except UnicodeDecodeError:
+        return raw.decode("utf-8-sig", errors="replace"), True
+
+
+# A task is one document: (path, line number, raw line) for a .jsonl line, (path, 0, None) for a
+# text file, which the worker reads itself so that big files are not piped through the parent.
+_Task = tuple[str, int, bytes | None]
+
+
+def _jsonl_text(raw: bytes, path: str, lineno: int) -> tuple[str, bool]:
+    line, replaced = _decode(raw)
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}, line {lineno}: invalid JSON: {e}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+        found = f"keys {sorted(obj)}" if isinstance(obj, dict) else type(obj).__name__
+        raise ValueError(f'{path}, line {lineno}: expected an object with a string "text" field, found {found}')
+    return obj["text"], replaced
+
+
+def _tokenize_doc(task: _Task) -> tuple[np.ndarray, str | None]:
+    """One document -> ([eot, *tokens] as uint16, its path if undecodable bytes were replaced)."""
+    path, lineno, raw = task
+    if raw is None:
+        text, replaced = _decode(Path(path).read_bytes())
+    else:
+        text, replaced = _jsonl_text(raw, path, lineno)
+    ids = _TOKENIZER.encode(text)
+    out = np.empty(len(ids) + 1, dtype=np.uint16)
+    out[0] = _TOKENIZER.eot_token
+    out[1:] = ids
+    return out, path if replaced else None
+
+
+def _is_jsonl(path: Path) -> bool:
+    return path.suffix.lower() == ".jsonl"
+
+
+def _collect_files(inputs: Iterable[str | os.PathLike], glob: str, exclude: Path) -> list[Path]:
+    """Input files (directories expanded recursively by `glob`), deduplicated, sorted by path string."""
+    found: dict[str, Path] = {}
+    for item in inputs:
+        p = Path(os.path.abspath(item))
+        if p.is_dir():
+            candidates = [f for f in p.rglob(glob) if f.is_file()]
+        elif p.is_file():
+            candidates = [p]
+        else:
+            raise FileNotFoundError(f"input {item} does not exist")
+        for f in candidates:
+            if exclude not in f.parents:  # never read our own output back
+                found[str(f)] = f
+    return [found[k] for k in sorted(found)]
+
+
+def _count_jsonl_docs(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _tasks(files: list[Path]) -> Iterator[_Task]:
+    for path in files:
+        if not _is_jsonl(path):
+            yield str(path), 0, None
+            continue
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, start=1):
+                if line.strip():
+                    yield str(path), lineno, line
+
+
+class _ShardWriter:
+    """Packs documents back to back into shards of exactly `shard_size` tokens (the last one shorter)."""
+
+    def __init__(self, out_dir: Path, shard_size: int):
+        self.out_dir = out_dir
+        self.buf = np.empty(shard_size, dtype=np.uint16)
+        self.fill = 0
+        self.split = "val"
+        self.shards: dict[str, list[Path]] = {"train": [], "val": []}
+        self.tokens = {"train": 0, "val": 0}
+
+    def add(self, tokens: np.ndarray) -> None:
+        self.tokens[self.split] += tokens.size
+        while tokens.size:
+            n = min(tokens.size, self.buf.size - self.fill)
+            self.buf[self.fill : self.fill + n] = tokens[:n]
+            self.fill += n
+            tokens = tokens[n:]
+            if self.fill == self.buf.size:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.fill:
+            path = self.out_dir / f"{self.split}_{len(self.shards[self.split]):06d}.bin"
+            write_shard(path, self.buf[: self.fill])
+            self.shards[self.split].append(path)
+            self.fill = 0
+
+    def start_train(self) -> None:
+        self.flush()
+        self.split = "train"
+
+    def remove_all(self) -> None:
+        for path in self.shards["train"] + self.shards["val"]:
+            path.unlink(missing_ok=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareSummary:
+    """What prepare() wrote; also saved as out_dir/prepare.json (shard paths relative to out_dir)."""
+
+    out_dir: Path
+    documents: int
+    val_documents: int
+    train_tokens: int  # eot separators included
+    val_tokens: int
+    train_shards: list[Path]
+    val_shards: list[Path]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": {"magic": MAGIC, "version": VERSION, "dtype": "uint16", "tokenizer": "gpt2"},
+            "documents": self.documents,
+            "val_documents": self.val_documents,
+            "train_tokens": self.train_tokens,
+            "val_tokens": self.val_tokens,
+            "train_shards": [p.name for p in self.train_shards],
+            "val_shards": [p.name for p in self.val_shards],
+        }
+
+
+def _val_documents(val_fraction: float, n_docs: int) -> int:
+    if val_fraction == 0 or n_docs < 2:
+        return 0
+    # round() first so that e.g. 0.0005 * 2000 = 1.0000000000000002 does not ceil to 2
+    return min(max(1, math.ceil(round(val_fraction * n_docs, 9))), n_docs - 1)
+
+
+def _existing_shards(out_dir: Path) -> list[Path]:
+    pattern = re.compile(r"(train|val)_\d{6}\.bin")
+    return sorted(p for p in out_dir.glob("*.bin") if pattern.fullmatch(p.name))
+
+
+def prepare(
+    inputs: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    *,
+    val_fraction: float = 0.0005,
+    glob: str = "*.txt",
+    workers: int | None = None,
+    shard_size: int = 100_000_000,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> PrepareSummary:
+    """Tokenize text files, directories and .jsonl files into GPT-2 shards in `out_dir`.
+
+    Documents: each text file is one document; each non-blank line of a .jsonl file is one (an
+    object with a string "text" field). Directories are searched recursively for `glob`; files
+    named directly are used whatever their name. Files are read as UTF-8 with undecodable bytes
+    replaced (one UnicodeWarning per such file).
+
+    Order and split: documents come in order of their absolute path string, .jsonl lines in file
+    order. The validation split is the first ceil(val_fraction * documents) of them (at least one
+    when val_fraction > 0 and there are two or more documents; never all of them), the rest is
+    train. The default 0.0005 keeps 1 document in 2000 for validation.
+
+    Tokens: every document is preceded by <|endoftext|> (50256), as in llm.c, and documents are
+    packed back to back into shards of `shard_size` tokens named val_000000.bin, train_000000.bin,
+    train_000001.bin, ... (a document may span two shards). Tokenization runs in a pool of
+    `workers` processes (default os.cpu_count(); 1 runs in this process) started with "spawn";
+    the output does not depend on the number of workers.
+
+    Raises ValueError for an empty corpus or a malformed .jsonl line (naming file and line),
+    FileNotFoundError for a missing input, FileExistsError when `out_dir` already holds shards
+    (unless overwrite=True, which deletes them first).
+    """
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if not 1 <= shard_size <= MAX_SHARD_TOKENS:
+        raise ValueError(f"shard_size must be in [1, {MAX_SHARD_TOKENS}], got {shard_size}")
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    out = Path(os.path.abspath(out_dir))
+
+    files = _collect_files(inputs, glob, exclude=out)
+    n_docs = sum(_count_jsonl_docs(f) if _is_jsonl(f) else 1 for f in files)
+    if n_docs == 0:
+        names = ", ".join(str(i) for i in inputs) or "(no inputs)"
+        raise ValueError(
+            f"empty corpus: found {len(files)} files and no documents in {names} "
+            f"(directories are searched for {glob!r}; .jsonl files need non-blank lines)"
+        )
+    n_val = _val_documents(val_fraction, n_docs)
+
+    out.mkdir(parents=True, exist_ok=True)
+    stale = _existing_shards(out)
+    if stale and not overwrite:
+        raise FileExistsError(f"{out} already holds shards ({stale[0].name}, ...); pass overwrite=True")
+    for p in stale:
+        p.unlink()
+
+    writer = _ShardWriter(out, shard_size)
+    try:
+        text_tokens = _tokenize_into(writer, files, n_docs, n_val, workers, progress)
+        writer.flush()
+        if text_tokens == 0:
+            names = ", ".join(str(i) for i in inputs)
+            raise ValueError(f"empty corpus: the {n_docs} documents in {names} hold no text")
+    except BaseException:
+        writer.remove_all()
+        raise
+
+    summary = PrepareSummary(
+        out_dir=out,
+        documents=n_docs,
+        val_documents=n_val,
+        train_tokens=writer.tokens["train"],
+        val_tokens=writer.tokens["val"],
+        train_shards=writer.shards["train"],
+        val_shards=writer.shards["val"],
+    )
+    record = summary.to_dict() | {
+        "inputs": [str(i) for i in inputs],
+        "glob": glob,
+        "val_fraction": val_fraction,
+        "shard_size": shard_size,
+    }
+    _atomic_write(out / "prepare.json", lambda f: f.write(json.dumps(record, indent=2).encode() + b"\n"))
+    return summary
+
+
+def _tokenize_into(
+    writer: _ShardWriter, files: list[Path], n_docs: int, n_val: int, workers: int, progress: bool
+) -> int:
+    """Tokenize every document into `writer`; returns the number of tokens excluding separators."""
+    warned: set[str] = set()
+    text_tokens = 0
+    if workers == 1:
+        _init_worker()
+        pool = None
+        results: Iterable[tuple[np.ndarray, str | None]] = map(_tokenize_doc, _tasks(files))
+    else:
+        # spawn, not fork: forking a parent that runs torch's threads can deadlock the children
+        pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker)
+        results = pool.imap(_tokenize_doc, _tasks(files), chunksize=16)
+    try:
+        with tqdm(total=n_docs, unit="doc", desc="tokenizing", disable=not progress) as bar:
+            for i, (tokens, replaced_in) in enumerate(results):
+                if replaced_in is not None and replaced_in not in warned:
+                    warned.add(replaced_in)
+                    msg = f"{replaced_in}: invalid UTF-8 bytes were replaced with U+FFFD"
+                    warnings.warn(msg, UnicodeWarning, stacklevel=3)
+                if i == n_val:
+                    writer.start_train()
+                writer.add(tokens)
+                text_tokens += tokens.size - 1
+                bar.update()
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    return text_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# loading batches
+
+
+class ShardLoader:
+    """Endless (x, y) batches from shards, split across data-parallel ranks as in llm.c/nanoGPT.
+
+    Each step covers a window of W*B*T + 1 tokens starting at `position` in the current shard;
+    rank r reads the r-th B*T (+1) slice of it, so ranks 0..W-1 stacked give exactly the batch
+    one process with batch size W*B would get. Then position advances by W*B*T; when the next
+    window does not fit, the loader moves to the next shard, and after the last shard wraps to
+    the first and increments `epoch`. The tail of a shard that does not fill a window is skipped.
+
+    The state (shard, position, epoch) is the same on every rank, so one rank's state_dict()
+    resumes all of them exactly.
+    """
+
+    def __init__(
+        self,
+        data_dir_or_files: str | os.PathLike | Sequence[str | os.PathLike],
+        split: str = "train",
+        *,
+        batch_size: int,
+        seq_len: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if isinstance(data_dir_or_files, (str, os.PathLike)):
+            p = Path(data_dir_or_files)
+            self.files = find_shards(p, split) if p.is_dir() else [p]
+        else:
+            self.files = [Path(f) for f in data_dir_or_files]
+            if not self.files:
+                raise ValueError("ShardLoader needs at least one shard file")
+        self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
+        self.window = world_size * batch_size * seq_len + 1
+        self.counts = [_shard_token_count(f) for f in self.files]
+        for f, n in zip(self.files, self.counts, strict=True):
+            if n < self.window:
+                raise ValueError(
+                    f"{f}: shard has {n} tokens, fewer than the {self.window} one step needs "
+                    f"(world_size {world_size} * batch_size {batch_size} * seq_len {seq_len} + 1)"
+                )
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the start of the first shard, epoch 0."""
+        self._set(shard=0, position=0, epoch=0)
+
+    def _set(self, shard: int, position: int, epoch: int) -> None:
+        self.shard, self.position, self.epoch = shard, position, epoch
+        self._tokens = read_shard(self.files[shard])  # only the current shard stays mapped
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (x, y), int64 tensors of shape (B, T) on the CPU; y[b, t] == x[b, t + 1] in the stream."""
+        import torch
+
+        BT = self.B * self.T
+        start = self.position + self.rank * BT
+        buf = torch.from_numpy(self._tokens[start : start + BT + 1].astype(np.int64))  # (B*T + 1,)
+        x = buf[:-1].view(self.B, self.T)  # (B, T)
+        y = buf[1:].view(self.B, self.T)  # (B, T)
+        self._advance(self.position + self.world_size * BT)
+        return x, y
+
+    def _advance(self, position: int) -> None:
+        if position + self.window <= self.counts[self.shard]:
+            self.position = position
+        elif self.shard + 1 < len(self.files):
+            self._set(self.shard + 1, 0, self.epoch)
+        else:
+            self._set(0, 0, self.epoch + 1)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "shard": self.shard,
+            "position": self.position,
+            "epoch": self.epoch,
+            "shard_name": self.files[self.shard].name,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from state_dict(); with the same shards and B, T, W the next batches are identical."""
+        shard, position, epoch = int(state["shard"]), int(state["position"]), int(state["epoch"])
+        if not 0 <= shard < len(self.files):
+            raise ValueError(f"state names shard {shard}, but the loader has {len(self.files)} shards")
+        name = state.get("shard_name")
+        if name is not None and name != self.files[shard].name:
+            raise ValueError(
+                f"state was saved at shard {shard} = {name}, but here shard {shard} is {self.files[shard].name}"
+            )
+        if not 0 <= position <= self.counts[shard]:
+            raise ValueError(
+                f"state position {position} is outside shard {self.files[shard]} ({self.counts[shard]} tokens)"
+            )
+        self._set(shard, position, epoch)
+        if position + self.window > self.counts[shard]:  # saved with a smaller window: move on as usual
+            self._advance(position)

@@ -1,0 +1,289 @@
+"""Token shards: llm.c's byte format, prepare() against tiktoken's GPT-2 encoding, the batch loader."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2kit.data import (
+    PrepareSummary,
+    ShardError,
+    ShardLoader,
+    find_shards,
+    prepare,
+    read_shard,
+    write_shard,
+)
+
+EOT = 50256
+
+
+@pytest.fixture(scope="module")
+def reference_gpt2():
+    """tiktoken's own GPT-2 encoding, built from the packaged vocab files (no network)."""
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    data = importlib.resources.files("gpt2kit") / "data"
+    with (
+        importlib.resources.as_file(data / "vocab.bpe") as merges,
+        importlib.resources.as_file(data / "encoder.json") as vocab,
+    ):
+        ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(merges), encoder_json_file=str(vocab))
+    return tiktoken.Encoding(
+        "gpt2-reference",
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": EOT},
+        explicit_n_vocab=50257,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the shard format
+
+
+def test_header_and_tokens_are_llm_c_bytes(tmp_path):
+    tokens = [0, 1, 50256, 65535, 300]
+    path = tmp_path / "s.bin"
+    write_shard(path, tokens)
+    raw = path.read_bytes()
+    assert len(raw) == 1024 + 2 * len(tokens)
+    assert struct.unpack("<3i", raw[:12]) == (20240520, 1, len(tokens))
+    assert np.frombuffer(raw[12:1024], dtype="<i4").tolist() == [0] * 253
+    assert np.frombuffer(raw[1024:], dtype="<u2").tolist() == tokens
+    assert [p.name for p in tmp_path.iterdir()] == ["s.bin"]  # no temp file left behind
+
+
+def test_roundtrip(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 2**16, size=10_001, dtype=np.int64)
+    write_shard(tmp_path / "a.bin", tokens)
+    back = read_shard(tmp_path / "a.bin")
+    assert back.dtype == np.uint16
+    np.testing.assert_array_equal(back, tokens)
+    write_shard(tmp_path / "empty.bin", [])
+    assert read_shard(tmp_path / "empty.bin").size == 0
+
+
+@pytest.mark.parametrize("bad", [65536, -1, 70000])
+def test_write_rejects_tokens_outside_uint16(tmp_path, bad):
+    with pytest.raises(ValueError, match=str(bad)):
+        write_shard(tmp_path / "s.bin", [1, 2, bad])
+    assert list(tmp_path.iterdir()) == []
+
+
+def _raw_shard(magic=20240520, version=1, count=3, n_tokens=3):
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = (magic, version, count)
+    return header.tobytes() + np.arange(n_tokens, dtype="<u2").tobytes()
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected", "found"),
+    [
+        (_raw_shard(magic=12345), "20240520", "12345"),
+        (_raw_shard(version=2), "1", "2"),
+        (_raw_shard(count=3, n_tokens=2), "1030", "1028"),  # truncated: 1024 + 2*3 bytes expected
+        (_raw_shard(count=3, n_tokens=4), "1030", "1032"),
+        (b"\x00" * 100, "1024", "100"),
+    ],
+    ids=["magic", "version", "truncated", "too-long", "too-short"],
+)
+def test_bad_shards_raise_shard_error(tmp_path, raw, expected, found):
+    path = tmp_path / "broken_shard.bin"
+    path.write_bytes(raw)
+    with pytest.raises(ShardError, match=rf"broken_shard\.bin.*expected[^,]*{expected}.*found {found}"):
+        read_shard(path)
+    assert issubclass(ShardError, ValueError)
+
+
+def test_find_shards_sorted_and_llm_c_names(tmp_path):
+    for name in ["train_000010.bin", "train_000002.bin", "val_000000.bin", "notes.bin", "train_x.bin"]:
+        write_shard(tmp_path / name, [1])
+    assert [p.name for p in find_shards(tmp_path, "train")] == ["train_000002.bin", "train_000010.bin"]
+    assert [p.name for p in find_shards(tmp_path, "val")] == ["val_000000.bin"]
+    other = tmp_path / "fineweb10B"
+    other.mkdir()
+    write_shard(other / "fineweb_train_000001.bin", [1])
+    assert [p.name for p in find_shards(other, "train")] == ["fineweb_train_000001.bin"]
+    with pytest.raises(ValueError, match=r"fineweb10B.*val_000000\.bin"):
+        find_shards(other, "val")
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare
+
+
+def _make_corpus(root):
+    """Files and, in documented order (absolute path string; .jsonl lines in order), their texts."""
+    corpus = root / "corpus"
+    (corpus / "sub" / "deeper").mkdir(parents=True)
+    (corpus / "a.txt").write_text("Hello world.\nThis is a test of the shard writer.", encoding="utf-8")
+    (corpus / "bad.txt").write_bytes(b"valid text \xff\xfe then more")
+    (corpus / "sub" / "b.txt").write_text("naïve café — 日本語 <|endoftext|> stays plain text", encoding="utf-8")
+    (corpus / "sub" / "deeper" / "c.txt").write_text("  indented\n\n\ttabs and   spaces  ", encoding="utf-8")
+    (corpus / "skip.md").write_text("not matched by the glob", encoding="utf-8")
+    lines = [{"text": "first json document"}, {"id": 7, "text": "second, with 123 numbers"}, {"text": ""}]
+    jsonl = root / "docs.jsonl"
+    jsonl.write_text("\n".join(json.dumps(o) for o in lines[:2]) + "\n\n" + json.dumps(lines[2]) + "\n")
+    texts = [
+        (corpus / "a.txt").read_text(encoding="utf-8"),
+        b"valid text \xff\xfe then more".decode("utf-8", errors="replace"),
+        (corpus / "sub" / "b.txt").read_text(encoding="utf-8"),
+        (corpus / "sub" / "deeper" / "c.txt").read_text(encoding="utf-8"),
+        "first json document",
+        "second, with 123 numbers",
+        "",
+    ]
+    return [corpus, jsonl], texts
+
+
+def _concat(paths):
+    return np.concatenate([read_shard(p) for p in paths]).tolist()
+
+
+def test_prepare_matches_tiktoken_and_is_worker_independent(tmp_path, reference_gpt2):
+    inputs, texts = _make_corpus(tmp_path)
+    docs = [[EOT] + reference_gpt2.encode_ordinary(t) for t in texts]
+    n_val = 3  # ceil(0.3 * 7 documents)
+    expected_val = [t for d in docs[:n_val] for t in d]
+    expected_train = [t for d in docs[n_val:] for t in d]
+
+    runs = {}
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}"
+        with pytest.warns(UnicodeWarning, match=r"bad\.txt") as record:
+            s = prepare(inputs, out, val_fraction=0.3, workers=workers, shard_size=16, progress=False)
+        assert sum("bad.txt" in str(w.message) for w in record) == 1
+        assert isinstance(s, PrepareSummary)
+        assert (s.documents, s.val_documents) == (7, n_val)
+        assert _concat(s.val_shards) == expected_val
+        assert _concat(s.train_shards) == expected_train
+        assert (s.val_tokens, s.train_tokens) == (len(expected_val), len(expected_train))
+        assert s.train_shards == find_shards(out, "train") and s.val_shards == find_shards(out, "val")
+        assert [read_shard(p).size for p in s.train_shards[:-1]] == [16] * (len(s.train_shards) - 1)
+        meta = json.loads((out / "prepare.json").read_text())
+        assert meta["train_tokens"] == len(expected_train) and meta["documents"] == 7
+        assert meta["train_shards"] == [p.name for p in s.train_shards]
+        runs[workers] = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert runs[1] == runs[2]
+
+
+def test_prepare_default_val_split_keeps_one_document(tmp_path, reference_gpt2):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "x.txt").write_text("validation document", encoding="utf-8")
+    (tmp_path / "in" / "y.txt").write_text("training document", encoding="utf-8")
+    s = prepare([tmp_path / "in"], tmp_path / "out", workers=1, progress=False)
+    assert (s.documents, s.val_documents) == (2, 1)
+    assert _concat(s.val_shards) == [EOT] + reference_gpt2.encode_ordinary("validation document")
+    assert [p.name for p in s.train_shards] == ["train_000000.bin"]
+
+
+def test_prepare_refuses_to_mix_with_old_shards(tmp_path):
+    (tmp_path / "a.txt").write_text("one", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("two", encoding="utf-8")
+    out = tmp_path / "out"
+    kw = dict(workers=1, progress=False, shard_size=2)
+    first = prepare([tmp_path / "a.txt", tmp_path / "b.txt"], out, val_fraction=0, **kw)
+    assert len(first.train_shards) == 2
+    with pytest.raises(FileExistsError, match="overwrite"):
+        prepare([tmp_path / "a.txt"], out, **kw)
+    second = prepare([tmp_path / "a.txt"], out, val_fraction=0, overwrite=True, **kw)
+    assert find_shards(out, "train") == second.train_shards == [out / "train_000000.bin"]
+
+
+def test_prepare_bad_jsonl_line_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n', encoding="utf-8")
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}"
+        with pytest.raises(ValueError, match=r"bad\.jsonl, line 2"):
+            prepare([bad], out, workers=workers, progress=False)
+        assert not list(out.glob("*.bin"))  # nothing half-written stays behind
+
+
+def test_prepare_empty_corpus(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "readme.md").write_text("not a .txt", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"empty corpus.*empty"):
+        prepare([empty], tmp_path / "out", workers=1, progress=False)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('\n{"text": ""}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"empty corpus.*blank\.jsonl"):
+        prepare([blank], tmp_path / "out", workers=1, progress=False)
+    assert not list((tmp_path / "out").glob("*.bin"))
+
+
+# ---------------------------------------------------------------------------------------------
+# ShardLoader
+
+# two shards whose tokens tell where they came from: shard 0 holds 0..99, shard 1 holds 1000..1088
+SHARDS = [np.arange(100), np.arange(1000, 1089)]
+
+
+@pytest.fixture
+def shard_dir(tmp_path):
+    for i, toks in enumerate(SHARDS):
+        write_shard(tmp_path / f"train_{i:06d}.bin", toks)
+    return tmp_path
+
+
+def test_loader_batches_shift_and_cross_shards(shard_dir):
+    loader = ShardLoader(shard_dir, batch_size=2, seq_len=4)
+    x, y = loader.next_batch()
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (2, 4)
+    assert x.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert y.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    # each step reads 9 tokens at 0, 8, ..., 88 (88 + 9 <= 100 < 96 + 9): 12 steps in shard 0,
+    # then 0, 8, ..., 80 in shard 1 (80 + 9 == 89, an exact fit): 11 steps, then back to shard 0.
+    firsts = [x[0, 0].item()] + [loader.next_batch()[0][0, 0].item() for _ in range(24)]
+    assert firsts[:12] == list(range(0, 96, 8))
+    assert firsts[12:23] == list(range(1000, 1088, 8))
+    assert firsts[23:] == [0, 8]
+    assert loader.epoch == 1 and loader.shard == 0
+
+
+def test_two_ranks_equal_one_process_with_double_batch(shard_dir):
+    B, T = 2, 3
+    ranks = [ShardLoader(shard_dir, batch_size=B, seq_len=T, rank=r, world_size=2) for r in (0, 1)]
+    single = ShardLoader(shard_dir, batch_size=2 * B, seq_len=T)
+    for _ in range(40):  # several epochs: 8 + 7 steps per epoch
+        (x0, y0), (x1, y1) = ranks[0].next_batch(), ranks[1].next_batch()
+        xs, ys = single.next_batch()
+        assert torch.equal(torch.cat([x0, x1]), xs) and torch.equal(torch.cat([y0, y1]), ys)
+        assert ranks[0].state_dict() == ranks[1].state_dict() == single.state_dict()
+    assert single.epoch == 2
+
+
+def test_state_dict_resumes_exactly(shard_dir):
+    loader = ShardLoader(shard_dir, batch_size=3, seq_len=2, rank=1, world_size=2)
+    first = [loader.next_batch() for _ in range(5)]
+    state = json.loads(json.dumps(loader.state_dict()))  # survives a checkpoint file
+    expected = [loader.next_batch() for _ in range(30)]  # crosses shards and wraps
+    assert loader.epoch >= 1
+
+    resumed = ShardLoader(shard_dir, batch_size=3, seq_len=2, rank=1, world_size=2)
+    resumed.load_state_dict(state)
+    for (xe, ye), (xr, yr) in zip(expected, (resumed.next_batch() for _ in expected), strict=True):
+        assert torch.equal(xe, xr) and torch.equal(ye, yr)
+    resumed.reset()
+    x, y = resumed.next_batch()
+    assert torch.equal(x, first[0][0]) and torch.equal(y, first[0][1])
+
+
+def test_loader_rejects_short_and_corrupt_shards(shard_dir, tmp_path_factory):
+    with pytest.raises(ValueError, match=r"train_000001\.bin: shard has 89 tokens.*the 95 one step needs"):
+        ShardLoader(shard_dir, batch_size=47, seq_len=1, world_size=2)  # 2 * 47 + 1 = 95 <= 100, > 89
+    other = tmp_path_factory.mktemp("corrupt")
+    (other / "train_000000.bin").write_bytes(_raw_shard(magic=1))
+    with pytest.raises(ShardError, match=r"train_000000\.bin"):
+        ShardLoader(other, batch_size=1, seq_len=1)
+    with pytest.raises(ValueError, match="rank"):
+        ShardLoader(shard_dir, batch_size=1, seq_len=1, rank=2, world_size=2)
