@@ -1,0 +1,394 @@
+"""`gpt2kit bench`: generation speed against transformers, side by side in one run.
+
+Both libraries run the same random-weight GPT-2 124M (gpt2kit's init; transformers gets a copy of
+the weights), eagerly, with default settings and the same thread count, on the same prompts:
+
+* prefill: tokens/s encoding a T = 1024 prompt into the KV cache (logits of the last position
+  only, as both generators do: gpt2kit's ``prefill``, transformers' ``logits_to_keep=1``);
+* decode: tokens/s of greedy generation of 128 new tokens after a 16-token prompt, at batch 1 and
+  batch 8, through each library's own generate (prefill included, no stop token);
+* peak memory: the peak RSS of a fresh process (VmHWM), above its RSS after imports, while it
+  builds the model and runs the T = 1024 prefill and the batch-8 decode (tracemalloc cannot see
+  PyTorch's allocator);
+* the physical limit of batch-1 decode: the bytes of weights each token reads, divided by the
+  memory bandwidth measured in the same run (a 1 GiB float32 sum).
+
+gpt2kit runs in float32 and in bfloat16 (``model.to(torch.bfloat16)``); transformers in float32.
+Each timing is the best of a few trials, alternating the libraries; on Linux a trial during which
+other processes used the CPU is discarded (and retried) when possible, and the table says how many
+trials were quiet. Ratios are gpt2kit / transformers (for memory, lower is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from gpt2kit.config import GPT2Config
+from gpt2kit.generate import SamplingSettings, generate, prefill
+from gpt2kit.kv_cache import KVCache
+from gpt2kit.model import GPT2
+
+TARGETS = {  # gpt2kit / transformers float32, from the generation issue
+    ("decode_b1", "float32"): 1.1, ("decode_b1", "bfloat16"): 1.8, ("decode_b8", "float32"): 1.6,
+    ("prefill", "float32"): 1.0, ("prefill", "bfloat16"): 1.6,
+}
+TEXT = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+    "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, "
+    "it was the season of Darkness, it was the spring of hope, it was the winter of despair, we had "
+    "everything before us, we had nothing before us, we were all going direct to Heaven, we were all going "
+    "direct the other way. "
+)
+
+
+# --- timing ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Timing:
+    seconds: float  # best trial
+    quiet: int  # trials during which no other process used the CPU
+    trials: int
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy ticks of the whole machine, ticks of this process), or None where /proc is absent."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    t = os.times()
+    return sum(v) - v[3] - v[4], round((t.user + t.system) * os.sysconf("SC_CLK_TCK"))
+
+
+def _trial(fn: Callable[[], object]) -> tuple[float, bool]:
+    before = _cpu_ticks()
+    t0 = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t0
+    after = _cpu_ticks()
+    if before is None or after is None:
+        return dt, True
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return dt, others <= 2 + dt  # a tick or two of noise (the kernel, this shell) is no contention
+
+
+def time_alternating(fns: dict[str, Callable[[], object]], trials: int, max_trials: int) -> dict[str, Timing]:
+    """Best wall time of each fn, running them in turn; stop once each has `trials` quiet trials."""
+    results = {k: Timing(float("inf"), 0, 0) for k in fns}
+    quiet_times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(max_trials):
+        for name, fn in fns.items():
+            r = results[name]
+            if r.quiet >= trials:
+                continue
+            dt, quiet = _trial(fn)
+            r.trials += 1
+            if quiet:
+                r.quiet += 1
+                quiet_times[name].append(dt)
+            r.seconds = min(quiet_times[name]) if quiet_times[name] else min(r.seconds, dt)
+        if all(r.quiet >= trials for r in results.values()):
+            break
+    return results
+
+
+# --- models and workloads -------------------------------------------------------------------------
+
+
+def to_transformers(model: GPT2):
+    """transformers' GPT2LMHeadModel holding a copy of model's weights (float32, eval)."""
+    try:
+        from transformers import GPT2Config as HFConfig
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        raise ImportError("the benchmark compares with transformers: pip install 'gpt2kit[bench]'") from None
+    from gpt2kit.checkpoint.keymap import is_transposed, ours_to_hf
+
+    c = model.config
+    # No bos/eos: both generators then make exactly max_new_tokens, with no stop checks.
+    hf_cfg = HFConfig(vocab_size=c.n_vocab, n_positions=c.n_ctx, n_embd=c.n_embd, n_head=c.n_head,
+                      n_layer=c.n_layer, layer_norm_epsilon=c.layer_norm_eps, bos_token_id=None,
+                      eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    hf = GPT2LMHeadModel(hf_cfg)
+    state = {}
+    for name, t in model.state_dict().items():
+        t = t[: c.n_vocab] if name == "wte.weight" else t
+        state[ours_to_hf(name)] = (t.t() if is_transposed(name) else t).float().contiguous()
+    hf.load_state_dict(state, strict=False)
+    hf.tie_weights()
+    return hf.eval()
+
+
+def ours_prefill(model: GPT2, ids: torch.Tensor) -> Callable[[], object]:
+    def run():
+        prefill(model, ids, None, KVCache.for_model(model, ids.shape[0], ids.shape[1]))
+    return run
+
+
+def hf_prefill(hf, ids: torch.Tensor) -> Callable[[], object]:
+    def run():
+        with torch.inference_mode():
+            hf(ids, use_cache=True, logits_to_keep=1)
+    return run
+
+
+def ours_decode(model: GPT2, prompts: torch.Tensor, n: int, out: list | None = None) -> Callable[[], object]:
+    settings = SamplingSettings(temperature=0, max_new_tokens=n, stop_token_ids=())
+
+    def run():
+        result = generate(model, prompts.tolist(), settings)
+        if out is not None:
+            out[:] = [c.tokens for c in result]
+    return run
+
+
+def hf_decode(hf, prompts: torch.Tensor, n: int, out: list | None = None) -> Callable[[], object]:
+    def run():
+        with torch.inference_mode():
+            ids = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                              max_new_tokens=n, pad_token_id=0)
+        if out is not None:
+            out[:] = ids[:, prompts.shape[1]:].tolist()
+    return run
+
+
+def weight_bytes_per_token(model: GPT2) -> int:
+    """Bytes of weights one batch-1 decode step reads: every matrix once (wte as the LM head), and
+    one row of wpe."""
+    total = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "wpe.weight")
+    return total + model.wpe.weight[0].numel() * model.wpe.weight.element_size()
+
+
+def memory_bandwidth(trials: int = 5) -> float:
+    """Bytes/s of a 1 GiB float32 sum with the current thread count (read bandwidth)."""
+    x = torch.ones(2**28)
+    best = min(_trial(lambda: x.sum())[0] for _ in range(trials))
+    return x.numel() * 4 / best
+
+
+def logprob_drift(model32: GPT2, model16: GPT2, ids: torch.Tensor) -> tuple[float, float]:
+    """(mean |Δ logprob| of the text's next tokens, mean |Δ| over the whole vocab), bf16 vs fp32."""
+    with torch.inference_mode():
+        lp32 = torch.log_softmax(model32(ids).logits.float(), -1)[0, :-1]  # (T - 1, V)
+        lp16 = torch.log_softmax(model16(ids).logits.float(), -1)[0, :-1]
+    targets = ids[0, 1:, None]
+    d_next = (lp32.gather(-1, targets) - lp16.gather(-1, targets)).abs().mean().item()
+    return d_next, (lp32 - lp16).abs().mean().item()
+
+
+# --- peak memory, in a fresh process ------------------------------------------------------------
+
+
+def _status_bytes(field: str) -> int:
+    """VmRSS (now) or VmHWM (peak) of this process. Not ru_maxrss: Linux carries that over from the
+    parent across fork + exec, so a worker started by a big process would report the parent's."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _memory_worker(engine: str, dtype: str, T: int, n: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    if engine == "transformers":
+        import transformers  # noqa: F401 - imported before the baseline, like gpt2kit's own modules
+    baseline = _status_bytes("VmRSS")
+    torch.manual_seed(0)
+    if engine == "gpt2kit":
+        torch.set_default_dtype(getattr(torch, dtype))  # built in its dtype: no float32 copy on the way
+        model = GPT2(GPT2Config()).eval()
+        torch.set_default_dtype(torch.float32)
+        runs = [ours_prefill(model, torch.randint(0, 50257, (1, T))),
+                ours_decode(model, torch.randint(0, 50257, (8, 16)), n)]
+    else:
+        from transformers import GPT2Config as HFConfig
+        from transformers import GPT2LMHeadModel
+
+        hf = GPT2LMHeadModel(HFConfig(bos_token_id=None, eos_token_id=None)).eval()
+        runs = [hf_prefill(hf, torch.randint(0, 50257, (1, T))),
+                hf_decode(hf, torch.randint(0, 50257, (8, 16)), n)]
+    for run in runs:
+        run()
+    peak = _status_bytes("VmHWM")
+    print(json.dumps({"peak_above_baseline": peak - baseline}))
+
+
+def peak_memory(engine: str, dtype: str, T: int, n: int, threads: int) -> float | None:
+    """MiB of peak RSS above the post-import baseline (None where it cannot be measured)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    cmd = [sys.executable, "-m", "gpt2kit.bench", "--_memory-worker", engine, dtype, str(T), str(n),
+           str(threads)]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"memory worker failed: {r.stderr.strip().splitlines()[-1:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])["peak_above_baseline"] / 2**20
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, object]:
+    cpu, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and cpu in ("", platform.machine(), platform.processor()):
+                    cpu = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    import transformers
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "isa": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "threads": torch.get_num_threads()}
+
+
+def run(quick: bool = False, threads: int | None = None, memory: bool = True,
+        log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+    """Run the benchmark; returns the results (also what `format_table` prints)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    threads = torch.get_num_threads()
+    T, n, trials, max_trials = (256, 32, 2, 4) if quick else (1024, 128, 3, 6)
+    info = machine()
+    log(f"gpt2kit bench: {info['cpu']}, {threads} threads; prefill T={T}, decode {n} new tokens")
+    torch.manual_seed(0)
+    ours32 = GPT2(GPT2Config()).eval()
+    hf = to_transformers(ours32)
+    ours16 = GPT2(GPT2Config()).eval()
+    ours16.load_state_dict(ours32.state_dict())
+    ours16 = ours16.to(torch.bfloat16)
+    engines = {"transformers/float32": (hf, hf_prefill, hf_decode),
+               "gpt2kit/float32": (ours32, ours_prefill, ours_decode),
+               "gpt2kit/bfloat16": (ours16, ours_prefill, ours_decode)}
+    g = torch.Generator().manual_seed(1)
+    long_prompt = torch.randint(0, 50257, (1, T), generator=g)
+    prompts = {1: torch.randint(0, 50257, (1, 16), generator=g), 8: torch.randint(0, 50257, (8, 16), generator=g)}
+
+    results: dict[str, dict] = {"machine": info, "T": T, "new_tokens": n, "tok_s": {}, "quiet": {}}
+    greedy: dict[str, list] = {"transformers/float32": [], "gpt2kit/float32": []}
+    for wl, tokens in (("prefill", T), ("decode_b1", n), ("decode_b8", 8 * n)):
+        log(f"  {wl} ...")
+        fns = {}
+        for name, (model, make_prefill, make_decode) in engines.items():
+            if wl == "prefill":
+                fns[name] = make_prefill(model, long_prompt)
+            else:
+                B = 1 if wl == "decode_b1" else 8
+                fns[name] = make_decode(model, prompts[B], n, greedy.get(name) if B == 1 else None)
+            fns[name]()  # warm-up (and, at batch 1, the greedy tokens)
+        timings = time_alternating(fns, trials, max_trials)
+        results["tok_s"][wl] = {k: tokens / t.seconds for k, t in timings.items()}
+        results["quiet"][wl] = {k: f"{t.quiet}/{t.trials}" for k, t in timings.items()}
+    results["greedy_identical"] = greedy["transformers/float32"] == greedy["gpt2kit/float32"]
+
+    from gpt2kit.tokenizer import Tokenizer
+
+    ids = torch.tensor([Tokenizer.default().encode(TEXT * 8)[:512]])
+    results["dlogprob_next"], results["dlogprob_vocab"] = logprob_drift(ours32, ours16, ids)
+    bw = memory_bandwidth()
+    results["bandwidth_GBs"] = bw / 1e9
+    results["limit_tok_s"] = {"float32": bw / weight_bytes_per_token(ours32),
+                              "bfloat16": bw / weight_bytes_per_token(ours16)}
+    results["bytes_per_token"] = {"float32": weight_bytes_per_token(ours32),
+                                  "bfloat16": weight_bytes_per_token(ours16)}
+    if memory:
+        log("  peak memory (fresh processes) ...")
+        results["peak_MiB"] = {
+            "transformers/float32": peak_memory("transformers", "float32", T, n, threads),
+            "gpt2kit/float32": peak_memory("gpt2kit", "float32", T, n, threads),
+            "gpt2kit/bfloat16": peak_memory("gpt2kit", "bfloat16", T, n, threads),
+        }
+    return results
+
+
+def format_table(r: dict) -> str:
+    m = r["machine"]
+    ref, cols = "transformers/float32", ("gpt2kit/float32", "gpt2kit/bfloat16")
+    lines = [
+        f"machine: {m['cpu']}, {m['cores']} cores ({' '.join(m['isa'])}); {m['threads']} threads; "
+        f"torch {m['torch']}, transformers {m['transformers']}, python {m['python']}",
+        "model: GPT-2 124M, random weights (the same in both); eager; greedy; best of the quiet trials",
+        "",
+        "| workload | transformers fp32 | gpt2kit fp32 | ratio | gpt2kit bf16 | ratio | quiet trials |",
+        "|---|--:|--:|--:|--:|--:|---|",
+    ]
+    names = {"prefill": f"prefill tok/s (T={r['T']})", "decode_b1": f"decode tok/s, batch 1 ({r['new_tokens']} new)",
+             "decode_b8": f"decode tok/s, batch 8 ({r['new_tokens']} new)"}
+    for wl, label in names.items():
+        v = r["tok_s"][wl]
+        q = r["quiet"][wl]
+        lines.append(f"| {label} | {v[ref]:.1f} | {v[cols[0]]:.1f} | {v[cols[0]] / v[ref]:.2f}x | "
+                     f"{v[cols[1]]:.1f} | {v[cols[1]] / v[ref]:.2f}x | {q[ref]}, {q[cols[0]]}, {q[cols[1]]} |")
+    if r.get("peak_MiB"):
+        p = r["peak_MiB"]
+        lines.append(f"| peak RSS above baseline, MiB (lower is better) | {p[ref]:.0f} | {p[cols[0]]:.0f} | "
+                     f"{p[cols[0]] / p[ref]:.2f}x | {p[cols[1]]:.0f} | {p[cols[1]] / p[ref]:.2f}x | |")
+    lim, bpt = r["limit_tok_s"], r["bytes_per_token"]
+    b1 = r["tok_s"]["decode_b1"]
+    lines += [
+        "",
+        f"physical limit, batch-1 decode: weights read per token / bandwidth ({r['bandwidth_GBs']:.1f} GB/s, "
+        f"1 GiB float32 sum): float32 {bpt['float32'] / 1e6:.0f} MB -> {lim['float32']:.1f} tok/s "
+        f"(gpt2kit at {b1[cols[0]] / lim['float32']:.0%}, transformers at {b1[ref] / lim['float32']:.0%}); "
+        f"bfloat16 {bpt['bfloat16'] / 1e6:.0f} MB -> {lim['bfloat16']:.1f} tok/s "
+        f"(gpt2kit at {b1[cols[1]] / lim['bfloat16']:.0%})",
+        f"bfloat16 vs float32 on the same text (512 tokens): mean |Δ logprob| {r['dlogprob_next']:.2e} "
+        f"(next tokens), {r['dlogprob_vocab']:.2e} (whole vocabulary)",
+        f"greedy batch-1 tokens identical to transformers: {'yes' if r['greedy_identical'] else 'NO'}",
+        "targets (gpt2kit / transformers fp32): " + ", ".join(
+            f"{wl} {dt} {r['tok_s'][wl][f'gpt2kit/{dt}'] / r['tok_s'][wl][ref]:.2f}x "
+            f"{'>=' if r['tok_s'][wl][f'gpt2kit/{dt}'] / r['tok_s'][wl][ref] >= goal else '<'} {goal}"
+            for (wl, dt), goal in TARGETS.items()),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpt2kit bench", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_from_args(args)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="T=256 prefill, 32 new tokens, fewer trials")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--_memory-worker", nargs=5, default=None, help=argparse.SUPPRESS)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    if getattr(args, "_memory_worker", None):
+        engine, dtype, T, n, threads = args._memory_worker
+        _memory_worker(engine, dtype, int(T), int(n), int(threads))
+        return 0
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    results = run(quick=args.quick, threads=args.threads, memory=not args.no_memory)
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

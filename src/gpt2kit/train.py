@@ -1,0 +1,773 @@
+"""The training loop: pre-train or fine-tune GPT-2 on token shards, from one CPU to many GPUs.
+
+    cfg = TrainConfig(data="shards/", out="runs/tiny", model="gpt2-tiny", max_steps=500)
+    result = train(cfg)
+
+One optimizer step is A micro-steps of (B, T) tokens on each of W ranks, so the step sees
+total_batch_tokens = A * W * B * T tokens. The loss is the model's own mean next-token
+cross-entropy; each micro-step's loss is divided by A so the accumulated gradient is the mean.
+
+OUT holds, when a run ends (finished, --stop-at, or interrupted by SIGINT/SIGTERM):
+    config.json, model.safetensors, tokenizer files   the model in Hugging Face's format
+    checkpoint.pt    model, optimizer, step, RNG states, data position, the TrainConfig
+    metrics.jsonl    {"step", "loss", "lr", "grad_norm", "tokens_per_s"} per step, {"step", "val_loss"} per eval
+    loss.png         train and validation loss, redrawn at each evaluation
+checkpoint.pt is also written every save_every steps, atomically (temporary file, fsync, rename).
+
+Distributed data parallel lives in this file only: torchrun sets WORLD_SIZE/RANK/LOCAL_RANK, we join
+the process group (NCCL on CUDA, gloo otherwise), every rank reads its own slice of each batch
+(ShardLoader(rank, world_size)), DDP averages gradients on the last micro-step only (no_sync on the
+others), and rank 0 alone writes files and logs.
+
+Legend: B batch size, T sequence length, W world size (ranks), A gradient-accumulation micro-steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import io
+import json
+import math
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from gpt2kit.config import PRESETS, GPT2Config
+from gpt2kit.data import ShardLoader, find_shards
+from gpt2kit.model import GPT2
+
+CHECKPOINT_NAME = "checkpoint.pt"
+METRICS_NAME = "metrics.jsonl"
+PLOT_NAME = "loss.png"
+CHECKPOINT_FORMAT = "gpt2kit-train/1"
+
+ADAM_BETAS = (0.9, 0.95)  # GPT-3's betas (nanoGPT, llm.c); 0.999 is less stable at GPT-2 batch sizes
+ADAM_EPS = 1e-8
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+_ARCH_OVERRIDES = ("n_layer", "n_embd", "n_head", "n_ctx")
+_OPENAI = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # presets that are also hub ids
+# Settings a resumed run may change without changing what is computed (max_steps changes the
+# schedule from the resumed step on, which is what extending a run means).
+RESUMABLE_CHANGES = frozenset({"data", "out", "max_steps", "eval_every", "eval_steps", "save_every",
+                               "log_every", "device", "compile", "resume", "stop_at", "batch_size"})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a training run. Fields left None are resolved when training starts."""
+
+    data: str  # directory of train_*.bin / val_*.bin shards
+    out: str  # output directory
+    model: str = "gpt2-tiny"  # a preset (from scratch), or a checkpoint directory / hub id (fine-tune)
+    n_layer: int | None = None  # from-scratch overrides of the preset
+    n_embd: int | None = None
+    n_head: int | None = None
+    n_ctx: int | None = None
+    dropout: float | None = None  # None: 0.0 (the model's)
+    batch_size: int = 8  # B, per rank and micro-step
+    seq_len: int | None = None  # T; None: the model's n_ctx
+    total_batch_tokens: int | None = None  # tokens per optimizer step; None: W * B * T (A = 1)
+    lr: float = 6e-4  # peak learning rate
+    min_lr: float | None = None  # None: lr / 10
+    warmup_steps: int | None = None  # None: max_steps // 20
+    max_steps: int = 1000
+    weight_decay: float = 0.1  # on 2-D weights only
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    eval_every: int = 100  # 0: no evaluation except at the end
+    eval_steps: int = 20  # batches per evaluation
+    save_every: int = 500  # 0: checkpoint only at the end
+    log_every: int = 10  # plain log lines (when stderr is not a terminal)
+    seed: int = 1337
+    dtype: str = "float32"  # float32 | bfloat16 (autocast; weights and optimizer stay float32)
+    compile: bool = False
+    device: str | None = None  # None: cuda (this rank's GPU) if available, else cpu
+    resume: bool = False  # continue from OUT/checkpoint.pt
+    stop_at: int | None = None  # end this invocation after this step (the schedule still runs to max_steps)
+
+    def __post_init__(self) -> None:
+        for name in ("data", "out", "model"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"TrainConfig.{name} must be a non-empty string, got {getattr(self, name)!r}")
+        positive = ["batch_size", "max_steps", "eval_steps", "log_every"]
+        positive += [n for n in (*_ARCH_OVERRIDES, "seq_len", "total_batch_tokens") if getattr(self, n) is not None]
+        for name in positive:
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("eval_every", "save_every", "seed"):
+            _check_int(name, getattr(self, name), minimum=0)
+        if self.warmup_steps is not None:
+            _check_int("warmup_steps", self.warmup_steps, minimum=0)
+        if self.stop_at is not None:
+            _check_int("stop_at", self.stop_at, minimum=0)
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"TrainConfig.lr must be a positive number, got {self.lr!r}")
+        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"TrainConfig.min_lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
+        for name in ("weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"TrainConfig.{name} must be a number >= 0, got {value!r}")
+        if self.dropout is not None and not 0 <= self.dropout < 1:
+            raise ValueError(f"TrainConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"TrainConfig.dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", _DTYPES[self.dtype])
+        if self.total_batch_tokens is not None and self.seq_len is not None:
+            if self.total_batch_tokens % (self.batch_size * self.seq_len):
+                raise ValueError(_batch_message(self.total_batch_tokens, self.batch_size, self.seq_len, 1))
+
+    @property
+    def from_scratch(self) -> bool:
+        return self.model in PRESETS and not os.path.isdir(self.model)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"TrainConfig.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _batch_message(total: int, batch_size: int, seq_len: int, world_size: int) -> str:
+    unit = batch_size * seq_len * world_size
+    return (f"total_batch_tokens {total} is not a multiple of batch_size {batch_size} x seq_len {seq_len} "
+            f"x world_size {world_size} = {unit} tokens (try {max(1, round(total / unit)) * unit})")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    step: int  # optimizer steps done in total
+    loss: float | None  # the last step's train loss (None if this invocation took no step)
+    val_loss: float | None  # the last evaluation's loss
+    tokens: int  # tokens trained on in this invocation
+    seconds: float  # wall time of this invocation's steps
+    out: Path
+
+
+def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
+    """The rate for 0-based step `step`: linear warmup to lr over warmup_steps, cosine to min_lr at max_steps."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if step >= max_steps:
+        return min_lr
+    ratio = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+
+def resume_config(out: str | os.PathLike[str], **changes: Any) -> TrainConfig:
+    """The TrainConfig saved in OUT/checkpoint.pt, with `changes` applied and resume=True.
+
+    The CLI uses this so that `gpt2kit train --out OUT --resume` needs no other flag; train() then
+    rejects changes outside RESUMABLE_CHANGES.
+    """
+    saved = _read_checkpoint(Path(out) / CHECKPOINT_NAME, mmap=True)["config"]
+    # stop_at belongs to the invocation that saved, not to the run.
+    return TrainConfig(**(saved | {"out": os.fspath(out), "stop_at": None} | changes | {"resume": True}))
+
+
+# ---------------------------------------------------------------------------------------------
+# distributed: the one place that knows about torch.distributed
+
+
+@dataclass(frozen=True)
+class _Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    owns_group: bool  # we initialised the process group, so we destroy it
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """All-reduce a tensor by summing over ranks (in place; a no-op with one process)."""
+        if self.enabled:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+        return t
+
+    def gather(self, obj: Any) -> list[Any]:
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.enabled:
+            torch.distributed.barrier()
+
+
+def _setup_dist(device_arg: str | None) -> _Dist:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_arg is None:
+        device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(device_arg)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device(f"cuda:{local_rank}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    owns = False
+    if world_size > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        owns = True
+    return _Dist(rank, local_rank, world_size, device, owns)
+
+
+def _teardown_dist(d: _Dist) -> None:
+    if d.owns_group and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# files: atomic writes, the checkpoint, metrics, the plot
+
+
+def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> None:
+    """Write through a temporary file in the same directory, fsync, then rename over `path`.
+
+    A crash (or a second Ctrl-C) at any point leaves the previous file whole.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, _file_mode())  # mkstemp makes 0600; give the file the mode open() would
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+@functools.cache
+def _file_mode() -> int:
+    umask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _read_checkpoint(path: Path, *, mmap: bool = False) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no checkpoint to resume from (train without --resume first)")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one user-facing error
+        raise ValueError(f"{path}: not a readable gpt2kit training checkpoint ({e})") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: not a gpt2kit training checkpoint (expected format {CHECKPOINT_FORMAT!r})")
+    return ckpt
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    name, np_keys, np_pos, np_has_gauss, np_cached = state["numpy"]
+    np.random.set_state((name, np_keys.numpy().astype(np.uint32), int(np_pos), int(np_has_gauss), np_cached))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class _Metrics:
+    """metrics.jsonl (appended, flushed per line) and the loss history behind loss.png."""
+
+    def __init__(self, out: Path, resume_step: int | None):
+        self.path = out / METRICS_NAME
+        self.train: list[tuple[int, float]] = []
+        self.val: list[tuple[int, float]] = []
+        lines: list[str] = []
+        if resume_step is not None and self.path.exists():
+            # Drop what was logged after the checkpoint: those steps are about to be redone.
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a crash
+                if isinstance(rec, dict) and rec.get("step", math.inf) <= resume_step:
+                    lines.append(line)
+                    self._remember(rec)
+        _atomic_write(self.path, lambda f: f.write("".join(x + "\n" for x in lines).encode()))
+        self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def _remember(self, rec: dict[str, Any]) -> None:
+        if "loss" in rec:
+            self.train.append((rec["step"], rec["loss"]))
+        if "val_loss" in rec:
+            self.val.append((rec["step"], rec["val_loss"]))
+
+    def log(self, rec: dict[str, Any]) -> None:
+        self._remember(rec)
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+
+    def plot(self, path: Path, title: str) -> None:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # no pyplot: no global state, no GUI
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(8, 4.5), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        if self.train:
+            steps, losses = zip(*self.train, strict=True)
+            ax.plot(steps, losses, lw=0.6, alpha=0.35, color="C0")
+            ax.plot(steps, _smooth(losses), lw=1.5, color="C0", label="train (smoothed)")
+        if self.val:
+            ax.plot(*zip(*self.val, strict=True), "o-", ms=3, label="validation")
+        ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
+        ax.grid(alpha=0.3)
+        if self.train or self.val:
+            ax.legend()
+        _atomic_write(path, lambda f: fig.savefig(f, format="png"))
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _smooth(values: tuple[float, ...]) -> list[float]:
+    """Exponential moving average with a span of ~1/20 of the run, debiased (as TensorBoard's)."""
+    beta = 1 - 1 / max(1.0, len(values) / 20)
+    out, avg = [], 0.0
+    for i, v in enumerate(values, start=1):
+        avg = beta * avg + (1 - beta) * v
+        out.append(avg / (1 - beta**i) if beta else v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C and SIGTERM: finish the step, save, then stop
+
+
+class _StopSignal:
+    """The first SIGINT/SIGTERM asks the loop to stop after the current step (and save); a second
+    one raises KeyboardInterrupt at once (the last checkpoint on disk stays whole)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        name = signal.Signals(signum).name
+        print(f"\n{name} received: saving a checkpoint after this step (again to quit without saving)",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+# ---------------------------------------------------------------------------------------------
+# model and optimizer
+
+
+def _build_model(cfg: TrainConfig, log: Callable[[str], None]) -> GPT2:
+    """A float32 model on the CPU: a fresh preset (from scratch) or a loaded checkpoint (fine-tune)."""
+    overrides = {k: getattr(cfg, k) for k in _ARCH_OVERRIDES if getattr(cfg, k) is not None}
+    if cfg.dropout is not None:
+        overrides["dropout"] = cfg.dropout
+    if cfg.from_scratch:
+        model = GPT2(GPT2Config.from_name(cfg.model, **overrides))
+        hint = f" (to fine-tune OpenAI's weights: --model openai-community/{cfg.model})" if cfg.model in _OPENAI else ""
+        log(f"from scratch: preset {cfg.model!r}, {model.num_parameters() / 1e6:.1f}M parameters{hint}")
+        return model
+    arch = [f"--{k.replace('_', '-')}" for k in _ARCH_OVERRIDES if getattr(cfg, k) is not None]
+    if arch:
+        raise ValueError(f"{', '.join(arch)} only apply to from-scratch runs (--model one of "
+                         f"{', '.join(PRESETS)}); {cfg.model!r} is a checkpoint to fine-tune")
+    from gpt2kit.checkpoint import load_model
+
+    model = load_model(cfg.model, dtype=torch.float32, device="cpu")
+    if cfg.dropout is not None and cfg.dropout != model.config.dropout:
+        fresh = GPT2(model.config.replace(dropout=cfg.dropout))
+        fresh.load_state_dict(model.state_dict())
+        model = fresh
+    log(f"fine-tuning {cfg.model}: {model.num_parameters() / 1e6:.1f}M parameters")
+    return model
+
+
+def _make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on the 2-D weights only: the matrices and, as in nanoGPT, the wte/wpe
+    embeddings; biases and LayerNorm gains are not decayed. Fused kernels where the device has them."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": ADAM_BETAS, "eps": ADAM_EPS}
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except (RuntimeError, ValueError):  # no fused kernel for this device / dtype
+        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def _autocast(cfg: TrainConfig, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    if cfg.dtype == "float32":
+        return contextlib.nullcontext
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"--dtype bfloat16: {torch.cuda.get_device_name(device)} does not support bfloat16")
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def _resolve(cfg: TrainConfig, model: GPT2, world_size: int) -> tuple[TrainConfig, int]:
+    """Fill the None fields from the model and world size; return (config, accumulation steps A)."""
+    n_ctx = model.config.n_ctx
+    seq_len = cfg.seq_len or n_ctx
+    if seq_len > n_ctx:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's context n_ctx={n_ctx}")
+    unit = cfg.batch_size * seq_len * world_size
+    total = cfg.total_batch_tokens or unit
+    if total % unit:
+        raise ValueError(_batch_message(total, cfg.batch_size, seq_len, world_size))
+    cfg = cfg.replace(
+        seq_len=seq_len, total_batch_tokens=total,
+        min_lr=cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr,
+        warmup_steps=cfg.max_steps // 20 if cfg.warmup_steps is None else cfg.warmup_steps,
+        dropout=model.config.dropout,
+    )
+    return cfg, total // unit
+
+
+def _check_resume(saved: TrainConfig, cfg: TrainConfig) -> None:
+    changed = [f"{f.name} (checkpoint {getattr(saved, f.name)!r}, now {getattr(cfg, f.name)!r})"
+               for f in dataclasses.fields(TrainConfig)
+               if f.name not in RESUMABLE_CHANGES and getattr(cfg, f.name) is not None
+               and getattr(cfg, f.name) != getattr(saved, f.name)]
+    if changed:
+        raise ValueError(f"--resume continues the saved run, but these settings differ: {'; '.join(changed)}; "
+                         f"a resumed run may change only {', '.join(sorted(RESUMABLE_CHANGES))}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+class _Reporter:
+    """Rank 0's output: a tqdm bar when stderr is a terminal, plain log lines otherwise."""
+
+    def __init__(self, enabled: bool, start: int, total: int, log_every: int):
+        self.enabled = enabled
+        self.log_every = log_every
+        self.total = total
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def line(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def step(self, rec: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
+            self.bar.update()
+        elif rec["step"] % self.log_every == 0 or rec["step"] == self.total:
+            self.line(f"step {rec['step']}/{self.total} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
+                      f"grad norm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@dataclass
+class _Run:
+    """What the loop needs, built once by train()."""
+
+    cfg: TrainConfig
+    dist: _Dist
+    raw: GPT2  # the plain module: its state_dict is what we save
+    model: nn.Module  # what runs forward/backward (compiled and/or DDP-wrapped)
+    eval_model: nn.Module  # compiled or raw, never DDP
+    optimizer: torch.optim.Optimizer
+    train_loader: ShardLoader
+    val_loader: ShardLoader | None
+    eval_batches: int
+    accum: int
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    out: Path
+    step: int = 0
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Train as `cfg` says; see the module docstring for what is written to cfg.out.
+
+    Raises ValueError for bad settings (naming them), FileNotFoundError for missing data or
+    checkpoint, and KeyboardInterrupt after saving when stopped by SIGINT/SIGTERM.
+    """
+    d = _setup_dist(cfg.device)
+    try:
+        return _train(cfg, d)
+    finally:
+        _teardown_dist(d)
+
+
+def _train(cfg: TrainConfig, d: _Dist) -> TrainResult:
+    out = Path(cfg.out)
+    log = _print_fn(d.master)
+    ckpt = _read_checkpoint(out / CHECKPOINT_NAME) if cfg.resume else None
+    if ckpt is not None:
+        saved = TrainConfig(**ckpt["config"])
+        _check_resume(saved, cfg)
+        cfg = saved.replace(**{k: getattr(cfg, k) for k in RESUMABLE_CHANGES})
+    if ckpt is None and (out / CHECKPOINT_NAME).exists():
+        raise FileExistsError(f"{out / CHECKPOINT_NAME} exists: pass --resume to continue that run, "
+                              f"or choose another --out (or delete it) to start a new one")
+    if d.master:
+        out.mkdir(parents=True, exist_ok=True)
+    find_shards(cfg.data, "train")  # fail early, with the data module's message, if there are none
+
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    if ckpt is None:
+        raw = _build_model(cfg, log)
+    else:
+        raw = GPT2(GPT2Config(**ckpt["model_config"]))
+        raw.load_state_dict(ckpt["model"])
+    cfg, accum = _resolve(cfg, raw, d.world_size)
+    raw.to(d.device)
+    torch.manual_seed(cfg.seed + d.rank)  # ranks draw different dropout masks
+    if d.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # as nanoGPT/llm.c: TF32 matmuls for float32 on GPUs
+        torch.backends.cudnn.allow_tf32 = True
+
+    optimizer = _make_optimizer(raw, cfg)
+    fwd: nn.Module = torch.compile(raw) if cfg.compile else raw
+    model = fwd
+    if d.enabled:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(fwd, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    B, T, W = cfg.batch_size, cfg.seq_len, d.world_size
+    train_loader = ShardLoader(cfg.data, "train", batch_size=B, seq_len=T, rank=d.rank, world_size=W)
+    val_loader, eval_batches = _val_loader(cfg, d)
+    run = _Run(cfg, d, raw, model, fwd, optimizer, train_loader, val_loader, eval_batches, accum,
+               _autocast(cfg, d.device), out)
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        train_loader.load_state_dict(ckpt["loader"])
+        run.step = int(ckpt["step"])
+        rngs = ckpt["rng"]
+        if len(rngs) == W:
+            _set_rng_state(rngs[d.rank], d.device)
+        else:
+            log(f"warning: the checkpoint was written by {len(rngs)} ranks, this run has {W}: "
+                f"dropout masks will differ from an uninterrupted run")
+        log(f"resuming {out / CHECKPOINT_NAME} at step {run.step}")
+        del ckpt
+    log(f"{W} x {B} x {T} tokens x {accum} micro-steps = {cfg.total_batch_tokens:,} tokens per step, "
+        f"{cfg.max_steps} steps, {cfg.dtype} on {d.device}")
+    return _loop(run, fresh=run.step == 0 and not cfg.resume)
+
+
+def _print_fn(enabled: bool) -> Callable[[str], None]:
+    def log(text: str) -> None:
+        if enabled:
+            print(text, file=sys.stderr, flush=True)
+    return log
+
+
+def _val_loader(cfg: TrainConfig, d: _Dist) -> tuple[ShardLoader | None, int]:
+    try:
+        find_shards(cfg.data, "val")
+    except ValueError:
+        if d.master:
+            warnings.warn(f"{cfg.data} has no val_*.bin shards: no validation loss will be reported",
+                          stacklevel=3)
+        return None, 0
+    B, T, W = cfg.batch_size, cfg.seq_len, d.world_size
+    try:
+        loader = ShardLoader(cfg.data, "val", batch_size=B, seq_len=T, rank=d.rank, world_size=W)
+    except ValueError as e:
+        raise ValueError(f"the validation split is too small to evaluate: {e}; prepare the data with a larger "
+                         f"--val-fraction, or use a smaller --batch-size / --seq-len") from None
+    windows = sum((n - 1) // (W * B * T) for n in loader.counts)
+    return loader, min(cfg.eval_steps, windows)  # at most one pass over the validation split
+
+
+def _loop(run: _Run, *, fresh: bool) -> TrainResult:
+    cfg, d = run.cfg, run.dist
+    metrics = _Metrics(run.out, None if fresh else run.step) if d.master else None
+    reporter = _Reporter(d.master, run.step, cfg.max_steps, cfg.log_every)
+    last_loss = val_loss = None
+    tokens, seconds = 0, 0.0
+    end = cfg.max_steps if cfg.stop_at is None else min(cfg.max_steps, cfg.stop_at)
+    try:
+        with _StopSignal() as stop:
+            if fresh and run.val_loader is not None and cfg.eval_every:
+                val_loss = _evaluate(run, metrics, reporter)
+            while run.step < end:
+                t0 = time.perf_counter()
+                loss, grad_norm, lr, stop_now = _train_step(run, stop.requested)
+                dt = time.perf_counter() - t0
+                run.step += 1
+                tokens += cfg.total_batch_tokens
+                seconds += dt
+                last_loss = loss
+                rec = {"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                       "tokens_per_s": cfg.total_batch_tokens / dt}
+                if metrics is not None:
+                    metrics.log(rec)
+                reporter.step(rec)
+                if stop_now:
+                    _save(run, metrics, model_too=True)
+                    reporter.line(f"stopped at step {run.step}: saved {run.out / CHECKPOINT_NAME} and the model; "
+                                  f"continue with --resume")
+                    raise KeyboardInterrupt
+                last = run.step == end
+                if run.val_loader is not None and (last or (cfg.eval_every and run.step % cfg.eval_every == 0)):
+                    val_loss = _evaluate(run, metrics, reporter)
+                if last or (cfg.save_every and run.step % cfg.save_every == 0):
+                    _save(run, metrics, model_too=last)
+    finally:
+        reporter.close()
+        if metrics is not None:
+            metrics.close()
+    if run.step >= end and tokens == 0:  # nothing to do (e.g. resumed at max_steps): still export
+        _save(run, metrics, model_too=True)
+    if d.master and tokens:
+        reporter.line(f"done: step {run.step}, loss {last_loss:.4f}"
+                      + (f", val loss {val_loss:.4f}" if val_loss is not None else "")
+                      + f", {tokens / seconds:,.0f} tok/s; model in {run.out}")
+    return TrainResult(run.step, last_loss, val_loss, tokens, seconds, run.out)
+
+
+def _batches(run: _Run) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    dev = run.dist.device
+    for _ in range(run.accum):
+        x, y = run.train_loader.next_batch()  # (B, T), (B, T)
+        yield x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+
+
+def _train_step(run: _Run, stop_requested: bool) -> tuple[float, float, float, bool]:
+    """One optimizer step. Returns (mean loss over all ranks, grad norm, lr, whether any rank asked to stop)."""
+    cfg, d, model = run.cfg, run.dist, run.model
+    model.train()
+    loss_sum = torch.zeros((), device=d.device)
+    for i, (x, y) in enumerate(_batches(run)):
+        # Gradients are averaged across ranks on the last micro-step only.
+        sync = i == run.accum - 1 or not d.enabled
+        with contextlib.nullcontext() if sync else model.no_sync():
+            with run.autocast():
+                loss = model(x, targets=y).loss / run.accum
+            loss.backward()
+        loss_sum += loss.detach()
+    # One all-reduce carries the loss and the stop flag, so every rank stops after the same step.
+    stats = d.sum(torch.stack([loss_sum, torch.tensor(float(stop_requested), device=d.device)]))
+    clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # inf: the norm, with no clipping (x1.0)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw.parameters(), clip)
+    lr = learning_rate(run.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+                       max_steps=cfg.max_steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    stats = stats.tolist()
+    return stats[0] / d.world_size, float(grad_norm), lr, stats[1] > 0
+
+
+@torch.no_grad()
+def _evaluate(run: _Run, metrics: _Metrics | None, reporter: _Reporter) -> float:
+    """Mean loss over the first eval_batches batches of the validation split (the same ones every time)."""
+    assert run.val_loader is not None
+    model, d = run.eval_model, run.dist
+    model.eval()
+    run.val_loader.reset()
+    total = torch.zeros((), device=d.device)
+    for _ in range(run.eval_batches):
+        x, y = run.val_loader.next_batch()  # (B, T), (B, T)
+        with run.autocast():
+            total += model(x.to(d.device), targets=y.to(d.device)).loss.float()
+    model.train()
+    val_loss = d.sum(total).item() / (run.eval_batches * d.world_size)
+    reporter.line(f"step {run.step}: val loss {val_loss:.4f}")
+    if metrics is not None:
+        metrics.log({"step": run.step, "val_loss": val_loss})
+        metrics.plot(run.out / PLOT_NAME, f"{run.cfg.model} on {Path(run.cfg.data).name}")
+    return val_loss
+
+
+def _save(run: _Run, metrics: _Metrics | None, *, model_too: bool) -> None:
+    """checkpoint.pt (all ranks gather their RNG states, rank 0 writes) and, if model_too, the HF model."""
+    rngs = run.dist.gather(_rng_state(run.dist.device))
+    if run.dist.master:
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "step": run.step,
+            "config": run.cfg.to_dict(),
+            "model_config": dataclasses.asdict(run.raw.config),
+            "model": run.raw.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "rng": rngs,
+            "loader": run.train_loader.state_dict(),
+            "world_size": run.dist.world_size,
+        }
+        _atomic_write(run.out / CHECKPOINT_NAME, lambda f: torch.save(state, f))
+        if model_too:
+            from gpt2kit.checkpoint import save_model
+
+            save_model(run.raw, run.out)
+            if metrics is not None and metrics.train:
+                metrics.plot(run.out / PLOT_NAME, f"{run.cfg.model} on {Path(run.cfg.data).name}")
+    run.dist.barrier()

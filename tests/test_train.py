@@ -1,0 +1,391 @@
+"""The training loop: schedule, optimizer groups, outputs, exact resume, Ctrl-C, DDP, fine-tuning.
+
+Models are tiny (2 layers, width 32, n_ctx 64, GPT-2's 50257 vocab) and the shards hold random
+tokens below 512, so a run of a few steps takes well under a second. Losses are compared at the
+tolerances the issue states: resume within 1e-6 (float32, CPU), 2 DDP ranks vs 1 within 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2kit.data import write_shard
+from gpt2kit.model import GPT2
+from gpt2kit.train import (
+    CHECKPOINT_NAME,
+    TrainConfig,
+    _make_optimizer,
+    learning_rate,
+    resume_config,
+    train,
+)
+
+TINY = {"model": "gpt2-tiny", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_ctx": 64}
+TINY_FLAGS = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--n-ctx", "64"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """Random tokens with a skewed distribution (so there is something to learn), in llm.c shards."""
+    d = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    probs = 1.0 / np.arange(1, 513)
+    probs /= probs.sum()
+    write_shard(d / "train_000000.bin", rng.choice(512, size=3_000, p=probs))  # crossed mid-run
+    write_shard(d / "train_000001.bin", rng.choice(512, size=20_000, p=probs))
+    write_shard(d / "val_000000.bin", rng.choice(512, size=5_000, p=probs))
+    return d
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and much slower when a busy machine's cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _cfg(shards: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(TINY, data=str(shards), out=str(out), batch_size=4, seq_len=32, max_steps=8,
+                eval_every=4, eval_steps=2, save_every=0, log_every=100)
+    return TrainConfig(**(base | kw))
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in _metrics(out) if "loss" in r]
+
+
+def _val_losses(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["val_loss"]) for r in _metrics(out) if "val_loss" in r]
+
+
+def _assert_same_losses(a: list[tuple[int, float]], b: list[tuple[int, float]], tol: float) -> None:
+    assert [s for s, _ in a] == [s for s, _ in b]
+    worst = max(abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True))
+    assert worst <= tol, f"losses differ by {worst:.3g} > {tol}: {a} vs {b}"
+
+
+# --- schedule, config, optimizer ---------------------------------------------------------------
+
+
+def test_learning_rate_warmup_then_cosine():
+    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    assert [learning_rate(s, **kw) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert learning_rate(10, **kw) == pytest.approx(1.0)  # cosine starts at the peak
+    assert learning_rate(60, **kw) == pytest.approx(0.55)  # halfway: (lr + min_lr) / 2
+    assert learning_rate(110, **kw) == pytest.approx(0.1)
+    assert learning_rate(500, **kw) == pytest.approx(0.1)
+    rates = [learning_rate(s, **kw) for s in range(10, 110)]
+    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
+    assert learning_rate(0, lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=10) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("batch_size", 0, "batch_size"),
+    ("max_steps", -1, "max_steps"),
+    ("lr", 0.0, "lr"),
+    ("min_lr", 1.0, "min_lr"),
+    ("dropout", 1.0, "dropout"),
+    ("dtype", "float16", "float16"),
+    ("grad_clip", -1.0, "grad_clip"),
+    ("total_batch_tokens", 100, "total_batch_tokens 100 is not a multiple of batch_size 4 x seq_len 32"),
+])
+def test_config_rejects_bad_values(tmp_path, field, value, words):
+    with pytest.raises(ValueError, match=words):
+        _cfg(tmp_path, tmp_path / "out", **{field: value})
+
+
+def test_config_normalises_dtype(tmp_path):
+    assert _cfg(tmp_path, tmp_path, dtype="bf16").dtype == "bfloat16"
+    assert _cfg(tmp_path, tmp_path, dtype="fp32").dtype == "float32"
+
+
+def test_batch_must_divide_total_tokens_and_fit_context(shards, tmp_path):
+    with pytest.raises(ValueError, match=r"seq_len 128 exceeds the model's context n_ctx=64"):
+        train(_cfg(shards, tmp_path / "a", seq_len=128))
+    # Without an explicit seq_len the check happens once the model's n_ctx is known.
+    with pytest.raises(ValueError, match=r"total_batch_tokens 1000 is not a multiple of batch_size 4 x "
+                                         r"seq_len 64 x world_size 1 = 256"):
+        train(_cfg(shards, tmp_path / "b", seq_len=None, total_batch_tokens=1000))
+
+
+def test_weight_decay_on_2d_weights_only(tmp_path):
+    model = GPT2.from_name("gpt2-tiny", n_layer=2, n_embd=32, n_head=2, n_ctx=64)
+    opt = _make_optimizer(model, _cfg(tmp_path, tmp_path, weight_decay=0.1))
+    decayed, plain = ({id(p) for p in g["params"]} for g in opt.param_groups)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[i] for i in decayed} >= {"wte.weight", "wpe.weight", "h.0.attn.c_attn.weight",
+                                            "h.1.mlp.c_proj.weight"}
+    assert all(names[i].endswith(".weight") and ".ln_" not in names[i] for i in decayed)
+    assert {names[i] for i in plain} >= {"h.0.attn.c_attn.bias", "h.0.ln_1.weight", "ln_f.weight", "ln_f.bias"}
+    assert decayed | plain == set(names) and not decayed & plain
+    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["fused"]  # fused AdamW exists on CPU
+
+
+# --- a run and its outputs ----------------------------------------------------------------------
+
+
+def test_train_writes_metrics_plot_checkpoint_and_hf_model(shards, tmp_path):
+    out = tmp_path / "run"
+    result = train(_cfg(shards, out, max_steps=12, lr=3e-3, eval_every=4))
+    assert result.step == 12 and result.tokens == 12 * 4 * 32
+    records = _metrics(out)
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert all(set(r) == {"step", "loss", "lr", "grad_norm", "tokens_per_s"} for r in steps)
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in steps)
+    assert [s for s, _ in _val_losses(out)] == [0, 4, 8, 12]
+    assert steps[0]["loss"] == pytest.approx(math.log(50257), abs=0.1)  # GPT-2 init: near-uniform
+    val = [v for _, v in _val_losses(out)]
+    assert val[-1] < val[0] - 0.5, f"validation loss did not fall: {val}"
+    assert result.val_loss == val[-1] and result.loss == steps[-1]["loss"]
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(out.glob(".*.tmp")), "temporary files left behind"
+    ckpt = torch.load(out / CHECKPOINT_NAME, weights_only=True)
+    assert ckpt["step"] == 12 and set(ckpt) >= {"model", "optimizer", "rng", "loader", "config"}
+    assert ckpt["config"]["seq_len"] == 32 and ckpt["config"]["warmup_steps"] == 12 // 20
+
+
+def test_final_model_loads_in_transformers_with_the_same_logits(shards, tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from gpt2kit.checkpoint import load_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "run"
+    train(_cfg(shards, out, max_steps=3, lr=3e-3))
+    trained = GPT2(GPT2.from_name("gpt2-tiny", **{k: TINY[k] for k in TINY if k != "model"}).config)
+    trained.load_state_dict(torch.load(out / CHECKPOINT_NAME, weights_only=True)["model"])
+    trained.eval()
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    idx = torch.randint(0, 50257, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = trained(idx).logits
+        theirs = hf(idx).logits
+        again = load_model(out)(idx).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+    torch.testing.assert_close(again, ours, atol=1e-5, rtol=0)
+
+
+def test_same_seed_same_run_other_seed_other_run(shards, tmp_path):
+    kw = dict(max_steps=4, dropout=0.1, eval_every=0)
+    train(_cfg(shards, tmp_path / "a", **kw))
+    train(_cfg(shards, tmp_path / "b", **kw))
+    train(_cfg(shards, tmp_path / "c", seed=7, **kw))
+    assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
+    assert _losses(tmp_path / "a") != _losses(tmp_path / "c")
+
+
+def test_bf16_autocast_tracks_float32(shards, tmp_path):
+    train(_cfg(shards, tmp_path / "f32", max_steps=4, lr=3e-3, eval_every=0))
+    train(_cfg(shards, tmp_path / "bf16", max_steps=4, lr=3e-3, eval_every=0, dtype="bf16"))
+    a, b = _losses(tmp_path / "f32"), _losses(tmp_path / "bf16")
+    assert a != b  # bf16 matmuls really ran
+    _assert_same_losses(a, b, tol=0.05)
+    saved = torch.load(tmp_path / "bf16" / CHECKPOINT_NAME, weights_only=True)["model"]
+    assert all(t.dtype == torch.float32 for t in saved.values())  # float32 master weights
+
+
+# --- nothing lost -------------------------------------------------------------------------------
+
+
+def test_resume_continues_exactly(shards, tmp_path):
+    """2N steps straight == N steps, --resume, N steps: same per-step losses (float32 CPU, 1e-6).
+
+    With dropout (RNG state), gradient accumulation (loader position mid-step) and a shard boundary
+    crossed after the resume."""
+    kw = dict(max_steps=16, dropout=0.1, total_batch_tokens=4 * 32 * 2, eval_every=4, save_every=0)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(_cfg(shards, straight, **kw))
+    first = train(_cfg(shards, split, stop_at=8, **kw))
+    assert first.step == 8 and (split / CHECKPOINT_NAME).exists() and (split / "config.json").exists()
+    second = train(resume_config(split))
+    assert second.step == 16 and second.tokens == 8 * 256
+    _assert_same_losses(_losses(straight), _losses(split), tol=1e-6)
+    _assert_same_losses(_val_losses(straight), _val_losses(split), tol=1e-6)
+    a = torch.load(straight / CHECKPOINT_NAME, weights_only=True)
+    b = torch.load(split / CHECKPOINT_NAME, weights_only=True)
+    assert a["loader"] == b["loader"] and a["loader"]["shard"] == 1  # the run went on into shard 1
+    for k in a["model"]:
+        torch.testing.assert_close(a["model"][k], b["model"][k], atol=1e-6, rtol=0)
+
+
+def test_resume_after_a_crash_redoes_the_lost_steps(shards, tmp_path):
+    """Steps logged after the last checkpoint are dropped from metrics.jsonl and redone."""
+    kw = dict(max_steps=10, save_every=4, eval_every=0)
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    train(_cfg(shards, straight, **kw))
+    train(_cfg(shards, crashed, stop_at=4, **kw))
+    shutil.copy(crashed / CHECKPOINT_NAME, tmp_path / "step4.pt")
+    train(resume_config(crashed, stop_at=7))  # steps 5-7 logged ...
+    shutil.copy(tmp_path / "step4.pt", crashed / CHECKPOINT_NAME)  # ... but the process died before saving
+    train(resume_config(crashed))
+    _assert_same_losses(_losses(straight), _losses(crashed), tol=1e-6)
+
+
+def test_resume_can_extend_but_not_change_the_run(shards, tmp_path):
+    out = tmp_path / "run"
+    train(_cfg(shards, out, max_steps=4, eval_every=0))
+    with pytest.raises(ValueError, match=r"lr \(checkpoint 0.0006, now 0.001\)"):
+        train(resume_config(out, lr=1e-3))
+    with pytest.raises(FileExistsError, match="pass --resume"):
+        train(_cfg(shards, out, max_steps=4))
+    result = train(resume_config(out, max_steps=6))  # extending the schedule is allowed
+    assert result.step == 6 and [s for s, _ in _losses(out)] == list(range(1, 7))
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint to resume"):
+        resume_config(tmp_path)
+
+
+def test_crash_mid_save_leaves_the_previous_checkpoint_whole(shards, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    train(_cfg(shards, out, max_steps=2, eval_every=0))
+    before = (out / CHECKPOINT_NAME).read_bytes()
+    real_save = torch.save
+
+    def dying_save(obj, f, *args, **kwargs):
+        real_save({"half": torch.zeros(1000)}, f)  # some bytes reach the temporary file ...
+        raise OSError("disk full")  # ... then the save dies
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(OSError, match="disk full"):
+        train(resume_config(out, max_steps=4))
+    assert (out / CHECKPOINT_NAME).read_bytes() == before
+    assert not list(out.glob(".*.tmp"))
+    assert torch.load(out / CHECKPOINT_NAME, weights_only=True)["step"] == 2
+
+
+def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early: {proc.communicate()}")
+        path = out / "metrics.jsonl"
+        if path.exists() and sum('"loss"' in line for line in path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no {n} steps within {timeout}s")
+
+
+def _env() -> dict[str, str]:
+    return os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def test_ctrl_c_saves_a_checkpoint_then_resume_continues(shards, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gpt2kit", "train", "--data", str(shards), "--out", str(out), *TINY_FLAGS,
+           "--batch-size", "4", "--seq-len", "32", "--max-steps", "100000", "--eval-every", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        _wait_for_steps(out, 3, proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "SIGINT received" in err and "continue with --resume" in err
+    ckpt = torch.load(out / CHECKPOINT_NAME, weights_only=True)
+    logged = [s for s, _ in _losses(out)]
+    assert ckpt["step"] >= 3 and logged == list(range(1, ckpt["step"] + 1))
+    assert (out / "config.json").exists()  # the model so far, usable by generate/score
+    result = train(resume_config(out, max_steps=ckpt["step"] + 2, stop_at=None))
+    assert result.step == ckpt["step"] + 2
+
+
+# --- data parallel ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_process(shards, tmp_path):
+    """torchrun with 2 gloo ranks x batch 2 == 1 process x batch 4 (same global batch, 2 micro-steps)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    common = ["--data", str(shards), *TINY_FLAGS, "--seq-len", "32", "--max-steps", "6",
+              "--total-batch-tokens", str(4 * 32 * 2), "--eval-every", "3", "--eval-steps", "2"]
+    one = subprocess.run([sys.executable, "-m", "gpt2kit", "train", *common, "--batch-size", "4",
+                          "--out", str(tmp_path / "one")], capture_output=True, text=True, env=_env(), timeout=300)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "gpt2kit", "train", *common, "--batch-size", "2", "--out", str(tmp_path / "two")],
+                         capture_output=True, text=True, env=_env(), timeout=300)
+    assert two.returncode == 0, two.stderr
+    assert "2 x 2 x 32 tokens x 2 micro-steps" in two.stderr
+    _assert_same_losses(_losses(tmp_path / "one"), _losses(tmp_path / "two"), tol=1e-5)
+    _assert_same_losses(_val_losses(tmp_path / "one"), _val_losses(tmp_path / "two"), tol=1e-5)
+    assert two.stdout.count("model and checkpoint in") == 1  # rank 0 alone reports
+
+
+# --- fine-tuning and the CLI ------------------------------------------------------------------
+
+
+def test_fine_tune_a_saved_checkpoint(shards, tmp_path):
+    from gpt2kit.checkpoint import save_model
+
+    torch.manual_seed(0)
+    base = GPT2.from_name("gpt2-tiny", n_layer=2, n_embd=32, n_head=2, n_ctx=64)
+    save_model(base, tmp_path / "base")
+    with pytest.raises(ValueError, match="--n-layer only apply to from-scratch runs"):
+        train(TrainConfig(data=str(shards), out=str(tmp_path / "x"), model=str(tmp_path / "base"), n_layer=3))
+    ft = dict(data=str(shards), model=str(tmp_path / "base"), batch_size=4, seq_len=32, lr=1e-3, eval_every=0)
+    train(TrainConfig(out=str(tmp_path / "dropout"), max_steps=1, dropout=0.1, **ft))
+    assert torch.load(tmp_path / "dropout" / CHECKPOINT_NAME, weights_only=True)["model_config"]["dropout"] == 0.1
+    out = tmp_path / "ft"
+    train(TrainConfig(out=str(out), max_steps=3, **ft))
+    ckpt = torch.load(out / CHECKPOINT_NAME, weights_only=True)
+    tuned = GPT2(base.config)
+    tuned.load_state_dict(ckpt["model"])  # the base's architecture ...
+    with torch.no_grad():
+        idx = torch.randint(0, 512, (1, 16))
+        assert not torch.equal(tuned.eval()(idx).logits, base.eval()(idx).logits)  # ... with trained weights
+    # The first step's loss is the base model's own loss on the first batch.
+    x = torch.from_numpy(np.fromfile(shards / "train_000000.bin", dtype="<u2", offset=1024)[: 4 * 32 + 1]
+                         .astype(np.int64))
+    with torch.no_grad():
+        want = base(x[:-1].view(4, 32), targets=x[1:].view(4, 32)).loss.item()
+    assert _losses(out)[0][1] == pytest.approx(want, abs=1e-5)
+
+
+def test_cli_prepare_then_train(tmp_path, capsys):
+    from gpt2kit.cli import main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(20):
+        (corpus / f"doc{i}.txt").write_text(f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * 40)
+    assert main(["prepare", str(corpus), "--out", str(tmp_path / "shards"), "--val-fraction", "0.2",
+                 "--workers", "1"]) == 0
+    assert "20 documents" in capsys.readouterr().out
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(tmp_path / "shards"), "--out", str(out), *TINY_FLAGS, "--batch-size", "2",
+            "--seq-len", "32", "--max-steps", "4", "--eval-every", "2", "--eval-steps", "1", "--lr", "3e-3",
+            "--stop-at", "2"]
+    assert main(argv) == 0
+    assert "step 2" in capsys.readouterr().out
+    assert main(["train", "--out", str(out), "--resume"]) == 0  # every other setting comes from the checkpoint
+    assert "step 4" in capsys.readouterr().out
+    assert [s for s, _ in _losses(out)] == [1, 2, 3, 4]
+    assert main(["train", "--data", str(tmp_path / "shards"), "--out", str(tmp_path / "bad"), *TINY_FLAGS,
+                 "--total-batch-tokens", "1000", "--batch-size", "2", "--seq-len", "32"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gpt2kit train: error: total_batch_tokens 1000 is not a multiple of") and err.count("\n") == 1
+    assert main(["train", "--out", str(tmp_path / "nodata")]) == 1
+    assert "--data is required" in capsys.readouterr().err
