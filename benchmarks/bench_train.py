@@ -4,7 +4,8 @@ Both models get the same config, the same initial weights, the same batches (GPT
 Python standard library's own .py files, so it runs offline) and the same step: forward, mean
 next-token cross-entropy, backward, grad-norm clip 1.0, AdamW (fused, betas (0.9, 0.95), weight
 decay 0.1 on 2-D weights), warmup + cosine learning rate. The contenders take their steps in turn,
-round-robin, so a busy machine slows them alike; tokens/s is the median over the timed steps.
+round-robin, so a busy machine slows them alike; tokens/s is the median step time over the rounds
+that every contender took part in (after --warmup untimed steps).
 
     python benchmarks/bench_train.py                 # CPU: gpt2-mini (6 x 384), batch 8 x 256, 2 threads
     python benchmarks/bench_train.py --quick         # fewer steps, a couple of minutes
@@ -17,7 +18,6 @@ loss curve), and transformers' float32 loss curve matches gpt2kit's (the same co
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
 import statistics
@@ -202,15 +202,20 @@ def cpu_name() -> str:
 
 
 def report(contenders, args, tokens_per_step, cfg, n_params, device, wall) -> None:
-    rate = {c.name: tokens_per_step / statistics.median(c.times[args.warmup:] or c.times) for c in contenders}
+    # Only the rounds every contender took part in: the same moments of a busy machine for all.
+    common = min(len(c.times) for c in contenders)
+    window = slice(args.warmup, common) if common > args.warmup else slice(0, common)
+    rate = {c.name: tokens_per_step / statistics.median(c.times[window]) for c in contenders}
     base = rate["transformers float32"]
     flops_per_token = 6 * (n_params - cfg.n_ctx * cfg.n_embd) + 12 * cfg.n_layer * args.seq_len * cfg.n_embd
     print()
-    print("| run | tokens/s | vs transformers float32 | loss at last step |" + (" MFU |" if device.type == "cuda" else ""))
-    print("|---|---:|---:|---|" + ("---:|" if device.type == "cuda" else ""))
+    gpu = device.type == "cuda"
+    print("| run | tokens/s | vs transformers float32 | loss at last step |" + (" MFU |" if gpu else ""))
+    print("|---|---:|---:|---|" + ("---:|" if gpu else ""))
     for c in contenders:
-        row = f"| {c.name} | {rate[c.name]:,.0f} | {rate[c.name] / base:.2f}x | {c.losses[-1]:.4f} (step {len(c.losses)}) |"
-        if device.type == "cuda":
+        row = (f"| {c.name} | {rate[c.name]:,.0f} | {rate[c.name] / base:.2f}x | "
+               f"{c.losses[-1]:.4f} (step {len(c.losses)}) |")
+        if gpu:
             peak = peak_flops(device, c.bf16, args.peak_tflops)
             row += f" {rate[c.name] * flops_per_token / peak:.1%} |" if peak else " ? |"
         print(row)
@@ -223,6 +228,7 @@ def report(contenders, args, tokens_per_step, cfg, n_params, device, wall) -> No
           f"{rel:.2%} apart -> {'OK' if rel <= 0.02 else 'FAIL'} (limit 2%)")
     print(f"same computation, transformers vs gpt2kit float32 over {len(hf)} steps: max |loss difference| "
           f"{curve:.2e} -> {'OK' if curve <= 1e-3 else 'FAIL'} (limit 1e-3)")
+    print(f"tokens/s: median step time over steps {window.start + 1}-{window.stop}, which every run took part in")
     print(f"targets: float32 {rate['gpt2kit float32'] / base:.2f}x (>= 1.0x), "
           f"bf16 {rate['gpt2kit bfloat16 autocast'] / base:.2f}x (>= 1.5x); wall {wall:.0f}s")
 

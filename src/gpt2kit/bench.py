@@ -72,7 +72,24 @@ def _cpu_ticks() -> tuple[int, int] | None:
     return sum(v) - v[3] - v[4], round((t.user + t.system) * os.sysconf("SC_CLK_TCK"))
 
 
-def _trial(fn: Callable[[], object]) -> tuple[float, bool]:
+def _wait_for_idle(max_wait: float, idle: float = 1.0) -> None:
+    """On a shared machine, wait (at most max_wait s) until other processes have left the CPU
+    alone for `idle` seconds, so that a trial has a chance to be quiet."""
+    start = last = _cpu_ticks()
+    if start is None:
+        return
+    t0 = quiet_since = time.monotonic()
+    while time.monotonic() - t0 < max_wait and time.monotonic() - quiet_since < idle:
+        time.sleep(0.2)
+        now = _cpu_ticks()
+        if (now[0] - last[0]) - (now[1] - last[1]) > 4:  # over ~20% of a core in 0.2 s
+            quiet_since = time.monotonic()
+        last = now
+
+
+def _trial(fn: Callable[[], object], wait: float = 0.0) -> tuple[float, bool]:
+    if wait:
+        _wait_for_idle(wait)
     before = _cpu_ticks()
     t0 = time.perf_counter()
     fn()
@@ -84,8 +101,10 @@ def _trial(fn: Callable[[], object]) -> tuple[float, bool]:
     return dt, others <= 2 + dt  # a tick or two of noise (the kernel, this shell) is no contention
 
 
-def time_alternating(fns: dict[str, Callable[[], object]], trials: int, max_trials: int) -> dict[str, Timing]:
-    """Best wall time of each fn, running them in turn; stop once each has `trials` quiet trials."""
+def time_alternating(fns: dict[str, Callable[[], object]], trials: int, max_trials: int,
+                     wait: float = 0.0) -> dict[str, Timing]:
+    """Best wall time of each fn, running them in turn; stop once each has `trials` quiet trials.
+    wait: before each trial, wait up to this many seconds for other processes to leave the CPU."""
     results = {k: Timing(float("inf"), 0, 0) for k in fns}
     quiet_times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(max_trials):
@@ -93,7 +112,7 @@ def time_alternating(fns: dict[str, Callable[[], object]], trials: int, max_tria
             r = results[name]
             if r.quiet >= trials:
                 continue
-            dt, quiet = _trial(fn)
+            dt, quiet = _trial(fn, wait)
             r.trials += 1
             if quiet:
                 r.quiet += 1
@@ -259,9 +278,10 @@ def machine() -> dict[str, object]:
             "python": platform.python_version(), "threads": torch.get_num_threads()}
 
 
-def run(quick: bool = False, threads: int | None = None, memory: bool = True,
+def run(quick: bool = False, threads: int | None = None, memory: bool = True, wait: float = 0.0,
         log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
-    """Run the benchmark; returns the results (also what `format_table` prints)."""
+    """Run the benchmark; returns the results (also what `format_table` prints). wait: seconds to
+    wait, before each trial, for other processes to leave the CPU (for shared machines)."""
     if threads is not None:
         torch.set_num_threads(threads)
     threads = torch.get_num_threads()
@@ -293,7 +313,7 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True,
                 B = 1 if wl == "decode_b1" else 8
                 fns[name] = make_decode(model, prompts[B], n, greedy.get(name) if B == 1 else None)
             fns[name]()  # warm-up (and, at batch 1, the greedy tokens)
-        timings = time_alternating(fns, trials, max_trials)
+        timings = time_alternating(fns, trials, max_trials, wait)
         results["tok_s"][wl] = {k: tokens / t.seconds for k, t in timings.items()}
         results["quiet"][wl] = {k: f"{t.quiet}/{t.trials}" for k, t in timings.items()}
     results["greedy_identical"] = greedy["transformers/float32"] == greedy["gpt2kit/float32"]
@@ -372,6 +392,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="before each trial, wait up to S seconds for other processes to leave the CPU")
     p.add_argument("--_memory-worker", nargs=5, default=None, help=argparse.SUPPRESS)
 
 
@@ -382,7 +404,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 0
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    results = run(quick=args.quick, threads=args.threads, memory=not args.no_memory)
+    results = run(quick=args.quick, threads=args.threads, memory=not args.no_memory, wait=args.wait)
     print(format_table(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -371,6 +371,8 @@ def _register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="before each trial, wait up to S seconds for other processes to leave the CPU")
     p.set_defaults(func=cmd_bench)
 
 

@@ -35,22 +35,23 @@ class GPT2Output(NamedTuple):
     loss: torch.Tensor | None = None  # mean next-token cross-entropy, when targets were given
 
 
-# Decoding pushes a handful of rows through each weight matrix, and there the weights' bytes are
-# the whole cost. As x @ W^T (F.linear), MKL and oneDNN re-pack the (out, in) matrix on every call;
-# as W @ x^T (torch.mv for one row) they stream it once: 1.2-2.5x faster for 1-16 rows on a 2-core
-# Xeon in float32 and bfloat16 (docs/benchmarks.md). More rows (prefill, training) keep F.linear.
+# Decoding pushes a handful of rows through each weight matrix, so the weights' bytes are the whole
+# cost and the GEMM kernel's handling of a tiny M decides the speed. For bfloat16/float16 on CPU,
+# x @ W^T (F.linear) is slow there, while W @ x^T (torch.mv for one row) reads a row-major W
+# 1.3-1.5x faster for 1-16 rows on a 2-core Xeon (docs/benchmarks.md). float32 keeps F.linear:
+# MKL is fastest when W is stored (in, out), the layout generation puts it in (decode_layout).
 _FEW_ROWS = 16
 
 
 def _matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): x (..., in), weight (out, in) -> (..., out)."""
     rows = x.numel() // x.shape[-1]
-    if rows > _FEW_ROWS or x.device.type != "cpu":
+    if (rows > _FEW_ROWS or x.device.type != "cpu" or weight.dtype == torch.float32
+            or not weight.is_contiguous()):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])  # (R, in)
     if rows == 1:
-        y = torch.mv(weight, x2[0])[None]  # (1, out)
-        y = y + bias if bias is not None else y
+        y = (torch.mv(weight, x2[0]) if bias is None else torch.addmv(bias, weight, x2[0]))[None]  # (1, out)
     elif bias is not None:
         y = torch.addmm(bias[:, None], weight, x2.t()).t()  # (R, out)
     else:
