@@ -77,6 +77,10 @@ def test_prompt_checks(model):
         generate(model, [[1]], SamplingSettings(stop_strings=("x",)))
     with pytest.raises(ValueError, match="batch_size"):
         generate(model, [[1]], GREEDY, batch_size=0)
+    with pytest.raises(ValueError, match="empty"):
+        generate_stream(model, [[1], []], GREEDY)  # raised at the call, not at the first step
+    ids = torch.tensor([PROMPTS[0]])
+    assert tokens_of(generate(model, ids, GREEDY)) == tokens_of(generate(model, [PROMPTS[0]], GREEDY))
 
 
 # --- warpers against transformers and by hand -----------------------------------------------

@@ -328,7 +328,8 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
 
     Rows are the prompts x settings.num_samples (sequence index prompt_index * num_samples +
     sample_index), run batch_size rows at a time (default: all at once). With a tokenizer, each
-    step also carries the new text of each row and stop_strings apply.
+    step also carries the new text of each row and stop_strings apply. Bad arguments raise
+    ValueError here, before the first step.
     """
     settings = settings or SamplingSettings()
     cfg = model.config
@@ -356,10 +357,14 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
             gen = None if settings.greedy else row_generator(seed, j, device)
             text = _RowText(tokenizer, settings.stop_strings) if tokenizer is not None else None
             rows.append(_Row(i * settings.num_samples + j, list(prompt), gen, text))
-    batch_size = batch_size or len(rows)
-    was_training = model.training
-    model.eval()
     decode_layout(model)
+    return _stream(model, rows, settings, window, batch_size or len(rows))
+
+
+def _stream(model: GPT2, rows: list[_Row], settings: SamplingSettings, window: int,
+            batch_size: int) -> Iterator[Step]:
+    was_training = model.training
+    model.eval()  # dropout off while generating; restored when the iterator ends or is closed
     try:
         for start in range(0, len(rows), batch_size):
             yield from _run_batch(model, rows[start:start + batch_size], settings, window)
@@ -368,6 +373,8 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]], n_vocab: int) -> list[list[int]]:
+    if isinstance(prompts, torch.Tensor) and prompts.dim() == 2:
+        prompts = prompts.tolist()  # (B, T) of ids
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     out = []
