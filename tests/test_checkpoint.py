@@ -264,3 +264,13 @@ def test_golden_greedy_continuation_of_the_dog(monkeypatch):
             ids = torch.cat([ids, nxt], 1)
     assert ids[0].tolist() == [464, 3290, 373, 1043, 287, 257, 2214, 1474, 262, 16246, 286, 2688, 290, 2688,
                                27262, 13, 198, 198, 464, 3290]
+
+
+def test_saved_files_get_the_umask_mode_not_0600(tmp_path):
+    old = os.umask(0o022)
+    try:
+        save_model(load_model(FIXTURE_TF), tmp_path)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "config.json").stat().st_mode & 0o777 == 0o644

@@ -28,6 +28,8 @@ from typing import IO, TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
+from gpt2kit._io import file_mode
+
 if TYPE_CHECKING:
     import torch
 
@@ -52,6 +54,7 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, file_mode())  # mkstemp makes 0600; give the file the mode open() would
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

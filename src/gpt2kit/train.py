@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gpt2kit._io import file_mode
 from gpt2kit.config import PRESETS, GPT2Config
 from gpt2kit.data import ShardLoader, find_shards
 from gpt2kit.model import GPT2
@@ -258,7 +259,7 @@ def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> Non
     """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, _file_mode())  # mkstemp makes 0600; give the file the mode open() would
+        os.fchmod(fd, file_mode())  # mkstemp makes 0600; give the file the mode open() would
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -277,12 +278,6 @@ def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> Non
 
 
 @functools.cache
-def _file_mode() -> int:
-    umask = os.umask(0o022)  # reading the umask means setting it; put it straight back
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def _read_checkpoint(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no checkpoint to resume from (train without --resume first)")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from gpt2kit._io import file_mode
 from gpt2kit.checkpoint.errors import CheckpointError
 from gpt2kit.checkpoint.keymap import HF_SKIPPED, HF_TIED, hf_to_ours, is_transposed, ours_to_hf
 from gpt2kit.config import GPT2Config
@@ -148,6 +149,7 @@ def _atomic_write(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, file_mode())  # mkstemp makes 0600; give the file the mode open() would
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
