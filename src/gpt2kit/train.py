@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import io
 import json
 import math
@@ -277,7 +276,6 @@ def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> Non
             os.close(dir_fd)
 
 
-@functools.cache
 def _read_checkpoint(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no checkpoint to resume from (train without --resume first)")
