@@ -316,6 +316,8 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
         timings = time_alternating(fns, trials, max_trials, wait)
         results["tok_s"][wl] = {k: tokens / t.seconds for k, t in timings.items()}
         results["quiet"][wl] = {k: f"{t.quiet}/{t.trials}" for k, t in timings.items()}
+        log("    " + ", ".join(f"{k} {v:.1f} tok/s ({results['quiet'][wl][k]} quiet)"
+                               for k, v in results["tok_s"][wl].items()))
     results["greedy_identical"] = greedy["transformers/float32"] == greedy["gpt2kit/float32"]
 
     from gpt2kit.tokenizer import Tokenizer
