@@ -19,16 +19,15 @@ import math
 import multiprocessing as mp
 import os
 import re
-import tempfile
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
 
-from gpt2kit._io import file_mode
+from gpt2kit._io import atomic_write
 
 if TYPE_CHECKING:
     import torch
@@ -47,22 +46,6 @@ class ShardError(ValueError):
 
 # ---------------------------------------------------------------------------------------------
 # one shard: write, validate, read
-
-
-def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write via a temporary file in the same directory, then os.replace: readers never see half a file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, file_mode())  # mkstemp makes 0600; give the file the mode open() would
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int]) -> None:
@@ -87,7 +70,7 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int]) -> 
         f.write(header.tobytes())
         f.write(payload.tobytes())
 
-    _atomic_write(Path(path), write)
+    atomic_write(Path(path), write)
 
 
 def _shard_token_count(path: Path) -> int:
@@ -382,7 +365,7 @@ def prepare(
         "val_fraction": val_fraction,
         "shard_size": shard_size,
     }
-    _atomic_write(out / "prepare.json", lambda f: f.write(json.dumps(record, indent=2).encode() + b"\n"))
+    atomic_write(out / "prepare.json", lambda f: f.write(json.dumps(record, indent=2).encode() + b"\n"))
     return summary
 
 

@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import json
 import math
 import os
 import random
 import signal
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -46,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gpt2kit._io import file_mode
+from gpt2kit._io import atomic_write
 from gpt2kit.config import PRESETS, GPT2Config
 from gpt2kit.data import ShardLoader, find_shards
 from gpt2kit.model import GPT2
@@ -251,31 +249,6 @@ def _teardown_dist(d: _Dist) -> None:
 # files: atomic writes, the checkpoint, metrics, the plot
 
 
-def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> None:
-    """Write through a temporary file in the same directory, fsync, then rename over `path`.
-
-    A crash (or a second Ctrl-C) at any point leaves the previous file whole.
-    """
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, file_mode())  # mkstemp makes 0600; give the file the mode open() would
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
 def _read_checkpoint(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no checkpoint to resume from (train without --resume first)")
@@ -328,7 +301,7 @@ class _Metrics:
                 if isinstance(rec, dict) and rec.get("step", math.inf) <= resume_step:
                     lines.append(line)
                     self._remember(rec)
-        _atomic_write(self.path, lambda f: f.write("".join(x + "\n" for x in lines).encode()))
+        atomic_write(self.path, lambda f: f.write("".join(x + "\n" for x in lines).encode()))
         self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def _remember(self, rec: dict[str, Any]) -> None:
@@ -359,7 +332,7 @@ class _Metrics:
         ax.grid(alpha=0.3)
         if self.train or self.val:
             ax.legend()
-        _atomic_write(path, lambda f: fig.savefig(f, format="png"))
+        atomic_write(path, lambda f: fig.savefig(f, format="png"))
 
     def close(self) -> None:
         self.file.close()
@@ -756,7 +729,7 @@ def _save(run: _Run, metrics: _Metrics | None, *, model_too: bool) -> None:
             "loader": run.train_loader.state_dict(),
             "world_size": run.dist.world_size,
         }
-        _atomic_write(run.out / CHECKPOINT_NAME, lambda f: torch.save(state, f))
+        atomic_write(run.out / CHECKPOINT_NAME, lambda f: torch.save(state, f))
         if model_too:
             from gpt2kit.checkpoint import save_model
 
