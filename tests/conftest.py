@@ -69,3 +69,20 @@ def random_model(cfg: GPT2Config = TINY, seed: int = 0) -> GPT2:
 @pytest.fixture
 def tiny_model() -> GPT2:
     return random_model()
+
+
+def cached_real_gpt2() -> str | None:
+    """The hub name under which the real gpt2 weights sit in the local HF cache, or None."""
+    from pathlib import Path
+
+    from gpt2kit.checkpoint.hub import hub_cache_dir
+
+    hub = Path(hub_cache_dir())
+    for name in ("openai-community/gpt2", "gpt2"):
+        if (hub / ("models--" + name.replace("/", "--")) / "snapshots").is_dir():
+            return name
+    return None
+
+
+needs_real_gpt2 = pytest.mark.skipif(cached_real_gpt2() is None,
+                                     reason="the real gpt2 weights are not in the local HF cache")

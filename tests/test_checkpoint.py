@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, random_hf_model
+from conftest import TINY, cached_real_gpt2, needs_real_gpt2, random_hf_model
 
 from gpt2kit.checkpoint import CheckpointError, describe, load_model, load_tokenizer, save_model
 from gpt2kit.config import GPT2Config
@@ -242,19 +242,10 @@ def test_hf_home_is_honoured(tmp_path, monkeypatch):
 
 # --- real weights: only when they are already cached -----------------------------------------
 
-def _real_gpt2_cached() -> bool:
-    from gpt2kit.checkpoint.hub import hub_cache_dir
-
-    hub = Path(hub_cache_dir())
-    return any((hub / d / "snapshots").is_dir() for d in ("models--gpt2", "models--openai-community--gpt2"))
-
-
-@pytest.mark.skipif(not _real_gpt2_cached(), reason="the real gpt2 weights are not in the local HF cache")
+@needs_real_gpt2
 def test_golden_greedy_continuation_of_the_dog(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    name = "openai-community/gpt2" if os.path.isdir(
-        Path(__import__("gpt2kit.checkpoint.hub", fromlist=["x"]).hub_cache_dir())
-        / "models--openai-community--gpt2") else "gpt2"
+    name = cached_real_gpt2()
     model = load_model(name)
     assert model.num_parameters() == 124_439_808
     ids = torch.tensor([[464, 3290]])

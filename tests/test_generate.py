@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import hf_from_ours, random_model
+from conftest import cached_real_gpt2, hf_from_ours, needs_real_gpt2, random_model
 from helpers_generate import SMALL, varied_model
 
 from gpt2kit import generate as gen
@@ -80,7 +80,9 @@ def test_prompt_checks(model):
     with pytest.raises(ValueError, match="empty"):
         generate_stream(model, [[1], []], GREEDY)  # raised at the call, not at the first step
     ids = torch.tensor([PROMPTS[0]])
-    assert tokens_of(generate(model, ids, GREEDY)) == tokens_of(generate(model, [PROMPTS[0]], GREEDY))
+    from_tensor = generate(model, ids, GREEDY)[0]
+    assert from_tensor.prompt_tokens == PROMPTS[0]
+    assert from_tensor.tokens == generate(model, [PROMPTS[0]], GREEDY)[0].tokens
 
 
 # --- warpers against transformers and by hand -----------------------------------------------
@@ -419,6 +421,18 @@ def test_bfloat16_model_generates(model):
     g16 = tokens_of(generate(m16, PROMPTS, GREEDY))
     g32 = tokens_of(generate(model, PROMPTS, GREEDY))
     assert [t[0] for t in g16] == [t[0] for t in g32]
+
+
+@needs_real_gpt2
+def test_golden_greedy_generation_with_real_weights(monkeypatch):
+    from gpt2kit.checkpoint import load_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = load_model(cached_real_gpt2())
+    got = generate(model, [[464, 3290]], SamplingSettings(temperature=0, max_new_tokens=18, stop_token_ids=()))
+    # "The dog was found in a field near the intersection of West and West Streets.\n\nThe dog"
+    assert got[0].tokens == [373, 1043, 287, 257, 2214, 1474, 262, 16246, 286, 2688, 290, 2688, 27262, 13,
+                             198, 198, 464, 3290]
 
 
 # --- CLI --------------------------------------------------------------------------------------
