@@ -232,6 +232,8 @@ def prefill(model: GPT2, idx: torch.Tensor, attention_mask: torch.Tensor | None,
 def decode_one_token(model: GPT2, tok: torch.Tensor, attention_mask: torch.Tensor | None,
                      cache: KVCache) -> torch.Tensor:
     """Feed tok (B, 1) at position cache.length; attention_mask (B, P + 1) or None; logits (B, V)."""
+    if not model.training:
+        return model.decode_step(tok, cache, attention_mask)  # the same logits, less overhead
     out = model._forward(tok, past=None, attention_mask=attention_mask, targets=None, use_cache=False,
                          cache=cache, last_logits_only=True, ignore_index=-100, P=cache.length)
     return out.logits[:, -1]  # (B, V)

@@ -232,6 +232,45 @@ class GPT2(nn.Module):
                                    ignore_index=ignore_index)
         return GPT2Output(logits, present, loss)
 
+    def decode_step(self, idx: torch.Tensor, cache: KVCache,
+                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One new token per row: idx (B, 1) at position P = cache.length -> logits (B, V).
+
+        attention_mask (B, P + 1) as in forward, or None. The same computation as
+        ``forward(idx, cache=cache, attention_mask=attention_mask, last_logits_only=True)`` in
+        eval mode (same ops on the same values, so the same logits), written flat: no module
+        calls or dropout, the mask and positions built once, q/k/v as views of the fused c_attn
+        output. A decode step streams every weight once, and the per-op Python overhead the
+        flat form removes is 5-10% of a CPU step (docs/benchmarks.md). No input checks: for
+        callers whose ids, cache and mask are valid by construction (generation).
+        """
+        if self.training:
+            raise ValueError("decode_step is for inference: call model.eval() first (dropout would be skipped)")
+        cfg = self.config
+        B, C, nh, eps = idx.shape[0], cfg.n_embd, cfg.n_head, cfg.layer_norm_eps
+        hs = C // nh
+        P = cache.length
+        if attention_mask is None:
+            pos, mask = P, None
+        else:
+            pos = (attention_mask.sum(-1) - 1).clamp_(min=0)  # (B,): real tokens before this one
+            mask = attention_mask.bool()[:, None, None, :].clone()  # (B, 1, 1, P + 1)
+            mask[..., P] = True  # the query sees itself even when its slot is padding (no NaN)
+        x = F.embedding(idx[:, 0], self.wte.weight) + self.wpe.weight[pos]  # (B, C)
+        for i, block in enumerate(self.h):
+            attn, mlp = block.attn, block.mlp
+            h = F.layer_norm(x, (C,), block.ln_1.weight, block.ln_1.bias, eps)
+            qkv = _linear(h, attn.c_attn)  # (B, 3C)
+            q, k, v = (qkv[:, j * C:(j + 1) * C].view(B, nh, 1, hs) for j in range(3))  # (B, nh, 1, hs)
+            k, v = cache.update(i, k, v)  # (B, nh, P + 1, hs)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, 1, hs)
+            x = x + _linear(y.view(B, C), attn.c_proj)
+            h = F.layer_norm(x, (C,), block.ln_2.weight, block.ln_2.bias, eps)
+            x = x + _linear(F.gelu(_linear(h, mlp.c_fc), approximate="tanh"), mlp.c_proj)
+        cache.length = P + 1
+        x = F.layer_norm(x, (C,), self.ln_f.weight, self.ln_f.bias, eps)
+        return _matmul_t(x, self.wte.weight[: cfg.n_vocab])  # (B, V): tied LM head
+
     @staticmethod
     def _attention_mask(attention_mask: torch.Tensor | None, P: int, T: int,
                         device: torch.device) -> torch.Tensor | str | None:
