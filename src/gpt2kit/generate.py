@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpt2kit.kv_cache import KVCache
+from gpt2kit.packed import PackedWeights, packed_weights
 
 if TYPE_CHECKING:
     from gpt2kit.model import GPT2
@@ -66,6 +67,9 @@ class SamplingSettings:
     num_samples: int = 1  # rows per prompt
     strict: bool = False  # past n_ctx: raise up front instead of re-encoding a window
     window: int | None = None  # tokens kept when re-encoding past n_ctx; None = n_ctx // 2
+    # CPU decode steps with oneDNN-prepacked copies of the weight matrices (gpt2kit.packed: faster,
+    # a second copy of them in memory); None = where it is faster and the copy fits, True/False.
+    pack_weights: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -87,6 +91,8 @@ class SamplingSettings:
         _check_int("num_samples", self.num_samples, ">= 1", lambda v: v >= 1)
         if self.window is not None:
             _check_int("window", self.window, ">= 1", lambda v: v >= 1)
+        if self.pack_weights not in (None, True, False):
+            raise ValueError(f"pack_weights must be None (auto), True or False, got {self.pack_weights!r}")
 
     @property
     def greedy(self) -> bool:
@@ -230,10 +236,11 @@ def prefill(model: GPT2, idx: torch.Tensor, attention_mask: torch.Tensor | None,
 
 @torch.inference_mode()
 def decode_one_token(model: GPT2, tok: torch.Tensor, attention_mask: torch.Tensor | None,
-                     cache: KVCache) -> torch.Tensor:
-    """Feed tok (B, 1) at position cache.length; attention_mask (B, P + 1) or None; logits (B, V)."""
+                     cache: KVCache, packed: PackedWeights | None = None) -> torch.Tensor:
+    """Feed tok (B, 1) at position cache.length; attention_mask (B, P + 1) or None; logits (B, V).
+    packed: prepacked matrices for the step (gpt2kit.packed.packed_weights), or None."""
     if not model.training:
-        return model.decode_step(tok, cache, attention_mask)  # the same logits, less overhead
+        return model.decode_step(tok, cache, attention_mask, packed)  # the same logits, less overhead
     out = model._forward(tok, past=None, attention_mask=attention_mask, targets=None, use_cache=False,
                          cache=cache, last_logits_only=True, ignore_index=-100, P=cache.length)
     return out.logits[:, -1]  # (B, V)
@@ -430,6 +437,7 @@ class _Batch:
         idx, self.mask = idx.to(self.device), self.mask.to(self.device)
         self.padded = any(len(c) < T for c in contexts)
         self.cache = KVCache.for_model(self.model, B, M)
+        self.packed = packed_weights(self.model, B, self.settings.pack_weights)
         return prefill(self.model, idx, self.mask[:, :T] if self.padded else None, self.cache)
 
     @torch.inference_mode()
@@ -441,7 +449,7 @@ class _Batch:
             return self.encode(rows)  # context full: re-encode the recent window (module doc)
         P = self.cache.length
         mask = self.mask[:, : P + 1] if self.padded else None  # (B, P + 1)
-        return decode_one_token(self.model, tok[:, None], mask, self.cache)
+        return decode_one_token(self.model, tok[:, None], mask, self.cache, self.packed)
 
     @torch.inference_mode()
     def keep(self, keep: list[int]) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from gpt2kit.config import GPT2Config
 from gpt2kit.kv_cache import KVCache
+from gpt2kit.packed import PackedWeights
 
 # Passed as the attention mask when the plain causal mask applies (no cache, no padding), so
 # SDPA can use its is_causal fast path instead of a materialised (T, S) mask.
@@ -232,8 +233,8 @@ class GPT2(nn.Module):
                                    ignore_index=ignore_index)
         return GPT2Output(logits, present, loss)
 
-    def decode_step(self, idx: torch.Tensor, cache: KVCache,
-                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_step(self, idx: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None,
+                    packed: PackedWeights | None = None) -> torch.Tensor:
         """One new token per row: idx (B, 1) at position P = cache.length -> logits (B, V).
 
         attention_mask (B, P + 1) as in forward, or None. The same computation as
@@ -242,7 +243,8 @@ class GPT2(nn.Module):
         calls or dropout, the mask and positions built once, q/k/v as views of the fused c_attn
         output. A decode step streams every weight once, and the per-op Python overhead the
         flat form removes is 5-10% of a CPU step (docs/benchmarks.md). No input checks: for
-        callers whose ids, cache and mask are valid by construction (generation).
+        callers whose ids, cache and mask are valid by construction (generation). packed: the
+        oneDNN-prepacked matrices to multiply by (gpt2kit.packed; the same values, another kernel).
         """
         if self.training:
             raise ValueError("decode_step is for inference: call model.eval() first (dropout would be skipped)")
@@ -250,6 +252,11 @@ class GPT2(nn.Module):
         B, C, nh, eps = idx.shape[0], cfg.n_embd, cfg.n_head, cfg.layer_norm_eps
         hs = C // nh
         P = cache.length
+
+        def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+            y = packed.linear(x, layer.weight, layer.bias) if packed is not None else None
+            return _linear(x, layer) if y is None else y
+
         if attention_mask is None:
             pos, mask = P, None
         else:
@@ -260,16 +267,17 @@ class GPT2(nn.Module):
         for i, block in enumerate(self.h):
             attn, mlp = block.attn, block.mlp
             h = F.layer_norm(x, (C,), block.ln_1.weight, block.ln_1.bias, eps)
-            qkv = _linear(h, attn.c_attn)  # (B, 3C)
+            qkv = linear(h, attn.c_attn)  # (B, 3C)
             q, k, v = (qkv[:, j * C:(j + 1) * C].view(B, nh, 1, hs) for j in range(3))  # (B, nh, 1, hs)
             k, v = cache.update(i, k, v)  # (B, nh, P + 1, hs)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, 1, hs)
-            x = x + _linear(y.view(B, C), attn.c_proj)
+            x = x + linear(y.view(B, C), attn.c_proj)
             h = F.layer_norm(x, (C,), block.ln_2.weight, block.ln_2.bias, eps)
-            x = x + _linear(F.gelu(_linear(h, mlp.c_fc), approximate="tanh"), mlp.c_proj)
+            x = x + linear(F.gelu(linear(h, mlp.c_fc), approximate="tanh"), mlp.c_proj)
         cache.length = P + 1
         x = F.layer_norm(x, (C,), self.ln_f.weight, self.ln_f.bias, eps)
-        return _matmul_t(x, self.wte.weight[: cfg.n_vocab])  # (B, V): tied LM head
+        logits = packed.linear(x, self.wte.weight, None, cfg.n_vocab) if packed is not None else None
+        return _matmul_t(x, self.wte.weight[: cfg.n_vocab]) if logits is None else logits  # (B, V): tied LM head
 
     @staticmethod
     def _attention_mask(attention_mask: torch.Tensor | None, P: int, T: int,

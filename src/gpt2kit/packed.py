@@ -1,0 +1,121 @@
+"""oneDNN-prepacked copies of a model's weight matrices, for CPU decode steps.
+
+A decode step pushes a handful of rows through every matrix, so the matrices' bytes are its whole
+cost, and how fast a kernel streams them depends on their memory layout. oneDNN can reorder a
+weight once into the blocked layout its kernels read best ("prepacking", what inductor's
+freezing and IPEX do); on a 2-core Xeon that makes a float32 step of 2-16 rows ~15% faster than
+MKL on the plain matrix and a bfloat16 step ~7% faster (docs/benchmarks.md). A float32 single row
+is faster without it (MKL's mat-vec), so it keeps the plain path.
+
+The price is a second copy of the matrices (the embedding/LM head included) while packed copies
+exist. They are made on first use, kept for the next generation (keyed by the model, checked
+against each weight's storage and version, so training or model.to() invalidates them) and
+dropped with the model or by release(model). packed_weights(model, ..., enabled=None) packs only
+where it helps and the copy fits: CPU, oneDNN present, float32 (batches of 2+) or bfloat16 on a
+CPU with native bf16, and MemAvailable at least twice the copy's size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+_PACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model -> PackedWeights
+
+
+class PackedWeights:
+    """Packed copies of a model's matrices, looked up by the Parameter they copy."""
+
+    def __init__(self, hint: int) -> None:
+        self.hint = hint  # the row count the packing was tuned for (1, or 8 for "a few")
+        self._mats: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(param) -> (ptr, version, packed)
+
+    def refresh(self, params: list[torch.Tensor]) -> None:
+        """(Re)pack every matrix whose storage or contents changed since it was packed."""
+        with torch.no_grad():
+            for p in params:
+                key = (p.data_ptr(), p._version)
+                have = self._mats.get(id(p))
+                if have is None or have[:2] != key:
+                    # The LM head uses the first n_vocab rows; padding rows are packed too (harmless).
+                    packed = torch.ops.mkldnn._reorder_linear_weight(p.detach().contiguous(), self.hint)
+                    self._mats[id(p)] = (*key, packed)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               n_out: int | None = None) -> torch.Tensor | None:
+        """x (R, in) @ weight^T + bias with the packed copy of `weight`, or None when there is
+        none or the plain kernel is faster (a float32 single row). n_out keeps the first outputs."""
+        have = self._mats.get(id(weight))
+        if have is None or (x.shape[0] == 1 and x.dtype == torch.float32):
+            return None
+        y = torch.ops.mkldnn._linear_pointwise(x, have[2], bias, "none", [], "")
+        return y if n_out is None or n_out == y.shape[-1] else y[:, :n_out]
+
+    def nbytes(self) -> int:
+        return sum(t.shape.numel() * t.element_size() for _, _, t in self._mats.values())
+
+
+def _matrices(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The matrices a decode step multiplies by: the blocks' four and the tied LM head (wte)."""
+    mats = [model.wte.weight]
+    for block in model.h:
+        mats += [block.attn.c_attn.weight, block.attn.c_proj.weight, block.mlp.c_fc.weight, block.mlp.c_proj.weight]
+    return mats
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def supported(dtype: torch.dtype, batch_size: int) -> bool:
+    """Whether packing speeds up a CPU decode step of this dtype and batch size here."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return batch_size >= 2  # MKL's mat-vec is faster for one row
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
+
+
+def packed_weights(model: torch.nn.Module, batch_size: int, enabled: bool | None = None) -> PackedWeights | None:
+    """The model's packed matrices for decode steps of batch_size rows, or None where packing is
+    off (enabled=False), does not apply (not CPU, dtype, no oneDNN) or, when enabled is None
+    (auto), the copy would not fit twice in the available memory."""
+    if enabled is False:
+        return None
+    w = model.wte.weight
+    if w.device.type != "cpu" or not supported(w.dtype, batch_size):
+        return None
+    hint = 1 if batch_size == 1 else 8
+    mats = _matrices(model)
+    pack = _PACKS.get(model)
+    if pack is None or pack.hint != hint:
+        if enabled is None:
+            need = sum(p.numel() * p.element_size() for p in mats)
+            have = _mem_available()
+            if pack is not None:
+                have = None if have is None else have + pack.nbytes()  # the old copy goes first
+            if have is not None and have < 2 * need:
+                return None
+        _PACKS.pop(model, None)
+        pack = PackedWeights(hint)
+    try:
+        pack.refresh(mats)
+    except RuntimeError:  # a oneDNN build that cannot pack this: the plain kernels it is
+        _PACKS.pop(model, None)
+        return None
+    _PACKS[model] = pack
+    return pack
+
+
+def release(model: torch.nn.Module) -> None:
+    """Drop the model's packed copies (they are rebuilt on the next packed generation)."""
+    _PACKS.pop(model, None)
