@@ -62,6 +62,7 @@ def tokens_of(completions):
     ({"num_samples": 0}, "num_samples"),
     ({"stop_strings": ("",)}, "stop_strings"),
     ({"seed": -1}, "seed"),
+    ({"pack_weights": "yes"}, "pack_weights must be None"),
 ])
 def test_settings_reject_bad_values(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
@@ -464,6 +465,16 @@ def test_cli_json_matches_library(capsys, monkeypatch, model_dir, model, tok):
                     tokenizer=tok)[0]
     assert lines[0] == {"prompt_tokens": tok.encode("Hello world"), "tokens": want.tokens, "text": want.text,
                         "finish_reason": "length"}
+
+
+def test_cli_no_pack_weights(capsys, monkeypatch, model_dir):
+    seen = []
+    real = gen.packed_weights
+    monkeypatch.setattr(gen, "packed_weights", lambda m, B, enabled: seen.append(enabled) or real(m, B, enabled))
+    code, out, err = run_cli(capsys, monkeypatch, ["Hi", "-m", str(model_dir), "--greedy", "--max-new-tokens", "3",
+                                                   "--num-samples", "2", "--no-pack-weights"])
+    assert code == 0, err
+    assert seen == [False]
 
 
 def test_cli_prompts_file_plain_and_jsonl_in_order(capsys, monkeypatch, model_dir, tmp_path, tok):

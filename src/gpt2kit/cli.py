@@ -237,7 +237,8 @@ def _sampling_settings(args: argparse.Namespace):
         top_k=args.top_k, top_p=args.top_p, top_p_mode=args.top_p_mode,
         repetition_penalty=args.repetition_penalty, seed=args.seed,
         stop_token_ids=() if args.ignore_eot else (EOT_ID,), stop_strings=tuple(args.stop or ()),
-        num_samples=args.num_samples, strict=args.strict, window=args.window)
+        num_samples=args.num_samples, strict=args.strict, window=args.window,
+        pack_weights=False if args.no_pack_weights else None)
 
 
 def _read_prompts(path: str) -> list[str]:
@@ -356,6 +357,8 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
                    help="error if prompt + new tokens exceed the context (default: re-encode a recent window)")
     p.add_argument("--window", type=int, default=None,
                    help="tokens kept when re-encoding past the context (default n_ctx/2)")
+    p.add_argument("--no-pack-weights", action="store_true",
+                   help="CPU: no prepacked second copy of the weights (slower decode, less memory)")
     p.set_defaults(func=cmd_generate)
 
 

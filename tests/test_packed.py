@@ -1,0 +1,113 @@
+"""Prepacked (oneDNN) weight copies for CPU decode steps: same logits as the plain kernels, packed
+only where it applies, refreshed when the weights change, dropped with the model."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from helpers_generate import SMALL, varied_model
+
+from gpt2kit import packed as pk
+from gpt2kit.config import GPT2Config
+from gpt2kit.generate import SamplingSettings, generate
+from gpt2kit.kv_cache import KVCache
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+
+PADDED = GPT2Config(n_vocab=300, n_vocab_padded=320, n_ctx=32, n_embd=32, n_head=4, n_layer=2)
+BF16 = pytest.mark.skipif(not pk.supported(torch.bfloat16, 1), reason="no native bfloat16 on this CPU")
+
+
+def _steps(model, B, packed, n=4, mask=None):
+    """Logits of n decode steps after a 5-token prefill, with or without the packed matrices."""
+    torch.manual_seed(1)
+    V = model.config.n_vocab
+    idx = torch.randint(0, V, (B, 5))
+    cache = KVCache.for_model(model, B, 5 + n)
+    out = []
+    with torch.inference_mode():
+        model(idx, cache=cache, attention_mask=None if mask is None else mask[:, :5])
+        tok = torch.randint(0, V, (B, 1))
+        for i in range(n):
+            m = None if mask is None else mask[:, : 6 + i]
+            logits = model.decode_step(tok, cache, m, packed)
+            out.append(logits.float())
+            tok = logits.argmax(-1, keepdim=True)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("cfg", [SMALL, PADDED], ids=["gpt2-vocab", "padded-vocab"])
+def test_float32_batch_matches_the_plain_kernels(cfg):
+    model = varied_model(cfg)
+    packed = pk.packed_weights(model, 3)
+    assert packed is not None and packed.hint == 8
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :2] = 0  # a left-padded row
+    want, got = _steps(model, 3, None, mask=mask), _steps(model, 3, packed, mask=mask)
+    assert got.shape == (4, 3, cfg.n_vocab)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_float32_single_row_keeps_the_plain_kernel():
+    model = varied_model()
+    assert pk.packed_weights(model, 1) is None  # MKL's mat-vec is faster for one row
+    packed = pk.packed_weights(model, 4)
+    x = torch.randn(1, SMALL.n_embd)
+    assert packed.linear(x, model.h[0].attn.c_attn.weight, None) is None  # a finished-down batch of 1
+
+
+@BF16
+def test_bfloat16_single_row_matches_the_plain_kernels():
+    model = varied_model().to(torch.bfloat16)
+    packed = pk.packed_weights(model, 1)
+    assert packed is not None and packed.hint == 1
+    torch.testing.assert_close(_steps(model, 1, packed), _steps(model, 1, None), atol=5e-2, rtol=2e-2)
+
+
+def test_off_switches():
+    model = varied_model()
+    assert pk.packed_weights(model, 4, enabled=False) is None
+    assert pk.packed_weights(model.to(torch.float16), 4) is None  # no fast packed half kernels
+
+
+def test_refreshed_when_weights_change_and_released():
+    model = varied_model()
+    packed = pk.packed_weights(model, 4)
+    with torch.no_grad():
+        model.h[0].mlp.c_fc.weight.mul_(2)  # e.g. a training step between two generations
+    assert pk.packed_weights(model, 4) is packed  # the same object, refreshed
+    torch.testing.assert_close(_steps(model, 2, packed), _steps(model, 2, None), atol=1e-4, rtol=1e-4)
+    model.h[1].attn.c_attn.weight.data = model.h[1].attn.c_attn.weight.data.clone()  # new storage
+    torch.testing.assert_close(_steps(model, 2, pk.packed_weights(model, 4)), _steps(model, 2, None),
+                               atol=1e-4, rtol=1e-4)
+    pk.release(model)
+    assert model not in pk._PACKS
+
+
+def test_dropped_with_the_model_and_deepcopy_still_works():
+    model = varied_model()
+    pk.packed_weights(model, 4)
+    copy.deepcopy(model)  # the packed copies live outside the module
+    n = len(pk._PACKS)
+    del model
+    gc.collect()
+    assert len(pk._PACKS) == n - 1
+
+
+def test_auto_skips_when_the_copy_would_not_fit(monkeypatch):
+    model = varied_model()
+    pk.release(model)
+    monkeypatch.setattr(pk, "_mem_available", lambda: 1000)
+    assert pk.packed_weights(model, 4) is None
+    assert pk.packed_weights(model, 4, enabled=True) is not None  # asked for explicitly
+
+
+def test_generate_same_tokens_packed_or_not():
+    model = varied_model()
+    prompts = [[464, 2068, 7586], [15496], [40, 588, 257, 922, 1110]]
+    runs = [generate(model, prompts, SamplingSettings(temperature=0, max_new_tokens=12, stop_token_ids=(),
+                                                      pack_weights=flag)) for flag in (False, True)]
+    assert [c.tokens for c in runs[0]] == [c.tokens for c in runs[1]]
