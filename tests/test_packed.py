@@ -30,12 +30,9 @@ def _steps(model, B, packed, n=4, mask=None):
     out = []
     with torch.inference_mode():
         model(idx, cache=cache, attention_mask=None if mask is None else mask[:, :5])
-        tok = torch.randint(0, V, (B, 1))
-        for i in range(n):
+        for i, tok in enumerate(torch.randint(0, V, (n, B, 1))):  # the same tokens for both paths
             m = None if mask is None else mask[:, : 6 + i]
-            logits = model.decode_step(tok, cache, m, packed)
-            out.append(logits.float())
-            tok = logits.argmax(-1, keepdim=True)
+            out.append(model.decode_step(tok, cache, m, packed).float())
     return torch.stack(out)
 
 
@@ -55,8 +52,7 @@ def test_float32_single_row_keeps_the_plain_kernel():
     model = varied_model()
     assert pk.packed_weights(model, 1) is None  # MKL's mat-vec is faster for one row
     packed = pk.packed_weights(model, 4)
-    x = torch.randn(1, SMALL.n_embd)
-    assert packed.linear(x, model.h[0].attn.c_attn.weight, None) is None  # a finished-down batch of 1
+    assert packed.covers(2, torch.float32) and not packed.covers(1, torch.float32)  # a batch finished down to 1
 
 
 @BF16
@@ -64,7 +60,8 @@ def test_bfloat16_single_row_matches_the_plain_kernels():
     model = varied_model().to(torch.bfloat16)
     packed = pk.packed_weights(model, 1)
     assert packed is not None and packed.hint == 1
-    torch.testing.assert_close(_steps(model, 1, packed), _steps(model, 1, None), atol=5e-2, rtol=2e-2)
+    got, want = _steps(model, 1, packed), _steps(model, 1, None)
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()  # bfloat16 rounding, in other places
 
 
 def test_off_switches():

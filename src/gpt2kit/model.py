@@ -64,6 +64,15 @@ def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return _matmul_t(x, layer.weight, layer.bias)
 
 
+def _linear_gelu(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    # GPT-2's gelu is the tanh approximation, 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))).
+    return F.gelu(_linear(x, layer), approximate="tanh")
+
+
+def _linear_add(x: torch.Tensor, layer: nn.Linear, residual: torch.Tensor) -> torch.Tensor:
+    return residual + _linear(x, layer)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
@@ -105,8 +114,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # GPT-2's gelu is the tanh approximation, 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))).
-        return self.dropout(_linear(F.gelu(_linear(x, self.c_fc), approximate="tanh"), self.c_proj))
+        return self.dropout(_linear(_linear_gelu(x, self.c_fc), self.c_proj))
 
 
 class Block(nn.Module):
@@ -243,8 +251,11 @@ class GPT2(nn.Module):
         calls or dropout, the mask and positions built once, q/k/v as views of the fused c_attn
         output. A decode step streams every weight once, and the per-op Python overhead the
         flat form removes is 5-10% of a CPU step (docs/benchmarks.md). No input checks: for
-        callers whose ids, cache and mask are valid by construction (generation). packed: the
-        oneDNN-prepacked matrices to multiply by (gpt2kit.packed; the same values, another kernel).
+        callers whose ids, cache and mask are valid by construction (generation).
+
+        packed: oneDNN-prepacked matrices (gpt2kit.packed) to multiply by, with the GELU and the
+        residual adds fused into the products; the same math on the same values through other
+        kernels, so logits agree to rounding (float32 ~1e-6), not bit for bit.
         """
         if self.training:
             raise ValueError("decode_step is for inference: call model.eval() first (dropout would be skipped)")
@@ -252,11 +263,6 @@ class GPT2(nn.Module):
         B, C, nh, eps = idx.shape[0], cfg.n_embd, cfg.n_head, cfg.layer_norm_eps
         hs = C // nh
         P = cache.length
-
-        def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-            y = packed.linear(x, layer.weight, layer.bias) if packed is not None else None
-            return _linear(x, layer) if y is None else y
-
         if attention_mask is None:
             pos, mask = P, None
         else:
@@ -264,6 +270,10 @@ class GPT2(nn.Module):
             mask = attention_mask.bool()[:, None, None, :].clone()  # (B, 1, 1, P + 1)
             mask[..., P] = True  # the query sees itself even when its slot is padding (no NaN)
         x = F.embedding(idx[:, 0], self.wte.weight) + self.wpe.weight[pos]  # (B, C)
+        if packed is not None and packed.covers(B, x.dtype):
+            linear, linear_gelu, linear_add = packed.linear, packed.linear_gelu, packed.linear_add
+        else:
+            linear, linear_gelu, linear_add = _linear, _linear_gelu, _linear_add
         for i, block in enumerate(self.h):
             attn, mlp = block.attn, block.mlp
             h = F.layer_norm(x, (C,), block.ln_1.weight, block.ln_1.bias, eps)
@@ -271,13 +281,14 @@ class GPT2(nn.Module):
             q, k, v = (qkv[:, j * C:(j + 1) * C].view(B, nh, 1, hs) for j in range(3))  # (B, nh, 1, hs)
             k, v = cache.update(i, k, v)  # (B, nh, P + 1, hs)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, 1, hs)
-            x = x + linear(y.view(B, C), attn.c_proj)
+            x = linear_add(y.view(B, C), attn.c_proj, x)
             h = F.layer_norm(x, (C,), block.ln_2.weight, block.ln_2.bias, eps)
-            x = x + linear(F.gelu(linear(h, mlp.c_fc), approximate="tanh"), mlp.c_proj)
+            x = linear_add(linear_gelu(h, mlp.c_fc), mlp.c_proj, x)
         cache.length = P + 1
         x = F.layer_norm(x, (C,), self.ln_f.weight, self.ln_f.bias, eps)
-        logits = packed.linear(x, self.wte.weight, None, cfg.n_vocab) if packed is not None else None
-        return _matmul_t(x, self.wte.weight[: cfg.n_vocab]) if logits is None else logits  # (B, V): tied LM head
+        if packed is not None and packed.covers(B, x.dtype):
+            return packed.lm_head(x, self.wte.weight, cfg.n_vocab)  # (B, V)
+        return _matmul_t(x, self.wte.weight[: cfg.n_vocab])  # (B, V): tied LM head
 
     @staticmethod
     def _attention_mask(attention_mask: torch.Tensor | None, P: int, T: int,

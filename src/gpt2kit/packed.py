@@ -41,15 +41,29 @@ class PackedWeights:
                     packed = torch.ops.mkldnn._reorder_linear_weight(p.detach().contiguous(), self.hint)
                     self._mats[id(p)] = (*key, packed)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               n_out: int | None = None) -> torch.Tensor | None:
-        """x (R, in) @ weight^T + bias with the packed copy of `weight`, or None when there is
-        none or the plain kernel is faster (a float32 single row). n_out keeps the first outputs."""
-        have = self._mats.get(id(weight))
-        if have is None or (x.shape[0] == 1 and x.dtype == torch.float32):
-            return None
-        y = torch.ops.mkldnn._linear_pointwise(x, have[2], bias, "none", [], "")
-        return y if n_out is None or n_out == y.shape[-1] else y[:, :n_out]
+    def covers(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether a step of `rows` rows should use the packed matrices (a float32 single row
+        is faster on MKL's mat-vec, e.g. when a batch has finished down to one row)."""
+        return bool(self._mats) and not (rows == 1 and dtype == torch.float32)
+
+    # x (R, in) @ W^T + b for the packed W of `layer` (an nn.Linear), with the GELU or the
+    # residual add fused in (oneDNN post-ops: one kernel instead of two, the same math).
+    def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._mats[id(layer.weight)][2], layer.bias, "none", [], "")
+
+    def linear_gelu(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+        """tanh-GELU(x @ W^T + b)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self._mats[id(layer.weight)][2], layer.bias, "gelu", [], "tanh")
+
+    def linear_add(self, x: torch.Tensor, layer: torch.nn.Linear, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ W^T + b."""
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._mats[id(layer.weight)][2],
+                                                         layer.bias, "add")
+
+    def lm_head(self, x: torch.Tensor, wte: torch.Tensor, n_vocab: int) -> torch.Tensor:
+        """x (R, C) @ wte[:n_vocab]^T: the logits (R, n_vocab) (padding rows computed, then cut)."""
+        y = torch.ops.mkldnn._linear_pointwise(x, self._mats[id(wte)][2], None, "none", [], "")
+        return y if y.shape[-1] == n_vocab else y[:, :n_vocab]
 
     def nbytes(self) -> int:
         return sum(t.shape.numel() * t.element_size() for _, _, t in self._mats.values())
