@@ -349,7 +349,8 @@ def format_table(r: dict) -> str:
     lines = [
         f"machine: {m['cpu']}, {m['cores']} cores ({' '.join(m['isa'])}); {m['threads']} threads; "
         f"torch {m['torch']}, transformers {m['transformers']}, python {m['python']}",
-        "model: GPT-2 124M, random weights (the same in both); eager; greedy; best of the quiet trials",
+        "model: GPT-2 124M, random weights (the same in both); eager; greedy; best of the quiet trials; "
+        "gpt2kit with its defaults (prepacked weights where they help: float32 batches, bfloat16)",
         "",
         "| workload | transformers fp32 | gpt2kit fp32 | ratio | gpt2kit bf16 | ratio | quiet trials |",
         "|---|--:|--:|--:|--:|--:|---|",
