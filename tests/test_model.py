@@ -165,6 +165,39 @@ def test_preallocated_cache_equals_one_pass_and_present():
     assert (cache.to_present() - full.present).abs().max().item() < 1e-6
 
 
+def test_present_is_a_copy_not_a_view_of_the_cache():
+    model = random_model()
+    cache = KVCache.for_model(model, batch_size=1, max_len=4)
+    with torch.no_grad():
+        model(_ids(TINY, 1, 4), cache=cache)
+    present = cache.to_present()
+    assert present.shape == (1, TINY.n_layer, 2, TINY.n_head, 4, TINY.head_dim)
+    cache.kv.zero_()
+    assert present.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_step_equals_forward_bit_for_bit(dtype, padded):
+    model = random_model().to(dtype)
+    x = _ids(TINY, 3, 9)
+    mask = torch.ones(3, 10, dtype=torch.long)
+    if padded:
+        mask[0, :3] = 0
+        mask[2, :8] = 0
+    caches = [KVCache.for_model(model, 3, 10) for _ in range(2)]
+    with torch.inference_mode():
+        for c in caches:
+            model(x, cache=c, attention_mask=mask[:, :9] if padded else None)
+        tok = _ids(TINY, 3, 1)
+        want = model(tok, cache=caches[0], attention_mask=mask if padded else None, last_logits_only=True)
+        got = model.decode_step(tok, caches[1], mask if padded else None)
+    assert torch.equal(got, want.logits[:, -1])
+    assert caches[1].length == 10 and torch.equal(caches[0].kv, caches[1].kv)
+    with pytest.raises(ValueError, match="eval"):
+        model.train().decode_step(tok, caches[1])
+
+
 # --- padding --------------------------------------------------------------------------------
 
 def test_left_padding_gives_unpadded_logits():

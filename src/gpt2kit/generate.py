@@ -250,6 +250,8 @@ def decode_one_token(model: GPT2, tok: torch.Tensor, attention_mask: torch.Tenso
 def next_tokens(logits: torch.Tensor, settings: SamplingSettings, seen: torch.Tensor | None,
                 generators: Sequence[torch.Generator] | None) -> torch.Tensor:
     """Warp and sample: logits (B, V) -> token ids (B,)."""
+    if settings.greedy and settings.repetition_penalty == 1.0:
+        return logits.argmax(dim=-1)  # no float32 copy: the conversion is exact, the argmax the same
     return sample(warp(logits, settings, seen), None if settings.greedy else generators)
 
 

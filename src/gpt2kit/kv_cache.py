@@ -14,11 +14,11 @@ import torch
 class KVCache:
     def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
-        shape = (n_layer, batch_size, n_head, max_len, head_dim)  # (L, B, nh, M, hs)
+        # Keys and values side by side, so that a decode step writes both with one copy.
         # Uninitialised: positions >= length are never read, so zeroing would be a wasted pass
         # over memory (600 MB for gpt2 at 8 x 1024 tokens).
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+        shape = (n_layer, batch_size, 2, n_head, max_len, head_dim)  # (L, B, 2, nh, M, hs)
+        self.kv = torch.empty(shape, device=device, dtype=dtype)
         self.length = 0  # P: positions [0, P) hold keys and values
 
     @classmethod
@@ -30,29 +30,43 @@ class KVCache:
         return cls(cfg.n_layer, batch_size, cfg.n_head, max_len, cfg.head_dim, device=p.device, dtype=p.dtype)
 
     @property
+    def k(self) -> torch.Tensor:
+        """The keys (L, B, nh, M, hs), a view."""
+        return self.kv[:, :, 0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        """The values (L, B, nh, M, hs), a view."""
+        return self.kv[:, :, 1]
+
+    @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self.kv.shape[1]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.kv.shape[4]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, nh, T, hs) at [P, P+T) of `layer`; return views of [0, P+T)."""
         P, T = self.length, k.shape[2]
-        self.k[layer, :, :, P:P + T] = k
-        self.v[layer, :, :, P:P + T] = v
-        return self.k[layer, :, :, :P + T], self.v[layer, :, :, :P + T]
+        self.kv[layer, :, 0, :, P:P + T] = k
+        self.kv[layer, :, 1, :, P:P + T] = v
+        return self.kv[layer, :, 0, :, :P + T], self.kv[layer, :, 1, :, :P + T]
+
+    def update_kv(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """update() with keys and values stacked, kv (B, 2, nh, T, hs): one copy."""
+        P, T = self.length, kv.shape[3]
+        self.kv[layer, :, :, :, P:P + T] = kv
+        return self.kv[layer, :, 0, :, :P + T], self.kv[layer, :, 1, :, :P + T]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows` (finished rows stop costing work)."""
-        self.k = self.k[:, rows]
-        self.v = self.v[:, rows]
+        self.kv = self.kv[:, rows]
 
     def reset(self) -> None:
         self.length = 0
 
     def to_present(self) -> torch.Tensor:
-        """The cached keys and values in the official layout (B, L, 2, nh, P, hs)."""
-        P = self.length
-        return torch.stack([self.k[:, :, :, :P], self.v[:, :, :, :P]], dim=2).transpose(0, 1)
+        """A copy of the cached keys and values in the official layout (B, L, 2, nh, P, hs)."""
+        return self.kv[:, :, :, :, :self.length].transpose(0, 1).clone(memory_format=torch.contiguous_format)

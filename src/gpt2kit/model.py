@@ -277,10 +277,9 @@ class GPT2(nn.Module):
         for i, block in enumerate(self.h):
             attn, mlp = block.attn, block.mlp
             h = F.layer_norm(x, (C,), block.ln_1.weight, block.ln_1.bias, eps)
-            qkv = linear(h, attn.c_attn)  # (B, 3C)
-            q, k, v = (qkv[:, j * C:(j + 1) * C].view(B, nh, 1, hs) for j in range(3))  # (B, nh, 1, hs)
-            k, v = cache.update(i, k, v)  # (B, nh, P + 1, hs)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, 1, hs)
+            qkv = linear(h, attn.c_attn).view(B, 3, nh, 1, hs)  # q, k, v of each head
+            k, v = cache.update_kv(i, qkv[:, 1:])  # (B, nh, P + 1, hs)
+            y = F.scaled_dot_product_attention(qkv[:, 0], k, v, attn_mask=mask)  # (B, nh, 1, hs)
             x = linear_add(y.view(B, C), attn.c_proj, x)
             h = F.layer_norm(x, (C,), block.ln_2.weight, block.ln_2.bias, eps)
             x = linear_add(linear_gelu(h, mlp.c_fc), mlp.c_proj, x)
