@@ -84,6 +84,17 @@ def test_refreshed_when_weights_change_and_released():
     assert model not in pk._PACKS
 
 
+def test_a_replaced_parameter_is_repacked_and_a_cast_model_released():
+    model = varied_model()
+    packed = pk.packed_weights(model, 4)
+    old = model.h[0].attn.c_attn.weight
+    model.h[0].attn.c_attn.weight = torch.nn.Parameter(old.detach() * 3)  # a new object, new storage
+    assert pk.packed_weights(model, 4) is packed and id(old) not in packed._mats
+    torch.testing.assert_close(_steps(model, 2, packed), _steps(model, 2, None), atol=1e-4, rtol=1e-4)
+    model.to(torch.float16)
+    assert pk.packed_weights(model, 4) is None and model not in pk._PACKS
+
+
 def test_dropped_with_the_model_and_deepcopy_still_works():
     model = varied_model()
     pk.packed_weights(model, 4)

@@ -17,6 +17,8 @@ CPU with native bf16, and MemAvailable at least twice the copy's size.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -28,18 +30,23 @@ class PackedWeights:
 
     def __init__(self, hint: int) -> None:
         self.hint = hint  # the row count the packing was tuned for (1, or 8 for "a few")
-        self._mats: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(param) -> (ptr, version, packed)
+        # id(param) -> (weakref to param, data_ptr, version, packed copy)
+        self._mats: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
 
     def refresh(self, params: list[torch.Tensor]) -> None:
-        """(Re)pack every matrix whose storage or contents changed since it was packed."""
+        """Keep exactly `params` packed: repack those whose storage or contents changed since they
+        were packed (training steps, load_state_dict, model.to), drop the ones no longer there."""
+        mats = {}
         with torch.no_grad():
             for p in params:
-                key = (p.data_ptr(), p._version)
                 have = self._mats.get(id(p))
-                if have is None or have[:2] != key:
+                if have is not None and have[0]() is p and have[1:3] == (p.data_ptr(), p._version):
+                    mats[id(p)] = have
+                else:
                     # The LM head uses the first n_vocab rows; padding rows are packed too (harmless).
                     packed = torch.ops.mkldnn._reorder_linear_weight(p.detach().contiguous(), self.hint)
-                    self._mats[id(p)] = (*key, packed)
+                    mats[id(p)] = (weakref.ref(p), p.data_ptr(), p._version, packed)
+        self._mats = mats
 
     def covers(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether a step of `rows` rows should use the packed matrices (a float32 single row
@@ -49,24 +56,24 @@ class PackedWeights:
     # x (R, in) @ W^T + b for the packed W of `layer` (an nn.Linear), with the GELU or the
     # residual add fused in (oneDNN post-ops: one kernel instead of two, the same math).
     def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self._mats[id(layer.weight)][2], layer.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self._mats[id(layer.weight)][3], layer.bias, "none", [], "")
 
     def linear_gelu(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         """tanh-GELU(x @ W^T + b)."""
-        return torch.ops.mkldnn._linear_pointwise(x, self._mats[id(layer.weight)][2], layer.bias, "gelu", [], "tanh")
+        return torch.ops.mkldnn._linear_pointwise(x, self._mats[id(layer.weight)][3], layer.bias, "gelu", [], "tanh")
 
     def linear_add(self, x: torch.Tensor, layer: torch.nn.Linear, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ W^T + b."""
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._mats[id(layer.weight)][2],
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._mats[id(layer.weight)][3],
                                                          layer.bias, "add")
 
     def lm_head(self, x: torch.Tensor, wte: torch.Tensor, n_vocab: int) -> torch.Tensor:
         """x (R, C) @ wte[:n_vocab]^T: the logits (R, n_vocab) (padding rows computed, then cut)."""
-        y = torch.ops.mkldnn._linear_pointwise(x, self._mats[id(wte)][2], None, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x, self._mats[id(wte)][3], None, "none", [], "")
         return y if y.shape[-1] == n_vocab else y[:, :n_vocab]
 
     def nbytes(self) -> int:
-        return sum(t.shape.numel() * t.element_size() for _, _, t in self._mats.values())
+        return sum(t.shape.numel() * t.element_size() for *_, t in self._mats.values())
 
 
 def _matrices(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -106,8 +113,11 @@ def packed_weights(model: torch.nn.Module, batch_size: int, enabled: bool | None
     if enabled is False:
         return None
     w = model.wte.weight
-    if w.device.type != "cpu" or not supported(w.dtype, batch_size):
+    if w.device.type != "cpu" or not supported(w.dtype, max(batch_size, 2)):
+        _PACKS.pop(model, None)  # moved or cast since it was packed: the copies are stale
         return None
+    if not supported(w.dtype, batch_size):
+        return None  # a float32 single row: the plain kernel (any copies stay for the next batch)
     hint = 1 if batch_size == 1 else 8
     mats = _matrices(model)
     pack = _PACKS.get(model)
