@@ -587,3 +587,25 @@ def test_cli_bench_bad_threads(capsys):
     assert main(["bench", "--threads", "0"]) != 0
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--threads" in err
+
+
+def test_bench_full_run_on_a_tiny_model():
+    from gpt2kit import bench
+
+    cfg = GPT2Config(n_vocab=50257, n_ctx=64, n_embd=32, n_head=4, n_layer=2)
+    r = bench.run(quick=True, memory=False, config=cfg, log=lambda s: None, device="cpu")
+    assert r["T"] == 64 and r["new_tokens"] == 32 and r["greedy_identical"]
+    assert all(v > 0 for wl in r["tok_s"].values() for v in wl.values())
+    assert r["machine"]["device_type"] == "cpu" and r["bandwidth_GBs"] > 0
+    assert "| prefill tok/s (T=64) |" in bench.format_table(r)
+
+
+@pytest.mark.parametrize("device,needle", [("cuda", "CUDA is not available"), ("tpu", "not a device")])
+def test_cli_bench_bad_device_one_line(capsys, device, needle):
+    from gpt2kit.cli import main
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["bench", "--device", device, "--no-memory"]) != 0
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and needle in err

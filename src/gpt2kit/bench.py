@@ -14,6 +14,7 @@ the weights), eagerly, with default settings and the same thread count, on the s
   memory bandwidth measured in the same run (a 1 GiB float32 sum).
 
 gpt2kit runs in float32 and in bfloat16 (``model.to(torch.bfloat16)``); transformers in float32.
+``--device cuda`` runs it all on a GPU (peak memory is then the GPU memory allocated).
 Each timing is the best of a few trials, alternating the libraries; on Linux a trial during which
 other processes used the CPU is discarded (and retried) when possible, and the table says how many
 trials were quiet. Ratios are gpt2kit / transformers (for memory, lower is better).
@@ -85,6 +86,17 @@ def _wait_for_idle(max_wait: float, idle: float = 1.0) -> None:
         if (now[0] - last[0]) - (now[1] - last[1]) > 4:  # over ~20% of a core in 0.2 s
             quiet_since = time.monotonic()
         last = now
+
+
+def synced(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """fn, then wait for the device's queued work (CUDA runs asynchronously), so a trial times it all."""
+    if device.type != "cuda":
+        return fn
+
+    def run():
+        fn()
+        torch.cuda.synchronize(device)
+    return run
 
 
 def _trial(fn: Callable[[], object], wait: float = 0.0) -> tuple[float, bool]:
@@ -191,11 +203,29 @@ def weight_bytes_per_token(model: GPT2) -> int:
     return total + model.wpe.weight[0].numel() * model.wpe.weight.element_size()
 
 
-def memory_bandwidth(trials: int = 5) -> float:
-    """Bytes/s of a 1 GiB float32 sum with the current thread count (read bandwidth)."""
-    x = torch.ones(2**28)
-    best = min(_trial(lambda: x.sum())[0] for _ in range(trials))
+def memory_bandwidth(trials: int = 5, device: torch.device | str = "cpu") -> float:
+    """Bytes/s of a 1 GiB float32 sum on the device (CPU: with the current thread count)."""
+    device = torch.device(device)
+    x = torch.ones(2**28, device=device)
+    fn = synced(lambda: x.sum(), device)
+    fn()
+    best = min(_trial(fn)[0] for _ in range(trials))
     return x.numel() * 4 / best
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The benchmark's device; ValueError naming it when it is unknown or absent here."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r} is not a device; use cpu or cuda[:N]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available here (torch {torch.__version__})")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: the benchmark runs on cpu or cuda")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def logprob_drift(model32: GPT2, model16: GPT2, ids: torch.Tensor) -> tuple[float, float]:
@@ -221,37 +251,43 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _memory_worker(engine: str, dtype: str, T: int, n: int, threads: int) -> None:
+def _memory_worker(engine: str, dtype: str, T: int, n: int, threads: int, device: str = "cpu") -> None:
+    """Build the model and run the workloads; print the peak memory above the post-import
+    baseline: RSS on CPU, allocated GPU memory on cuda (where the model is built)."""
     torch.set_num_threads(threads)
+    dev = torch.device(device)
     if engine == "transformers":
         import transformers  # noqa: F401 - imported before the baseline, like gpt2kit's own modules
-    baseline = _status_bytes("VmRSS")
+    baseline = _status_bytes("VmRSS") if dev.type == "cpu" else torch.cuda.memory_allocated(dev)
     torch.manual_seed(0)
+    ids = torch.randint(0, 50257, (1, T), device=dev), torch.randint(0, 50257, (8, 16), device=dev)
     if engine == "gpt2kit":
         torch.set_default_dtype(getattr(torch, dtype))  # built in its dtype: no float32 copy on the way
-        model = decode_layout(GPT2(GPT2Config()).eval())
+        with dev:
+            model = decode_layout(GPT2(GPT2Config()).eval())
         torch.set_default_dtype(torch.float32)
-        runs = [ours_prefill(model, torch.randint(0, 50257, (1, T))),
-                ours_decode(model, torch.randint(0, 50257, (8, 16)), n)]
+        runs = [ours_prefill(model, ids[0]), ours_decode(model, ids[1], n)]
     else:
         from transformers import GPT2Config as HFConfig
         from transformers import GPT2LMHeadModel
 
-        hf = GPT2LMHeadModel(HFConfig(bos_token_id=None, eos_token_id=None)).eval()
-        runs = [hf_prefill(hf, torch.randint(0, 50257, (1, T))),
-                hf_decode(hf, torch.randint(0, 50257, (8, 16)), n)]
+        with dev:
+            hf = GPT2LMHeadModel(HFConfig(bos_token_id=None, eos_token_id=None)).eval()
+        runs = [hf_prefill(hf, ids[0]), hf_decode(hf, ids[1], n)]
     for run in runs:
-        run()
-    peak = _status_bytes("VmHWM")
+        synced(run, dev)()
+    peak = _status_bytes("VmHWM") if dev.type == "cpu" else torch.cuda.max_memory_allocated(dev)
     print(json.dumps({"peak_above_baseline": peak - baseline}))
 
 
-def peak_memory(engine: str, dtype: str, T: int, n: int, threads: int) -> float | None:
-    """MiB of peak RSS above the post-import baseline (None where it cannot be measured)."""
-    if not sys.platform.startswith("linux"):
+def peak_memory(engine: str, dtype: str, T: int, n: int, threads: int,
+                device: torch.device | str = "cpu") -> float | None:
+    """MiB of peak memory above the post-import baseline, in a fresh process: RSS on CPU (None
+    where it cannot be measured), allocated GPU memory on cuda."""
+    if torch.device(device).type == "cpu" and not sys.platform.startswith("linux"):
         return None
     cmd = [sys.executable, "-m", "gpt2kit.bench", "--_memory-worker", engine, dtype, str(T), str(n),
-           str(threads)]
+           str(threads), str(device)]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise RuntimeError(f"memory worker failed: {r.stderr.strip().splitlines()[-1:]}")
@@ -261,7 +297,7 @@ def peak_memory(engine: str, dtype: str, T: int, n: int, threads: int) -> float 
 # --- the run ---------------------------------------------------------------------------------------
 
 
-def machine() -> dict[str, object]:
+def machine(device: torch.device | str = "cpu") -> dict[str, object]:
     cpu, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -274,35 +310,45 @@ def machine() -> dict[str, object]:
         pass
     import transformers
 
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
     return {"cpu": cpu, "cores": os.cpu_count(), "isa": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "threads": torch.get_num_threads()}
+            "python": platform.python_version(), "threads": torch.get_num_threads(),
+            "device": name, "device_type": device.type}
 
 
 def run(quick: bool = False, threads: int | None = None, memory: bool = True, wait: float = 0.0,
-        log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+        log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+        device: str | torch.device = "cpu", config: GPT2Config | None = None) -> dict:
     """Run the benchmark; returns the results (also what `format_table` prints). wait: seconds to
-    wait, before each trial, for other processes to leave the CPU (for shared machines)."""
+    wait, before each trial, for other processes to leave the CPU (for shared machines). device:
+    cpu or cuda (on cuda each trial ends with a synchronize; memory is the peak allocated).
+    config: another model than gpt2 124M (the tests run a tiny one)."""
+    device = resolve_device(device)
+    config = config or GPT2Config()
     if threads is not None:
         torch.set_num_threads(threads)
     threads = torch.get_num_threads()
     T, n, trials, max_trials = (256, 32, 2, 4) if quick else (1024, 128, 3, 6)
-    info = machine()
-    log(f"gpt2kit bench: {info['cpu']}, {threads} threads; prefill T={T}, decode {n} new tokens")
+    T, n = min(T, config.n_ctx), min(n, config.n_ctx - 16)
+    info = machine(device)
+    log(f"gpt2kit bench: {info['device']}, {threads} threads; prefill T={T}, decode {n} new tokens")
     torch.manual_seed(0)
-    ours32 = GPT2(GPT2Config()).eval()
-    hf = to_transformers(ours32)
-    ours16 = GPT2(GPT2Config()).eval()
+    ours32 = GPT2(config).eval()
+    hf = to_transformers(ours32).to(device)
+    ours16 = GPT2(config).eval()
     ours16.load_state_dict(ours32.state_dict())
-    ours16 = ours16.to(torch.bfloat16)
+    ours32, ours16 = ours32.to(device), ours16.to(device, torch.bfloat16)
     for model in (ours32, ours16):  # what generate does first; here so that prefill has it too
         decode_layout(model)
     engines = {"transformers/float32": (hf, hf_prefill, hf_decode),
                "gpt2kit/float32": (ours32, ours_prefill, ours_decode),
                "gpt2kit/bfloat16": (ours16, ours_prefill, ours_decode)}
     g = torch.Generator().manual_seed(1)
-    long_prompt = torch.randint(0, 50257, (1, T), generator=g)
-    prompts = {1: torch.randint(0, 50257, (1, 16), generator=g), 8: torch.randint(0, 50257, (8, 16), generator=g)}
+    V = config.n_vocab
+    long_prompt = torch.randint(0, V, (1, T), generator=g).to(device)
+    prompts = {B: torch.randint(0, V, (B, 16), generator=g).to(device) for B in (1, 8)}
 
     results: dict[str, dict] = {"machine": info, "T": T, "new_tokens": n, "tok_s": {}, "quiet": {}}
     greedy: dict[str, list] = {"transformers/float32": [], "gpt2kit/float32": []}
@@ -315,6 +361,7 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
             else:
                 B = 1 if wl == "decode_b1" else 8
                 fns[name] = make_decode(model, prompts[B], n, greedy.get(name) if B == 1 else None)
+            fns[name] = synced(fns[name], device)
             fns[name]()  # warm-up (and, at batch 1, the greedy tokens)
         timings = time_alternating(fns, trials, max_trials, wait)
         results["tok_s"][wl] = {k: tokens / t.seconds for k, t in timings.items()}
@@ -325,9 +372,9 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
 
     from gpt2kit.tokenizer import Tokenizer
 
-    ids = torch.tensor([Tokenizer.default().encode(TEXT * 8)[:512]])
+    ids = torch.tensor([Tokenizer.default().encode(TEXT * 8)[: min(512, config.n_ctx)]], device=device)
     results["dlogprob_next"], results["dlogprob_vocab"] = logprob_drift(ours32, ours16, ids)
-    bw = memory_bandwidth()
+    bw = memory_bandwidth(device=device)
     results["bandwidth_GBs"] = bw / 1e9
     results["limit_tok_s"] = {"float32": bw / weight_bytes_per_token(ours32),
                               "bfloat16": bw / weight_bytes_per_token(ours16)}
@@ -336,9 +383,9 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
     if memory:
         log("  peak memory (fresh processes) ...")
         results["peak_MiB"] = {
-            "transformers/float32": peak_memory("transformers", "float32", T, n, threads),
-            "gpt2kit/float32": peak_memory("gpt2kit", "float32", T, n, threads),
-            "gpt2kit/bfloat16": peak_memory("gpt2kit", "bfloat16", T, n, threads),
+            "transformers/float32": peak_memory("transformers", "float32", T, n, threads, device),
+            "gpt2kit/float32": peak_memory("gpt2kit", "float32", T, n, threads, device),
+            "gpt2kit/bfloat16": peak_memory("gpt2kit", "bfloat16", T, n, threads, device),
         }
     return results
 
@@ -346,8 +393,10 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
 def format_table(r: dict) -> str:
     m = r["machine"]
     ref, cols = "transformers/float32", ("gpt2kit/float32", "gpt2kit/bfloat16")
+    on_gpu = m.get("device_type") == "cuda"
     lines = [
-        f"machine: {m['cpu']}, {m['cores']} cores ({' '.join(m['isa'])}); {m['threads']} threads; "
+        (f"device: {m['device']} (cuda); " if on_gpu else "")
+        + f"machine: {m['cpu']}, {m['cores']} cores ({' '.join(m['isa'])}); {m['threads']} threads; "
         f"torch {m['torch']}, transformers {m['transformers']}, python {m['python']}",
         "model: GPT-2 124M, random weights (the same in both); eager; greedy; best of the quiet trials; "
         "gpt2kit with its defaults (prepacked weights where they help: float32 batches, bfloat16)",
@@ -364,14 +413,16 @@ def format_table(r: dict) -> str:
                      f"{v[cols[1]]:.1f} | {v[cols[1]] / v[ref]:.2f}x | {q[ref]}, {q[cols[0]]}, {q[cols[1]]} |")
     if r.get("peak_MiB"):
         p = r["peak_MiB"]
-        lines.append(f"| peak RSS above baseline, MiB (lower is better) | {p[ref]:.0f} | {p[cols[0]]:.0f} | "
+        what = "peak GPU memory allocated" if on_gpu else "peak RSS above baseline"
+        lines.append(f"| {what}, MiB (lower is better) | {p[ref]:.0f} | {p[cols[0]]:.0f} | "
                      f"{p[cols[0]] / p[ref]:.2f}x | {p[cols[1]]:.0f} | {p[cols[1]] / p[ref]:.2f}x | |")
     lim, bpt = r["limit_tok_s"], r["bytes_per_token"]
     b1 = r["tok_s"]["decode_b1"]
     lines += [
         "",
         f"physical limit, batch-1 decode: weights read per token / bandwidth ({r['bandwidth_GBs']:.1f} GB/s, "
-        f"1 GiB float32 sum): float32 {bpt['float32'] / 1e6:.0f} MB -> {lim['float32']:.1f} tok/s "
+        f"1 GiB float32 sum, {'GPU' if on_gpu else 'CPU'}): "
+        f"float32 {bpt['float32'] / 1e6:.0f} MB -> {lim['float32']:.1f} tok/s "
         f"(gpt2kit at {b1[cols[0]] / lim['float32']:.0%}, transformers at {b1[ref] / lim['float32']:.0%}); "
         f"bfloat16 {bpt['bfloat16'] / 1e6:.0f} MB -> {lim['bfloat16']:.1f} tok/s "
         f"(gpt2kit at {b1[cols[1]] / lim['bfloat16']:.0%})",
@@ -390,27 +441,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpt2kit bench", description=__doc__.split("\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    return run_from_args(args)
+    try:
+        return run_from_args(args)
+    except ValueError as e:  # bad values: one line, as the gpt2kit CLI does
+        print(f"gpt2kit bench: error: {e}", file=sys.stderr)
+        return 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="T=256 prefill, 32 new tokens, fewer trials")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--wait", type=float, default=0.0, metavar="S",
-                   help="before each trial, wait up to S seconds for other processes to leave the CPU")
-    p.add_argument("--_memory-worker", nargs=5, default=None, help=argparse.SUPPRESS)
+    from gpt2kit.cli import add_bench_arguments
+
+    add_bench_arguments(p)  # the one definition, shared with `gpt2kit bench`
+    p.add_argument("--_memory-worker", nargs=6, default=None, help=argparse.SUPPRESS)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     if getattr(args, "_memory_worker", None):
-        engine, dtype, T, n, threads = args._memory_worker
-        _memory_worker(engine, dtype, int(T), int(n), int(threads))
+        engine, dtype, T, n, threads, device = args._memory_worker
+        _memory_worker(engine, dtype, int(T), int(n), int(threads), device)
         return 0
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    results = run(quick=args.quick, threads=args.threads, memory=not args.no_memory, wait=args.wait)
+    results = run(quick=args.quick, threads=args.threads, memory=not args.no_memory, wait=args.wait,
+                  device=getattr(args, "device", "cpu"))
     print(format_table(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
