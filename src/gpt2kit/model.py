@@ -270,7 +270,8 @@ class GPT2(nn.Module):
             mask = attention_mask.bool()[:, None, None, :].clone()  # (B, 1, 1, P + 1)
             mask[..., P] = True  # the query sees itself even when its slot is padding (no NaN)
         x = F.embedding(idx[:, 0], self.wte.weight) + self.wpe.weight[pos]  # (B, C)
-        if packed is not None and packed.covers(B, x.dtype):
+        use_packed = packed is not None and packed.covers(B, x.dtype)
+        if use_packed:
             linear, linear_gelu, linear_add = packed.linear, packed.linear_gelu, packed.linear_add
         else:
             linear, linear_gelu, linear_add = _linear, _linear_gelu, _linear_add
@@ -285,7 +286,7 @@ class GPT2(nn.Module):
             x = linear_add(linear_gelu(h, mlp.c_fc), mlp.c_proj, x)
         cache.length = P + 1
         x = F.layer_norm(x, (C,), self.ln_f.weight, self.ln_f.bias, eps)
-        if packed is not None and packed.covers(B, x.dtype):
+        if use_packed:
             return packed.lm_head(x, self.wte.weight, cfg.n_vocab)  # (B, V)
         return _matmul_t(x, self.wte.weight[: cfg.n_vocab])  # (B, V): tied LM head
 
