@@ -102,7 +102,10 @@ def supported(dtype: torch.dtype, batch_size: int) -> bool:
     if dtype == torch.float32:
         return batch_size >= 2  # MKL's mat-vec is faster for one row
     if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):  # a torch build without the op: no packing
+            return False
     return False
 
 
@@ -133,7 +136,7 @@ def packed_weights(model: torch.nn.Module, batch_size: int, enabled: bool | None
         pack = PackedWeights(hint)
     try:
         pack.refresh(mats)
-    except RuntimeError:  # a oneDNN build that cannot pack this: the plain kernels it is
+    except (AttributeError, RuntimeError):  # a torch/oneDNN build that cannot pack this: plain kernels
         _PACKS.pop(model, None)
         return None
     _PACKS[model] = pack
