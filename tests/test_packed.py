@@ -119,3 +119,14 @@ def test_generate_same_tokens_packed_or_not():
     runs = [generate(model, prompts, SamplingSettings(temperature=0, max_new_tokens=12, stop_token_ids=(),
                                                       pack_weights=flag)) for flag in (False, True)]
     assert [c.tokens for c in runs[0]] == [c.tokens for c in runs[1]]
+
+
+def test_a_build_that_cannot_pack_falls_back(monkeypatch):
+    model = varied_model()
+    pk.release(model)
+
+    def cannot(*args, **kwargs):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(pk, "_reorder", cannot)
+    assert pk.packed_weights(model, 4) is None and model not in pk._PACKS

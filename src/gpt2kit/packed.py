@@ -25,6 +25,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 _PACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model -> PackedWeights
 
 
+def _reorder(weight: torch.Tensor, hint: int) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, hint)
+
+
 class PackedWeights:
     """Packed copies of a model's matrices, looked up by the Parameter they copy."""
 
@@ -44,7 +48,7 @@ class PackedWeights:
                     mats[id(p)] = have
                 else:
                     # The LM head uses the first n_vocab rows; padding rows are packed too (harmless).
-                    packed = torch.ops.mkldnn._reorder_linear_weight(p.detach().contiguous(), self.hint)
+                    packed = _reorder(p.detach().contiguous(), self.hint)
                     mats[id(p)] = (weakref.ref(p), p.data_ptr(), p._version, packed)
         self._mats = mats
 
