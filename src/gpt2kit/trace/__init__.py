@@ -122,6 +122,7 @@ class Trace:
     top_k: int = 10
     name: str = ""  # the model's name, for the report
     patching: Any = None  # a PatchResult when patch_from was given
+    tokenizer: Any = field(default=None, repr=False)  # decodes the token ids views name
 
     # --- access ---------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -401,7 +402,7 @@ def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor, *, 
                          "select fewer with layers=/--layers or what=/--what")
     tensors = run_hooked(model, ids, sel_layers, sel_what)
     tr = Trace(ids=ids, tokens=_decode_tokens(tokenizer, ids), tensors=tensors, model=model, layers=sel_layers,
-               what=sel_what, top_k=top_k, name=name)
+               what=sel_what, top_k=top_k, name=name, tokenizer=tokenizer)
     if patch_from is not None:
         from gpt2kit.trace.patching import patch_residual
 
