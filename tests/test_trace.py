@@ -114,6 +114,16 @@ def test_direct_logit_attribution_sums_to_the_logit(tiny_model):
     assert len(d["labels"]) == n and len(d["values"]) == 16
     for t in range(16):
         assert abs(sum(d["values"][t]) - d["logit"][t]) < 1e-4
+    # one head's term computed the long way: its piece of the stream, centred, through ln_f's scale
+    i, h, t, hs = 1, 2, 5, TINY.head_dim
+    with torch.no_grad():
+        W = tiny_model.h[i].attn.c_proj.weight[:, h * hs:(h + 1) * hs].double()
+        piece = tr[f"h.{i}.attn.z"][h, t].double() @ W.T
+        x = tr[f"resid.{TINY.n_layer}"][t].double()
+        sigma = (x.var(unbiased=False) + tiny_model.ln_f.eps).sqrt()
+        direction = tiny_model.ln_f.weight.double() * tiny_model.wte.weight[tr.ids[t + 1]].double()
+        want = float((piece - piece.mean()) @ direction / sigma)
+    assert d["values"][t][d["labels"].index(f"h.{i}.attn.head.{h}")] == pytest.approx(want, abs=1e-10)
     one = tr.direct_logit_attribution(position=-1, token=7)
     assert abs(sum(one["values"]) - float(tr.logits[-1, 7])) < 1e-4
     with pytest.raises(ValueError, match="position 16"):

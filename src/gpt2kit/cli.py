@@ -384,9 +384,63 @@ def _register_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from gpt2kit.checkpoint import load_model, load_tokenizer
+    from gpt2kit.trace import parse_what, trace
+
+    if args.text is not None and args.file is not None:
+        raise CLIError("give a TEXT or --file, not both")
+    if not (args.out or args.json or args.npz):
+        raise CLIError("nothing to write: give --out report.html, --json FILE and/or --npz FILE")
+    if args.top_k < 1:
+        raise CLIError(f"--top-k must be >= 1, got {args.top_k}")
+    text = args.text if args.text is not None else _read_text(args.file)
+    if not text:
+        raise CLIError("the text is empty: nothing to trace")
+    parse_what(args.what)  # a bad --what fails before the model loads
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    tok = load_tokenizer(args.model)
+    tr = trace(model, tok, text, top_k=args.top_k, layers=args.layers, what=args.what,
+               prepend_eot=args.prepend_eot, patch_from=args.compare, name=str(args.model))
+    wrote = []
+    if args.out:
+        tr.save_html(args.out)
+        wrote.append(args.out)
+    if args.json:
+        from gpt2kit._io import atomic_write
+
+        payload = json.dumps(tr.to_json()).encode("utf-8")
+        atomic_write(args.json, lambda f: f.write(payload))
+        wrote.append(args.json)
+    if args.npz:
+        tr.save_npz(args.npz)
+        wrote.append(args.npz)
+    print(f"traced {len(tr.ids)} tokens, {len(tr.tensors)} tensors; wrote {', '.join(wrote)}")
+    return 0
+
+
+def _register_trace(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trace", help="record one forward pass exactly and write an offline HTML report")
+    p.add_argument("text", nargs="?", default=None, help="the text to trace (or --file)")
+    p.add_argument("--file", "-f", default=None, help="read the text from a file ('-' for stdin)")
+    _add_model_args(p)
+    p.add_argument("--out", "-o", default=None, metavar="HTML", help="write the self-contained HTML report")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the report's data at full precision")
+    p.add_argument("--npz", default=None, metavar="FILE", help="write every recorded tensor (float32)")
+    p.add_argument("--top-k", type=int, default=10, help="next-token predictions shown per position (default 10)")
+    p.add_argument("--compare", default=None, metavar="TEXT",
+                   help="a corrupted text of the same token length: residual-stream activation patching")
+    p.add_argument("--layers", default=None, help="blocks to record: all (default), N, N-M, comma list; -1 = last")
+    p.add_argument("--what", default=None,
+                   help="tensors to record: all (default) or a comma list of attn, mlp, embed, resid, ln, qkv, "
+                        "scores, probs, z, attn_out, mlp_pre, mlp_post, mlp_out")
+    p.add_argument("--prepend-eot", action="store_true", help="put <|endoftext|> before the text (and --compare)")
+    p.set_defaults(func=cmd_trace)
+
+
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_tokenize, _register_score, _register_convert, _register_info,
-    _register_prepare, _register_train, _register_generate, _register_bench,
+    _register_prepare, _register_train, _register_generate, _register_bench, _register_trace,
 ]
 
 

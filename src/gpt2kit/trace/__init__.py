@@ -123,6 +123,13 @@ class Trace:
     name: str = ""  # the model's name, for the report
     patching: Any = None  # a PatchResult when patch_from was given
     tokenizer: Any = field(default=None, repr=False)  # decodes the token ids views name
+    _views: dict = field(default_factory=dict, repr=False)  # computed views, by name and arguments
+
+    def _view(self, fn, *args):
+        key = (fn.__name__, *args)
+        if key not in self._views:
+            self._views[key] = fn(self, *args)
+        return self._views[key]
 
     # --- access ---------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -153,17 +160,17 @@ class Trace:
     def next_token_stats(self) -> dict:
         from gpt2kit.trace.views import next_token_stats
 
-        return next_token_stats(self, self.top_k)
+        return self._view(next_token_stats, self.top_k)
 
     def logit_lens(self, k: int = 5) -> dict:
         from gpt2kit.trace.views import logit_lens
 
-        return logit_lens(self, k)
+        return self._view(logit_lens, k)
 
     def direct_logit_attribution(self, position: int | None = None, token: int | None = None) -> dict:
         from gpt2kit.trace.views import direct_logit_attribution
 
-        return direct_logit_attribution(self, position, token)
+        return self._view(direct_logit_attribution, position, token)
 
     def residual_norms(self) -> torch.Tensor:
         from gpt2kit.trace.views import residual_norms
@@ -173,7 +180,7 @@ class Trace:
     def attention_summary(self) -> dict:
         from gpt2kit.trace.views import attention_summary
 
-        return attention_summary(self)
+        return self._view(attention_summary)
 
     # --- outputs --------------------------------------------------------------------------------
     def to_json(self, *, attention: bool = True) -> dict:

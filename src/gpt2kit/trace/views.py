@@ -61,16 +61,24 @@ def logit_lens(tr, k: int = 5) -> dict:
     """Per recorded residual layer x position: top-k tokens and probabilities; the probability and
     rank of the actual next token (positions 0..T-2)."""
     layers = lens_layers(tr)
+    T, V = len(tr.ids), tr.config.n_vocab
     nxt = _next_ids(tr)
     top_ids, top_probs, next_prob, next_rank = [], [], [], []
-    for layer in layers:  # one (T, V) at a time: gpt2-xl at 1024 tokens would not fit all at once
-        logits = lens_logits(tr, layer).float()
-        probs = torch.softmax(logits, dim=-1)
-        p, i = probs.topk(min(k, probs.shape[-1]), dim=-1)  # (T, K)
-        top_ids.append(i.tolist())
-        top_probs.append(p.tolist())
-        next_prob.append(probs[:-1].gather(-1, nxt[:, None])[:, 0].tolist())
-        next_rank.append(_rank(logits[:-1], nxt).tolist())
+    # Several layers per product (fewer, larger GEMMs), at most ~256 MB of (rows, V) logits at a time.
+    per = max(1, (2**28 // 4) // max(1, T * V))
+    for s in range(0, len(layers), per):
+        group = layers[s:s + per]
+        h = torch.cat([tr.model.ln_f(tr[f"resid.{layer}"]) for layer in group])  # (g T, C)
+        logits = unembed(tr.model, h).float().view(len(group), T, V)
+        logp = torch.log_softmax(logits, dim=-1)  # (g, T, V)
+        lp, i = logp.topk(min(k, V), dim=-1)  # (g, T, K)
+        top_ids += i.tolist()
+        top_probs += lp.exp().tolist()
+        target = nxt[None, :, None].expand(len(group), T - 1, 1)
+        next_prob += logp[:, :-1].gather(-1, target)[..., 0].exp().tolist()
+        tl = logits[:, :-1].gather(-1, target)  # (g, T - 1, 1)
+        next_rank += ((logits[:, :-1] > tl).sum(-1) + 1).tolist()
+        del logits, logp
     return {"layers": layers, "top_ids": top_ids, "top_probs": top_probs, "next_prob": next_prob,
             "next_rank": next_rank}
 
@@ -80,66 +88,63 @@ def dla_targets(tr) -> list[int]:
     return [*tr.ids[1:], int(tr.logits[-1].argmax())]
 
 
-@torch.no_grad()
-def dla_components(tr) -> tuple[list[str], torch.Tensor]:
-    """The residual stream H^(L) split into the pieces that were added to it: labels and (n, T, C).
-
-    embed.tok + embed.pos + sum_i (sum_h head_h + attn bias + mlp) = H^(L), up to rounding; a head's
-    piece is its weighted values z_h through its slice of attn.c_proj.
-    """
-    L, nh = tr.config.n_layer, tr.config.n_head
+def _need_components(tr) -> None:
+    L = tr.config.n_layer
     need = ["embed.tok", "embed.pos"] + [f"h.{i}.{s}" for i in range(L) for s in ("attn.z", "mlp.out")]
     missing = [n for n in need if n not in tr.tensors]
     if missing:
         raise ValueError(f"direct logit attribution needs every block's attn.z and mlp.out and the embeddings; "
                          f"{missing[0]!r} was not recorded (trace with layers='all' and what including "
                          "embed, z, mlp_out)")
-    labels, parts = ["embed.tok", "embed.pos"], [tr["embed.tok"].double(), tr["embed.pos"].double()]
-    for i in range(L):
-        proj = tr.model.h[i].attn.c_proj
-        W = proj.weight.double()  # (C, C): out x in, the input being the heads' z side by side
-        z = tr[f"h.{i}.attn.z"].double()  # (nh, T, hs)
-        hs = z.shape[-1]
-        for h in range(nh):
-            labels.append(f"h.{i}.attn.head.{h}")
-            parts.append(z[h] @ W[:, h * hs:(h + 1) * hs].T)  # (T, C)
-        labels.append(f"h.{i}.attn.bias")
-        parts.append(proj.bias.double().expand_as(parts[0]))
-        labels.append(f"h.{i}.mlp")
-        parts.append(tr[f"h.{i}.mlp.out"].double())
-    return labels, torch.stack(parts)  # (n, T, C)
 
 
 @torch.no_grad()
 def direct_logit_attribution(tr, position: int | None = None, token: int | None = None) -> dict:
-    """How much each component adds to the logit of `token` at `position` through ln_f.
+    """How much each piece added to the residual stream contributes to the logit of `token` at
+    `position` through ln_f.
 
-    ln_f(x) = (x - mean(x)) / sigma * g + b, with sigma the final residual's own (fixed), so
-    logit = sum_c (c - mean(c)) / sigma . (g * wte[token]) + b . wte[token]: each component's term
-    is linear in it, and the terms sum to the logit (within float rounding).
+    The pieces: embed.tok + embed.pos + sum over blocks of (each head + the attention bias + the
+    MLP) = H^(L); a head's piece is its weighted values z_h through its slice of attn.c_proj.
+    ln_f(x) = (x - mean(x)) / sigma * g + b, with sigma the final residual's own (held fixed), so
+    logit = sum_c (c - mean(c)) / sigma . (g * wte[token]) + b . wte[token]: each term is linear in
+    its piece, and the terms sum to the logit (within float rounding; computed in float64).
     position: default every position (-1 counts from the end); token: default the actual next
     token (the top-1 prediction at the last position).
     """
-    T = len(tr.ids)
-    labels, parts = dla_components(tr)  # (n, T, C)
+    _need_components(tr)
+    T, L, nh = len(tr.ids), tr.config.n_layer, tr.config.n_head
     ln = tr.model.ln_f
-    x = tr[f"resid.{tr.config.n_layer}"].double()  # (T, C)
+    x = tr[f"resid.{L}"].double()  # (T, C)
     sigma = torch.sqrt(x.var(-1, unbiased=False) + ln.eps)  # (T,)
-    targets = dla_targets(tr) if token is None else [token] * T
-    W_U = tr.model.wte.weight[torch.tensor(targets)].double()  # (T, C)
-    direction = ln.weight.double() * W_U  # (T, C)
-    centred = parts - parts.mean(-1, keepdim=True)  # (n, T, C)
-    values = (centred * direction).sum(-1) / sigma  # (n, T)
-    values = torch.cat([values, (ln.bias.double() * W_U).sum(-1)[None]])  # + ln_f.bias term
-    labels = [*labels, "ln_f.bias"]
-    logit = tr.logits.double().gather(-1, torch.tensor(targets)[:, None])[:, 0]  # (T,)
+    targets = dla_targets(tr) if token is None else [int(token)] * T
+    W_U = tr.model.wte.weight[torch.tensor(targets, device=x.device)].double()  # (T, C)
+    d = ln.weight.double() * W_U  # (T, C): the direction a piece is read along
+    # (c - mean(c)) . d = c . (d - mean(d)): centre the direction once instead of every piece.
+    d = (d - d.mean(-1, keepdim=True)) / sigma[:, None]  # (T, C)
+
+    def along(c: torch.Tensor) -> torch.Tensor:  # (T, C) -> (T,)
+        return (c.double() * d).sum(-1)
+
+    labels, cols = ["embed.tok", "embed.pos"], [along(tr["embed.tok"]), along(tr["embed.pos"])]
+    for i in range(L):
+        proj = tr.model.h[i].attn.c_proj
+        z = tr[f"h.{i}.attn.z"].double()  # (nh, T, hs)
+        hs = z.shape[-1]
+        back = (d @ proj.weight.double()).view(T, nh, hs).transpose(0, 1)  # (nh, T, hs): d through c_proj
+        heads = (z * back).sum(-1)  # (nh, T)
+        labels += [f"h.{i}.attn.head.{h}" for h in range(nh)] + [f"h.{i}.attn.bias", f"h.{i}.mlp"]
+        cols += [*heads, d @ proj.bias.double(), along(tr[f"h.{i}.mlp.out"])]
+    labels.append("ln_f.bias")
+    cols.append(W_U @ ln.bias.double())
+    values = torch.stack(cols, dim=1)  # (T, n)
+    logit = tr.logits.double().gather(-1, torch.tensor(targets, device=x.device)[:, None])[:, 0]  # (T,)
     if position is not None:
         if not -T <= position < T:
             raise ValueError(f"position {position} is outside the input's {T} tokens")
         pos = position % T
-        return {"position": pos, "token": targets[pos], "labels": labels, "values": values[:, pos].tolist(),
+        return {"position": pos, "token": targets[pos], "labels": labels, "values": values[pos].tolist(),
                 "logit": float(logit[pos])}
-    return {"tokens": targets, "labels": labels, "values": values.T.tolist(), "logit": logit.tolist()}
+    return {"tokens": targets, "labels": labels, "values": values.tolist(), "logit": logit.tolist()}
 
 
 @torch.no_grad()
