@@ -1,0 +1,99 @@
+"""The trace report in a real browser: headless Chromium renders every panel with no JavaScript error.
+
+Skips where no Chromium is installed (Debian/Ubuntu: `apt-get install chromium`). The page writes
+any error (window.onerror, unhandled rejections, a panel that threw) into #js-errors and sets
+body[data-rendered] when it has finished; --dump-dom shows both.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+
+import pytest
+from conftest import TINY, random_model
+
+from gpt2kit.trace import trace
+
+CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium installed (apt-get install chromium)")
+
+
+def _chromium(tmp_path, url: str, *extra: str) -> str:
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+           "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000", *extra, url]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+
+
+class _Counter(HTMLParser):
+    """Counts elements by (section id, tag, class) and collects #js-errors' text and body's attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.section: str | None = None
+        self.counts: dict[tuple[str | None, str], int] = {}
+        self.in_errors = False
+        self.errors = ""
+        self.body: dict[str, str | None] = {}
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "section":
+            self.section = a.get("id")
+        if tag == "body":
+            self.body = a
+        self.in_errors = a.get("id") == "js-errors"
+        for key in (tag, *(f"{tag}.{c}" for c in (a.get("class") or "").split())):
+            self.counts[(self.section, key)] = self.counts.get((self.section, key), 0) + 1
+
+    def handle_endtag(self, tag):
+        if tag == "pre":
+            self.in_errors = False
+
+    def handle_data(self, data):
+        if self.in_errors:
+            self.errors += data
+
+    def n(self, section: str, key: str) -> int:
+        return self.counts.get((section, key), 0)
+
+
+def test_every_panel_renders_without_javascript_errors(tmp_path):
+    m = random_model()
+    T = 20
+    clean = [(7 * i) % TINY.n_vocab for i in range(T // 2)] * 2  # a repeat: induction scores exist
+    corrupt = list(clean)
+    corrupt[3] = 999
+    tr = trace(m, None, clean, patch_from=corrupt, name="tiny random")
+    page = tmp_path / "report.html"
+    tr.save_html(page)
+    dom = _chromium(tmp_path, page.as_uri(), "--dump-dom")
+    p = _Counter()
+    p.feed(dom)
+    assert p.errors.strip() == ""
+    assert p.body.get("data-rendered") == "ok"
+    L, nh = TINY.n_layer, TINY.n_head
+    assert p.n("panel-tokens", "span.tok") == T + 1  # every token and the "next" marker
+    assert p.n("panel-heads", "div.hcell") == L * nh and p.n("panel-heads", "canvas") == L * nh + 1  # + the large one
+    assert p.n("panel-lens", "tr") == L + 2  # header + H(0) .. H(L)
+    assert p.n("panel-lens", "td") == (L + 1) * T
+    assert p.n("panel-dla", "option") == T and p.n("panel-dla", "div.bar") >= 2 * L + 3
+    assert p.n("panel-norms", "polyline") == 1 and p.n("panel-norms", "circle") == (L + 1) * T
+    assert p.n("panel-patch", "td") == (L + 1) * T
+    n_steps = 4 + L * 14 + 3  # tokens/embeddings, 14 steps per block, ln_f/logits/probs
+    assert p.n("panel-walk", "div.step") == n_steps and p.n("panel-walk", "details") == L
+
+
+def test_a_page_error_is_caught_and_shown(tmp_path):
+    """The error channel the test above relies on does report: a broken data block shows up."""
+    m = random_model()
+    html = trace(m, None, [1, 2, 3]).to_html()
+    broken = re.sub(r'("walk":)\[', r'\1{"oops":', html, count=1)  # walk is no longer a list: a panel throws
+    assert broken != html
+    page = tmp_path / "broken.html"
+    page.write_text(broken, encoding="utf-8")
+    p = _Counter()
+    p.feed(_chromium(tmp_path, page.as_uri(), "--dump-dom"))
+    assert p.body.get("data-rendered") in ("with-errors", None) and p.errors.strip() != ""
