@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, hf_from_ours, random_hf_model, random_model
+from conftest import TINY, hf_from_ours, needs_real_gpt2, random_hf_model, random_model
 
 from gpt2kit import load_model
 from gpt2kit.trace import parse_layers, parse_what, trace
@@ -208,3 +208,22 @@ def test_npz_and_json(tiny_model, tmp_path):
     assert z["ids"].tolist() == tr.ids
     data = json.loads(json.dumps(tr.to_json()))
     assert data["ids"] == tr.ids and len(data["lens"]["layers"]) == TINY.n_layer + 1
+
+
+@needs_real_gpt2
+def test_real_gpt2_has_its_known_previous_token_and_induction_heads():
+    """GPT-2 small: head 4.11 attends to the previous token (Wang et al. 2022, IOI); on a repeated
+    random sequence, heads 5.1, 5.5 and 6.9 attend to the token after the earlier copy (Olsson et
+    al. 2022). Conservative thresholds: these heads score far above them on the real weights."""
+    from conftest import cached_real_gpt2
+
+    from gpt2kit import load_tokenizer
+
+    name = cached_real_gpt2()
+    model = load_model(name)
+    g = torch.Generator().manual_seed(0)
+    half = torch.randint(1000, 20000, (30,), generator=g).tolist()
+    tr = trace(model, load_tokenizer(name), half + half, what="probs")
+    s = tr.attention_summary()
+    assert s["prev"][4][11] > 0.5
+    assert max(s["induction"][5][1], s["induction"][5][5], s["induction"][6][9]) > 0.4

@@ -1,10 +1,9 @@
 """The trace as data (`report_data`, what --json writes) and as one self-contained HTML file.
 
 The HTML (assets/report.html, .css and .js, filled in here) holds all its data and code inline:
-no src/href/import points anywhere, so it opens
-offline in a browser, in Jupyter (Trace._repr_html_) and in VS Code's preview. Attention maps
-travel as base64 uint8 (probability x 255), other numbers rounded to 5 significant digits;
-the --json output keeps full precision.
+no src/href/import points anywhere, so it opens offline in a browser, in Jupyter
+(Trace._repr_html_) and in VS Code's preview. Attention maps travel as base64 uint8
+(probability x 255), other numbers rounded to 5 significant digits; --json keeps full precision.
 """
 
 from __future__ import annotations

@@ -1,0 +1,75 @@
+"""gpt2kit trace: time and report size on a gpt2-124M-sized network, against one plain forward.
+
+Random weights (the cost does not depend on their values), random token ids. Each round runs, in
+turn: one plain `model(ids)`; `trace()` (the hooked forward); and `trace()` + `to_html()` (the
+views: next-token stats, the logit lens over all L + 1 layers, attribution, head scores, and the
+HTML) — what `gpt2kit trace --out` does after loading. Medians over the rounds, so a busy machine
+slows all three alike; the ratio to the plain forward is the figure to compare across machines.
+
+    python benchmarks/bench_trace.py                 # T = 64 and 128, 3 rounds, 2 threads
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+from gpt2kit.model import GPT2
+from gpt2kit.tokenizer import Tokenizer
+from gpt2kit.trace import trace
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        name = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        flags = next(line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags"))
+        simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+        return f"{name} ({', '.join(simd)})"
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = GPT2.from_name("gpt2").eval()
+    tok = Tokenizer.default()
+    rows = []
+    for T in args.tokens:
+        ids = torch.randint(0, model.config.n_vocab, (T,)).tolist()
+        times: dict[str, list[float]] = {"forward": [], "trace": [], "trace+html": []}
+        size = 0
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                model(torch.tensor([ids]))
+            t1 = time.perf_counter()
+            trace(model, tok, ids)
+            t2 = time.perf_counter()
+            size = len(trace(model, tok, ids).to_html().encode("utf-8"))
+            t3 = time.perf_counter()
+            times["forward"].append(t1 - t0)
+            times["trace"].append(t2 - t1)
+            times["trace+html"].append(t3 - t2)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append((T, med, size))
+    print(f"machine: {_cpu()}; torch {torch.__version__}, {args.threads} threads; gpt2 (124M), float32")
+    print(f"{'T':>5} {'forward s':>10} {'trace s':>9} {'trace+html s':>13} {'x forward':>10} {'HTML MB':>8}")
+    for T, med, size in rows:
+        print(f"{T:>5} {med['forward']:>10.2f} {med['trace']:>9.2f} {med['trace+html']:>13.2f} "
+              f"{med['trace+html'] / med['forward']:>10.1f} {size / 2**20:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
