@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import re
@@ -119,3 +120,14 @@ def test_report_size_for_gpt2_small_at_64_tokens():
     ids = torch.randint(0, 50257, (64,)).tolist()
     page = trace(m, Tokenizer.default(), ids).to_html()
     assert len(page.encode("utf-8")) <= 3 * 2**20
+
+
+def test_long_inputs_keep_the_file_small(tiny_model, monkeypatch):
+    from gpt2kit.trace import report
+
+    tr = trace(tiny_model, None, list(range(40)))
+    monkeypatch.setattr(report, "MAX_ATTENTION_BYTES", tiny_model.config.n_head * 40 * 40)  # one block's maps
+    data = report.report_data(tr, attention_encoding="u8")
+    assert data["attention"]["layers"] == [0] and data["attention"]["omitted"] == [1]
+    assert len(data["attention"]["summary"]["prev"]) == 1
+    assert len(base64.b64decode(data["attention"]["u8"])) == tiny_model.config.n_head * 40 * 40

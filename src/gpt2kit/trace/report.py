@@ -108,12 +108,22 @@ def walkthrough(tr, position: int) -> list[dict]:
     return steps
 
 
+# Attention maps are nh * T^2 numbers per block; above these many, later blocks' maps are left out
+# (their scores stay) so a long input still makes a file a browser opens. The npz has them all.
+MAX_ATTENTION_BYTES = 12 * 2**20  # HTML, one byte each
+MAX_ATTENTION_FLOATS = 2 * 2**20  # --json, ~20 characters each
+
+
 def _attention(tr, encoding: str | None) -> dict | None:
-    layers = [i for i in tr.layers if f"h.{i}.attn.probs" in tr.tensors]
-    if not layers or encoding is None:
+    recorded = [i for i in tr.layers if f"h.{i}.attn.probs" in tr.tensors]
+    if not recorded or encoding is None:
         return None
+    T, nh = len(tr.ids), tr.config.n_head
+    fit = max(1, (MAX_ATTENTION_FLOATS if encoding == "list" else MAX_ATTENTION_BYTES) // (nh * T * T))
+    layers = recorded[:fit]
     P = torch.stack([tr[f"h.{i}.attn.probs"].float().cpu() for i in layers])  # (nL, nh, T, T)
-    out = {"layers": layers, "shape": list(P.shape), "summary": tr.attention_summary()}
+    summary = {k: (v[:len(layers)] if k != "layers" else layers) for k, v in tr.attention_summary().items()}
+    out = {"layers": layers, "shape": list(P.shape), "summary": summary, "omitted": recorded[len(layers):]}
     if encoding == "list":
         out["probs"] = P.tolist()
     else:

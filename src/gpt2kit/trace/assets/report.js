@@ -78,6 +78,8 @@ function heads(){
         ', induction '+(ind!==null?fmt(ind,3):'n/a (no repeated token)');
       (function(li,h,cell){cell.addEventListener('click',function(){big(li,h,cell);});})(li,h2,cell);
       box.appendChild(cell);}}
+  if(A.omitted&&A.omitted.length)box.parentNode.insertBefore(el('p',{'class':'help'},'Blocks '+A.omitted.join(', ')+
+    ' left out to keep the file small; trace fewer tokens or pick them with --layers.'),box.nextSibling);
   big(nL-1,0,box.querySelector('.hcell'));
 }
 function big(li,h,cellEl){
