@@ -97,3 +97,15 @@ def test_a_page_error_is_caught_and_shown(tmp_path):
     p = _Counter()
     p.feed(_chromium(tmp_path, page.as_uri(), "--dump-dom"))
     assert p.body.get("data-rendered") in ("with-errors", None) and p.errors.strip() != ""
+
+
+def test_a_partial_selection_renders_without_errors(tmp_path):
+    """--layers/--what leave some panels with less (or nothing) to show; none of them may throw."""
+    tr = trace(random_model(), None, list(range(12)), layers="1", what="probs")
+    page = tmp_path / "partial.html"
+    tr.save_html(page)
+    p = _Counter()
+    p.feed(_chromium(tmp_path, page.as_uri(), "--dump-dom"))
+    assert p.errors.strip() == "" and p.body.get("data-rendered") == "ok"
+    assert p.n("panel-heads", "div.hcell") == TINY.n_head  # one block's heads
+    assert p.n("panel-lens", "tr") == 2  # only H(L) is recorded
