@@ -43,12 +43,13 @@ def test_report_is_self_contained():
     assert "http:" not in _assets() and "https:" not in _assets()  # the code names no URL at all
     m = random_model(SMALL_VOCAB)
     tok = Tokenizer.default()
-    tr = trace(m, tok, TEXT + " </script><script>alert(1)</script> __DATA__", name="tiny")
+    tr = trace(m, tok, TEXT + " </script><script>alert(1)</script> <!-- <script> __DATA__", name="tiny")
     page = tr.to_html()
     assert not FETCH.search(page)
     assert page.count("<script") == 2  # the data block and the code; the text's "</script>" stayed data
     data = json.loads(re.search(r'id="trace-data">(.*?)</script>', page, re.S).group(1))
     assert data["ids"] == tr.ids and data["tokens"][0] == "The"
+    assert tok.decode(data["ids"]) == tok.decode(tr.ids) and "".join(data["tokens"]).endswith("<!-- <script> __DATA__")
     for panel in ("tokens", "heads", "lens", "dla", "norms", "patch", "walk"):
         assert f'id="panel-{panel}"' in page
     wrapped = tr._repr_html_()

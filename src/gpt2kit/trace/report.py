@@ -174,8 +174,9 @@ def _asset(name: str) -> str:
 
 def render_html(tr) -> str:
     data = _round_tree(report_data(tr, attention_encoding="u8"))
-    # "</" inside a script element would end it; JSON allows the escaped form.
-    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=True).replace("</", "<\\/")
+    # "</script" or "<!--" in the text would end or confuse the script element; "<" can only sit
+    # inside JSON strings, where \u003c means the same.
+    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=True).replace("<", "\\u003c")
     title = html.escape(f"gpt2kit trace — {tr.name or 'model'} — {len(tr.ids)} tokens")
     fill = {"TITLE": title, "CSS": _asset("report.css"), "JS": _asset("report.js"), "DATA": payload}
     # One pass, so a placeholder-like string inside the user's text is never substituted.
