@@ -105,7 +105,6 @@ def estimate_bytes(config, T: int, what: frozenset[str], layers: Sequence[int], 
                  "z": T * C, "attn_out": T * C, "mlp_pre": 4 * T * C, "mlp_post": 4 * T * C, "mlp_out": T * C}
     n = T * V + 2 * T * C + (2 * T * C if "embed" in what else 0)
     n += len(layers) * sum(v for k, v in per_block.items() if k in what)
-    # q and k are needed for the attention matrix even when not kept, one block at a time.
     return n * itemsize
 
 
@@ -307,8 +306,15 @@ class _Recorder:
                 self._hook(blk.ln_1, lambda mod, a, o, p=p: out.__setitem__(p + "ln_1", o[0].detach()))
 
             def on_c_attn(mod, a, o, p=p):
-                q, k, v = o.detach().chunk(3, dim=-1)  # 3 x (1, T, C)
-                out[p + "attn.q"], out[p + "attn.k"], out[p + "attn.v"] = heads(q), heads(k), heads(v)
+                q, k, v = (heads(t) for t in o.detach().chunk(3, dim=-1))  # 3 x (nh, T, hs)
+                if "qkv" in w:
+                    out[p + "attn.q"], out[p + "attn.k"], out[p + "attn.v"] = q, k, v
+                if "scores" in w or "probs" in w:  # now, so q and k need not outlive their block
+                    scores, probs = attention_from_qk(q, k)
+                    if "scores" in w:
+                        out[p + "attn.scores"] = scores
+                    if "probs" in w:
+                        out[p + "attn.probs"] = probs
 
             def on_c_proj(mod, a, o, p=p):
                 out[p + "attn.z"] = heads(a[0].detach())  # the per-head weighted values, merged for c_proj
@@ -322,11 +328,16 @@ class _Recorder:
                 out[p + "mlp.post"] = a[0][0].detach()  # c_proj's input is GELU(c_fc(x))
                 out[p + "mlp.out"] = o[0].detach()
 
-            self._hook(blk.attn.c_attn, on_c_attn)  # q and k are always needed for the attention matrix
-            self._hook(blk.attn.c_proj, on_c_proj)
-            self._hook(blk.ln_2, on_ln_2)
-            self._hook(blk.mlp.c_fc, lambda mod, a, o, p=p: out.__setitem__(p + "mlp.pre", o[0].detach()))
-            self._hook(blk.mlp.c_proj, on_mlp_proj)
+            if w & {"qkv", "scores", "probs"}:
+                self._hook(blk.attn.c_attn, on_c_attn)
+            if w & {"z", "attn_out"}:
+                self._hook(blk.attn.c_proj, on_c_proj)
+            if w & {"resid", "ln"}:
+                self._hook(blk.ln_2, on_ln_2)
+            if "mlp_pre" in w:
+                self._hook(blk.mlp.c_fc, lambda mod, a, o, p=p: out.__setitem__(p + "mlp.pre", o[0].detach()))
+            if w & {"mlp_post", "mlp_out"}:
+                self._hook(blk.mlp.c_proj, on_mlp_proj)
         for i in range(L):
             if i in self.layers or i == L - 1:
                 self._hook(m.h[i], lambda mod, a, o, i=i: out.__setitem__(f"resid.{i + 1}", o[0][0].detach()))
@@ -365,14 +376,6 @@ def run_hooked(model, ids: list[int], layers: tuple[int, ...], what: frozenset[s
         raise RuntimeError(f"the forward pass did not call {next(iter(rec.silent.values()))!r} as a module, so "
                            "its hook did not fire; gpt2kit.trace needs a model whose submodules are called as modules")
     raw["logits"] = logits[0].detach()
-    for i in layers:
-        p = f"h.{i}."
-        if "scores" in what or "probs" in what:
-            scores, probs = attention_from_qk(raw[p + "attn.q"], raw[p + "attn.k"])
-            if "scores" in what:
-                raw[p + "attn.scores"] = scores
-            if "probs" in what:
-                raw[p + "attn.probs"] = probs
     return {k: v for k, v in raw.items() if _keep(k, what, model.config.n_layer)}
 
 
