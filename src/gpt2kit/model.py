@@ -88,7 +88,7 @@ class CausalSelfAttention(nn.Module):
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         B, T, C = x.shape
         nh, hs = self.n_head, C // self.n_head
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q, k, v = _linear(x, self.c_attn).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
@@ -103,7 +103,7 @@ class CausalSelfAttention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
-        return self.resid_dropout(self.c_proj(y)), (k, v)
+        return self.resid_dropout(_linear(y, self.c_proj)), (k, v)
 
 
 class MLP(nn.Module):
@@ -114,7 +114,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        return self.dropout(_linear(_linear_gelu(x, self.c_fc), self.c_proj))
 
 
 class Block(nn.Module):
