@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import random_model
 
+from gpt2kit import save_model
 from gpt2kit.cli import main
 from gpt2kit.config import GPT2Config
 from gpt2kit.tokenizer import Tokenizer
@@ -28,7 +29,7 @@ FETCH = re.compile(r"""(src|href)\s*=\s*["']?\s*(https?:)?//|import\s*\(?\s*["']
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("small_vocab")
-    random_model(SMALL_VOCAB).save_pretrained(d)
+    save_model(random_model(SMALL_VOCAB), d)
     return d
 
 

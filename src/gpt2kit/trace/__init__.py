@@ -340,7 +340,7 @@ class _Recorder:
                 self._hook(blk.mlp.c_proj, on_mlp_proj)
         for i in range(L):
             if i in self.layers or i == L - 1:
-                self._hook(m.h[i], lambda mod, a, o, i=i: out.__setitem__(f"resid.{i + 1}", o[0][0].detach()))
+                self._hook(m.h[i], lambda mod, a, o, i=i: out.__setitem__(f"resid.{i + 1}", o[0].detach()))
 
         def on_ln_f(mod, a, o):
             out["ln_f"] = o[0].detach()

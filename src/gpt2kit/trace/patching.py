@@ -52,7 +52,7 @@ def run_with_patches(model, ids: Sequence[int] | torch.Tensor,
 
     def make_hook(items):
         def hook(mod, args, out):
-            x = out[0] if isinstance(out, tuple) else out  # block: (x, kv); drop: x. (B, T, C)
+            x = out[0] if isinstance(out, tuple) else out  # (B, T, C); a tuple if a block returns more
             x = x.clone()
             for b, p, value in items:
                 x[b, p] = value

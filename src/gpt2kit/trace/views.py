@@ -11,14 +11,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 LN2 = math.log(2.0)
 
 
 def unembed(model, x: torch.Tensor) -> torch.Tensor:
-    """The tied LM head: x (..., C) -> logits (..., V) (GPT-2 has no output bias)."""
-    return F.linear(x, model.wte.weight[: model.config.n_vocab])
+    """The model's own tied head: x (..., C) -> logits (..., V)."""
+    return model.lm_head(x)
 
 
 def _rank(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
