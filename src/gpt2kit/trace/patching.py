@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gpt2kit.trace.record import parse_layers, run_hooked
+
 
 @dataclass(frozen=True)
 class PatchResult:
@@ -69,8 +71,6 @@ def run_with_patches(model, ids: Sequence[int] | torch.Tensor,
 
 
 def _resid_all(model, ids: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    from gpt2kit.trace import run_hooked
-
     L = model.config.n_layer
     rec = run_hooked(model, ids, tuple(range(L)), frozenset({"resid"}))
     return [rec[f"resid.{layer}"] for layer in range(L + 1)], rec["logits"]
@@ -87,8 +87,6 @@ def patch_residual(model, clean_ids: list[int], corrupt_ids: list[int], *, layer
                    answer: int | None = None, foil: int | None = None, batch_size: int = 16,
                    tokens: list[str] | None = None) -> PatchResult:
     """The causal-tracing grid: layers (residual layers 0..L; default all) x positions."""
-    from gpt2kit.trace import parse_layers
-
     if len(clean_ids) != len(corrupt_ids):
         raise ValueError(f"patching needs inputs of equal token length: the text has {len(clean_ids)} tokens, "
                          f"the comparison {len(corrupt_ids)}")

@@ -17,7 +17,7 @@ from importlib import resources
 
 import torch
 
-from gpt2kit.trace import views
+from gpt2kit.trace.views import lens_layers
 
 # The walk-through, in the spec's order: (name suffix, title, equation, note). {l} is the block.
 _BLOCK_STEPS = [
@@ -139,7 +139,7 @@ def report_data(tr, *, attention_encoding: str | None = "list", position: int = 
         "model": tr.name, "config": {k: getattr(cfg, k) for k in ("n_vocab", "n_ctx", "n_embd", "n_head", "n_layer")},
         "ids": tr.ids, "tokens": tr.tokens, "shapes": {k: list(v) for k, v in tr.shapes().items()},
         "stats": tr.next_token_stats(), "lens": tr.logit_lens(k=5),
-        "norms": {"layers": views.lens_layers(tr), "values": tr.residual_norms().tolist()},
+        "norms": {"layers": lens_layers(tr), "values": tr.residual_norms().tolist()},
         "attention": _attention(tr, attention_encoding), "walk": walkthrough(tr, position % T),
         "walk_position": position % T,
     }
