@@ -5,6 +5,9 @@ turn: one plain `model(ids)`; `trace()` (the hooked forward); and `trace()` + `t
 views: next-token stats, the logit lens over all L + 1 layers, attribution, head scores, and the
 HTML) — what `gpt2kit trace --out` does after loading. Medians over the rounds, so a busy machine
 slows all three alike; the ratio to the plain forward is the figure to compare across machines.
+The CPU column is the process's CPU seconds for trace+html (time.process_time): on a machine shared
+with other jobs, CPU seconds / threads is what the wall time would be if the threads had the cores
+to themselves (an estimate, not a measurement of an idle machine).
 
     python benchmarks/bench_trace.py                 # T = 64 and 128, 3 rounds, 2 threads
 """
@@ -35,6 +38,14 @@ def _cpu() -> str:
         return platform.processor() or "unknown CPU"
 
 
+def _load() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[0]
+    except OSError:
+        return "?"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 128])
@@ -46,9 +57,10 @@ def main() -> None:
     model = GPT2.from_name("gpt2").eval()
     tok = Tokenizer.default()
     rows = []
+    load0 = _load()
     for T in args.tokens:
         ids = torch.randint(0, model.config.n_vocab, (T,)).tolist()
-        times: dict[str, list[float]] = {"forward": [], "trace": [], "trace+html": []}
+        times: dict[str, list[float]] = {"forward": [], "trace": [], "trace+html": [], "cpu": []}
         size = 0
         for _ in range(args.rounds):
             t0 = time.perf_counter()
@@ -56,19 +68,23 @@ def main() -> None:
                 model(torch.tensor([ids]))
             t1 = time.perf_counter()
             trace(model, tok, ids)
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             size = len(trace(model, tok, ids).to_html().encode("utf-8"))
-            t3 = time.perf_counter()
+            t3, c3 = time.perf_counter(), time.process_time()
+            times["cpu"].append(c3 - c2)
             times["forward"].append(t1 - t0)
             times["trace"].append(t2 - t1)
             times["trace+html"].append(t3 - t2)
         med = {k: statistics.median(v) for k, v in times.items()}
         rows.append((T, med, size))
     print(f"machine: {_cpu()}; torch {torch.__version__}, {args.threads} threads; gpt2 (124M), float32")
-    print(f"{'T':>5} {'forward s':>10} {'trace s':>9} {'trace+html s':>13} {'x forward':>10} {'HTML MB':>8}")
+    print(f"load average before/after: {load0} / {_load()}")
+    print(f"{'T':>5} {'forward s':>10} {'trace s':>9} {'trace+html s':>13} {'x forward':>10} "
+          f"{'CPU s':>7} {'CPU s/threads':>14} {'HTML MB':>8}")
     for T, med, size in rows:
         print(f"{T:>5} {med['forward']:>10.2f} {med['trace']:>9.2f} {med['trace+html']:>13.2f} "
-              f"{med['trace+html'] / med['forward']:>10.1f} {size / 2**20:>8.2f}")
+              f"{med['trace+html'] / med['forward']:>10.1f} {med['cpu']:>7.2f} {med['cpu'] / args.threads:>14.2f} "
+              f"{size / 2**20:>8.2f}")
 
 
 if __name__ == "__main__":
