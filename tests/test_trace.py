@@ -93,6 +93,13 @@ def test_logit_lens_last_layer_is_the_logits(tiny_model):
     assert lens["top_ids"][-1] == last.topk(3, -1).indices.tolist()
     nxt = torch.tensor(tr.ids[1:])
     assert np.allclose(lens["next_prob"][-1], last[:-1].gather(-1, nxt[:, None])[:, 0].numpy(), atol=1e-7)
+    # a middle layer, the long way: LayerNorm with ln_f's parameters, then the tied head
+    with torch.no_grad():
+        ln = tiny_model.ln_f
+        h = torch.nn.functional.layer_norm(tr["resid.1"], (TINY.n_embd,), ln.weight, ln.bias, ln.eps)
+        p1 = torch.softmax(h @ tiny_model.wte.weight[: TINY.n_vocab].T, -1)
+    assert np.allclose(lens["next_prob"][1], p1[:-1].gather(-1, nxt[:, None])[:, 0].numpy(), atol=1e-6)
+    assert lens["top_ids"][1] == p1.topk(3, -1).indices.tolist()
 
 
 def test_next_token_stats(tiny_model):

@@ -60,15 +60,23 @@ def logit_lens(tr, k: int = 5) -> dict:
     """Per recorded residual layer x position: top-k tokens and probabilities; the probability and
     rank of the actual next token (positions 0..T-2)."""
     layers = lens_layers(tr)
-    T, V = len(tr.ids), tr.config.n_vocab
+    T, V, L = len(tr.ids), tr.config.n_vocab, tr.config.n_layer
     nxt = _next_ids(tr)
     top_ids, top_probs, next_prob, next_rank = [], [], [], []
     # Several layers per product (fewer, larger GEMMs), at most ~256 MB of (rows, V) logits at a time.
     per = max(1, (2**28 // 4) // max(1, T * V))
     for s in range(0, len(layers), per):
         group = layers[s:s + per]
-        h = torch.cat([tr.model.ln_f(tr[f"resid.{layer}"]) for layer in group])  # (g T, C)
-        logits = unembed(tr.model, h).float().view(len(group), T, V)
+        # At the last layer the lens is the model's own output (tested equal): reuse it.
+        computed = [layer for layer in group if layer != L]
+        parts = []
+        if computed:
+            h = torch.cat([tr.model.ln_f(tr[f"resid.{layer}"]) for layer in computed])  # (g' T, C)
+            parts.append(unembed(tr.model, h).view(len(computed), T, V))
+        if L in group:  # always the last recorded layer
+            parts.append(tr.logits[None])
+        logits = torch.cat(parts)
+        logits = logits.float()  # (g, T, V)
         logp = torch.log_softmax(logits, dim=-1)  # (g, T, V)
         lp, i = logp.topk(min(k, V), dim=-1)  # (g, T, K)
         top_ids += i.tolist()
