@@ -265,3 +265,75 @@ def test_saved_files_get_the_umask_mode_not_0600(tmp_path):
         os.umask(old)
     assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "config.json").stat().st_mode & 0o777 == 0o644
+
+
+# --- directory-level saves are atomic ------------------------------------------------------------
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(_ids(model.config.n_vocab)).logits
+
+
+def _hidden_siblings(d: Path) -> list[str]:
+    return sorted(p.name for p in d.parent.iterdir() if p.name.startswith(f".{d.name}"))
+
+
+def test_save_failing_midway_leaves_the_old_model_whole(tmp_path, monkeypatch):
+    from conftest import random_model
+
+    from gpt2kit.tokenizer import Tokenizer
+
+    d = tmp_path / "model"
+    old = random_model(TINY, seed=1)
+    save_model(old, d)
+    (d / "checkpoint.pt").write_bytes(b"a training run's file")
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+
+    def fail(self, directory):  # the weights are written by now; the tokenizer and config are not
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Tokenizer, "save", fail)
+    new = random_model(TINY.replace(n_layer=3), seed=2)
+    with pytest.raises(OSError, match="No space left"):
+        save_model(new, d)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before  # not one byte changed
+    assert torch.equal(_logits(load_model(d)), _logits(old))
+    assert _hidden_siblings(d) == []  # the staging directory is gone
+
+
+def test_save_replaces_the_model_whole_and_keeps_other_files(tmp_path):
+    from conftest import random_model
+
+    d = tmp_path / "model"
+    save_model(random_model(TINY, seed=1), d)
+    (d / "pytorch_model.bin").write_bytes(b"stale weights")  # would contradict the new ones
+    (d / "notes.txt").write_text("mine")
+    inode = (d / "notes.txt").stat().st_ino
+    new = random_model(TINY.replace(n_layer=3), seed=2)
+    save_model(new, d)
+    assert torch.equal(_logits(load_model(d)), _logits(new))
+    assert not (d / "pytorch_model.bin").exists()
+    assert (d / "notes.txt").read_text() == "mine" and (d / "notes.txt").stat().st_ino == inode  # hard link
+    assert _hidden_siblings(d) == []
+
+
+def test_stale_staging_dirs_of_dead_writers_are_removed(tmp_path):
+    from conftest import random_model
+
+    d = tmp_path / "model"
+    stale = tmp_path / ".model.saving-999999999-abc"  # no such pid: a writer killed with -9
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    save_model(random_model(TINY), d)
+    assert not stale.exists() and _hidden_siblings(d) == []
+
+
+def test_save_through_a_symlink_replaces_its_target(tmp_path):
+    from conftest import random_model
+
+    real, link = tmp_path / "real", tmp_path / "link"
+    save_model(random_model(TINY, seed=1), real)
+    link.symlink_to(real)
+    new = random_model(TINY, seed=2)
+    save_model(new, link)
+    assert link.is_symlink() and torch.equal(_logits(load_model(real)), _logits(new))

@@ -108,3 +108,33 @@ def test_debug_shows_traceback():
     proc = subprocess.run([sys.executable, "-m", "gpt2kit", "info", "/nonexistent/model", "--debug"],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_convert_refuses_to_overwrite_a_model_unless_asked(capsys, tmp_path):
+    dst = tmp_path / "hf"
+    assert run(capsys, ["convert", str(FIXTURE_TF), str(dst)])[0] == 0
+    mtime = (dst / "model.safetensors").stat().st_mtime_ns
+    code, _, err = run(capsys, ["convert", str(FIXTURE_TF), str(dst)])
+    assert code == 1 and "already holds a model" in err and "--overwrite" in err
+    assert (dst / "model.safetensors").stat().st_mtime_ns == mtime
+    code, _, err = run(capsys, ["convert", str(FIXTURE_TF), str(dst), "--overwrite", "--dtype", "bfloat16"])
+    assert code == 0, err
+    assert load_model(dst).config.n_layer == 2 and "bfloat16" in (dst / "config.json").read_text()
+
+
+def test_convert_never_overwrites_its_own_source(capsys, tmp_path, model_dir):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    (tmp_path / "alias").symlink_to(d)
+    before = (d / "model.safetensors").read_bytes()
+    for dst in (d, tmp_path / "alias", tmp_path / "m" / ".." / "m"):
+        code, _, err = run(capsys, ["convert", str(d), str(dst), "--overwrite"])
+        assert code == 1 and "is the source" in err, err
+    assert (d / "model.safetensors").read_bytes() == before
+
+
+def test_train_refuses_out_equal_to_the_model_it_fine_tunes(capsys, tmp_path, model_dir):
+    code, _, err = run(capsys, ["train", "--data", str(tmp_path), "--model", str(model_dir), "--out", str(model_dir)])
+    assert code == 1 and "model being fine-tuned" in err

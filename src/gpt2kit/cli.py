@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 
 class CLIError(Exception):
@@ -90,10 +91,19 @@ def _register_score(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from gpt2kit.checkpoint import load_model, load_tokenizer, save_model
+    from gpt2kit._io import same_path
+    from gpt2kit.checkpoint import holds_model, load_model, load_tokenizer, resolve_source, save_model
 
-    model = load_model(args.src, dtype=args.dtype)
-    out = save_model(model, args.dst, tokenizer=load_tokenizer(args.src))
+    dst = Path(args.dst).expanduser()
+    if dst.exists() and not dst.is_dir():
+        raise CLIError(f"{args.dst}: exists and is not a directory")
+    if holds_model(dst) and not args.overwrite:
+        raise CLIError(f"{args.dst} already holds a model; pass --overwrite to replace it")
+    _, src = resolve_source(args.src)
+    if same_path(src, dst):
+        raise CLIError(f"{args.dst} is the source being converted; write to another directory")
+    model = load_model(src, dtype=args.dtype)
+    out = save_model(model, dst, tokenizer=load_tokenizer(src))
     print(f"wrote {out} ({model.num_parameters():,} parameters, {args.dtype or 'float32'})")
     return 0
 
@@ -101,8 +111,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def _register_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="write any loadable checkpoint as an HF-format directory")
     p.add_argument("src", help="hub id, HF directory or OpenAI TF release directory")
-    p.add_argument("dst", help="output directory")
+    p.add_argument("dst", help="output directory (replaced atomically; never the source)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--overwrite", action="store_true", help="replace a model already in DST")
     p.set_defaults(func=cmd_convert)
 
 
@@ -172,6 +183,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if not args.resume and args.model and args.out and Path(args.model).expanduser().exists():
+        from gpt2kit._io import same_path
+
+        if same_path(args.model, args.out):
+            raise CLIError(f"--out {args.out} is the model being fine-tuned; its weights would be overwritten: "
+                           "choose another --out")
     if args.resume:
         cfg = resume_config(given.pop("out"), **given)
     elif "data" not in given:
