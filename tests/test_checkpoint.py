@@ -337,3 +337,91 @@ def test_save_through_a_symlink_replaces_its_target(tmp_path):
     new = random_model(TINY, seed=2)
     save_model(new, link)
     assert link.is_symlink() and torch.equal(_logits(load_model(real)), _logits(new))
+
+
+# --- the config is checked against the headers before anything is read or built ------------------
+
+def _edit_config(d: Path, **changes) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | changes))
+
+
+def _no_tensor_data(monkeypatch) -> None:
+    import safetensors.torch
+
+    def refuse(*a, **k):
+        raise AssertionError("tensor data was read")
+
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+
+
+@pytest.mark.parametrize("n_layer,needle", [
+    (1000, r"config.json says n_layer=1000, but the weights hold 2 layer\(s\) \(h.0 .. h.1\)"),
+    (1000000, r"config.json: n_layer=1000000 is beyond the limit 1,024"),
+    (1, r"config.json says n_layer=1, but the weights hold 2 layer"),
+])
+def test_config_that_does_not_match_the_weights_fails_before_reading_them(tmp_path, monkeypatch, n_layer, needle):
+    random_hf_model().save_pretrained(tmp_path)
+    _edit_config(tmp_path, n_layer=n_layer)
+    _no_tensor_data(monkeypatch)
+    with pytest.raises(ValueError, match=needle):
+        load_model(tmp_path)
+
+
+def test_config_width_mismatch_names_tensor_and_file(tmp_path, monkeypatch):
+    random_hf_model().save_pretrained(tmp_path)
+    _edit_config(tmp_path, n_embd=64)
+    _no_tensor_data(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor wte.weight has shape \(1000, 32\), "
+                                              r"config.json implies \(1000, 64\)"):
+        load_model(tmp_path)
+
+
+def test_info_reads_headers_only(tmp_path, monkeypatch):
+    hf = random_hf_model()
+    hf.save_pretrained(tmp_path / "hf")
+    _no_tensor_data(monkeypatch)
+    info = describe(tmp_path / "hf")
+    assert info["parameters"] == sum(p.numel() for p in hf.transformer.parameters()) == 59520
+    assert info["dtype"] == "float32"
+    d = tmp_path / "tf"  # the TF index alone: data cut to nothing still describes, and fails to load
+    shutil.copytree(FIXTURE_TF, d)
+    (d / "model.ckpt.data-00000-of-00001").write_bytes(b"")
+    assert describe(d)["parameters"] == 59520
+    with pytest.raises(CheckpointError, match="model.ckpt.data"):
+        load_model(d)
+
+
+def test_expected_shapes_equal_the_models_own():
+    from gpt2kit.checkpoint.keymap import expected_shapes
+    from gpt2kit.model import GPT2
+
+    for cfg in (TINY, TINY.replace(n_vocab_padded=1024, n_layer=3)):
+        with torch.device("meta"):
+            model = GPT2(cfg)
+        assert expected_shapes(cfg) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        assert cfg.n_params == model.num_parameters()
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ({"n_layer": "12"}, r"config.json: n_layer must be an integer, got '12' \(str\)"),
+    ({"layer_norm_epsilon": "1e-5"}, "config.json: layer_norm_epsilon must be a number"),
+    ({"n_embd": True}, "config.json: n_embd must be an integer, got True"),
+    ({"n_positions": 2 ** 30}, "config.json: n_positions=1073741824 is beyond the limit"),
+])
+def test_config_json_values_of_the_wrong_kind_name_file_and_key(tmp_path, bad, needle):
+    random_hf_model().save_pretrained(tmp_path)
+    _edit_config(tmp_path, **bad)
+    with pytest.raises(ValueError, match=needle):
+        load_model(tmp_path)
+
+
+def test_config_json_not_utf8_empty_or_unreadable(tmp_path):
+    random_hf_model().save_pretrained(tmp_path)
+    cfg = tmp_path / "config.json"
+    cfg.write_bytes(b'{"n_layer": 2, "x": "\xff"}')
+    with pytest.raises(ValueError, match=r"config.json: not UTF-8 text \(byte 0xff at offset 21\)"):
+        load_model(tmp_path)
+    cfg.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"config.json: empty file"):
+        load_model(tmp_path)
