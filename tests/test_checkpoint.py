@@ -425,3 +425,64 @@ def test_config_json_not_utf8_empty_or_unreadable(tmp_path):
     cfg.write_bytes(b"")
     with pytest.raises(ValueError, match=r"config.json: empty file"):
         load_model(tmp_path)
+
+
+# --- names that do not resolve are reported as local problems, never sent to the hub -------------
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    from gpt2kit.checkpoint import hub
+
+    def refuse(*a, **k):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr(hub, "download", refuse)
+
+
+@pytest.mark.parametrize("name,needle", [
+    ("./mdl", r"^\./mdl: no such directory$"),
+    ("models/gpt2x", r"models/gpt2x: no such directory \(models exists; gpt2x does not\)"),
+    ("loop", "loop: a symlink loop"),
+    ("dangling", "dangling: a symlink to nowhere, which does not exist"),
+    ("gpt2-mediun", r"not a published GPT-2 name \(gpt2, gpt2-medium, .*did you mean gpt2-medium\?"),
+    ("mdl", r"mdl: no such directory, and not a published GPT-2 name"),
+    ("gpt2-tiny", "a preset for training from scratch"),
+])
+def test_a_local_name_that_does_not_resolve_is_not_a_hub_id(tmp_path, monkeypatch, no_hub, name, needle):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "dangling").symlink_to("nowhere")
+    with pytest.raises(FileNotFoundError, match=needle):
+        load_model(name)
+
+
+def test_empty_and_unreadable_weights_are_named_as_such(tmp_path, monkeypatch):
+    hf = random_hf_model()
+    hf.save_pretrained(tmp_path)
+    st = tmp_path / "model.safetensors"
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == st else real_access(p, mode))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: exists but cannot be read \(permission denied\)"):
+        load_model(tmp_path)
+    monkeypatch.undo()
+    st.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"model.safetensors: empty file \(0 bytes\)"):
+        load_model(tmp_path)
+    st.unlink()
+    torch.save({}, tmp_path / "pytorch_model.bin")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"pytorch_model.bin: empty file \(0 bytes\)"):
+        load_model(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_checkpoint_dir_is_not_called_missing(tmp_path):
+    hf = random_hf_model()
+    hf.save_pretrained(tmp_path / "m")
+    (tmp_path / "m").chmod(0)
+    try:
+        with pytest.raises(PermissionError, match="permission denied"):
+            load_model(tmp_path / "m")
+    finally:
+        (tmp_path / "m").chmod(0o755)

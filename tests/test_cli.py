@@ -138,3 +138,34 @@ def test_convert_never_overwrites_its_own_source(capsys, tmp_path, model_dir):
 def test_train_refuses_out_equal_to_the_model_it_fine_tunes(capsys, tmp_path, model_dir):
     code, _, err = run(capsys, ["train", "--data", str(tmp_path), "--model", str(model_dir), "--out", str(model_dir)])
     assert code == 1 and "model being fine-tuned" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_is_one_line(capsys, tmp_path):
+    (tmp_path / "t.txt").write_text("hello")
+    code, _, err = run(capsys, ["score", "--model", str(FIXTURE_TF), "--device", "cuda", str(tmp_path / "t.txt")])
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert "device 'cuda' asked for, but" in err and "--device cpu" in err
+
+
+def test_output_to_a_closed_pipe_exits_nonzero_quietly(tmp_path):
+    import os
+
+    (tmp_path / "t.txt").write_text("hello world " * 20000)
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first write, as with `| head -c1` after its byte
+    proc = subprocess.run([sys.executable, "-m", "gpt2kit", "tokenize", str(tmp_path / "t.txt")],
+                          stdout=w, stderr=subprocess.PIPE, text=True)
+    os.close(w)
+    assert proc.returncode == 141 and proc.stderr == ""
+
+
+def test_non_utf8_input_warns_once_and_replaces(capsys, monkeypatch, tmp_path, model_dir):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("café".encode("latin-1"))
+    code, out, err = run(capsys, ["tokenize", str(f)])
+    assert code == 0 and out.split() == [str(i) for i in Tokenizer.default().encode("caf\ufffd")]
+    assert err.strip() == (f"gpt2kit tokenize: warning: {f} is not valid UTF-8 (byte 0xe9 at offset 3); "
+                           "invalid bytes were replaced with U+FFFD")
+    code, out, err = run(capsys, ["score", "--model", str(model_dir), str(f)])
+    assert code == 0 and "not valid UTF-8" in err and "perplexity" in out
