@@ -486,3 +486,36 @@ def test_unreadable_checkpoint_dir_is_not_called_missing(tmp_path):
             load_model(tmp_path / "m")
     finally:
         (tmp_path / "m").chmod(0o755)
+
+
+# --- paths a checkpoint names are taken inside its directory -------------------------------------
+
+@pytest.mark.parametrize("named", ['"/home/someone/gpt-2/models/124M/model.ckpt"', '"../../elsewhere/model.ckpt"'])
+def test_tf_checkpoint_file_naming_another_place_loads_the_files_beside_it(tmp_path, named):
+    d = tmp_path / "124M"
+    shutil.copytree(FIXTURE_TF, d)
+    (d / "checkpoint").write_text(f"model_checkpoint_path: {named}\nall_model_checkpoint_paths: {named}\n")
+    x = _ids(1000, 16)
+    with torch.no_grad():
+        assert torch.equal(load_model(d)(x).logits, load_model(FIXTURE_TF)(x).logits)
+    (d / "checkpoint").write_text('model_checkpoint_path: "model-other.ckpt"\n')
+    with pytest.raises(CheckpointError, match="names 'model-other.ckpt', but there is no model-other.ckpt.index"):
+        load_model(d)
+
+
+@pytest.mark.parametrize("index_name,shard", [
+    ("model.safetensors.index.json", "../../outside.safetensors"),
+    ("model.safetensors.index.json", "/etc/outside.safetensors"),
+    ("pytorch_model.bin.index.json", "sub/../../outside.bin"),
+])
+def test_shard_index_entries_outside_the_directory_are_refused(tmp_path, index_name, shard):
+    d = tmp_path / "a" / "b"
+    random_hf_model().save_pretrained(d)
+    outside = (d / shard) if not shard.startswith("/") else Path(shard)
+    if not shard.startswith("/"):
+        outside.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(d / "model.safetensors", outside)
+    (d / "model.safetensors").unlink()
+    (d / index_name).write_text(json.dumps({"weight_map": {"transformer.wte.weight": shard}}))
+    with pytest.raises(CheckpointError, match=f"shard '{shard}' lies outside the checkpoint directory"):
+        load_model(d)
