@@ -169,3 +169,44 @@ def test_non_utf8_input_warns_once_and_replaces(capsys, monkeypatch, tmp_path, m
                            "invalid bytes were replaced with U+FFFD")
     code, out, err = run(capsys, ["score", "--model", str(model_dir), str(f)])
     assert code == 0 and "not valid UTF-8" in err and "perplexity" in out
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"gpt2kit {version('gpt2kit')}"
+
+
+def test_detokenize_from_args_file_and_stdin(capsys, monkeypatch, tmp_path):
+    tok = Tokenizer.default()
+    text = "Hello world, café ☕"
+    ids = tok.encode(text)
+    assert run(capsys, ["detokenize", *map(str, ids)])[1] == text
+    assert run(capsys, ["detokenize"], json.dumps(ids), monkeypatch)[1] == text
+    assert run(capsys, ["detokenize"], ", ".join(map(str, ids)) + "\n", monkeypatch)[1] == text
+    f = tmp_path / "ids.json"
+    f.write_text(json.dumps({"tokens": ids}))  # what tokenize --json prints
+    assert run(capsys, ["detokenize", "--file", str(f)])[1] == text
+
+
+def test_tokenize_then_detokenize_gives_the_bytes_back(tmp_path):
+    src = tmp_path / "t.txt"
+    src.write_bytes("line one\n\ttwo  ☕\r\n".encode() + b"\xff end")  # not even UTF-8: still exact
+    ids = subprocess.run([sys.executable, "-m", "gpt2kit", "tokenize", str(src)], capture_output=True, check=True)
+    back = subprocess.run([sys.executable, "-m", "gpt2kit", "detokenize"], input=ids.stdout, capture_output=True,
+                          check=True)
+    assert back.stdout == "line one\n\ttwo  ☕\r\n\ufffd end".encode()
+
+
+@pytest.mark.parametrize("argv,stdin,needle", [
+    (["detokenize", "1", "x"], None, "ids: item 2 ('x') is not an integer token id"),
+    (["detokenize", "50257"], None, "token id 50257 is outside the vocabulary (n_vocab 50257: ids 0..50256)"),
+    (["detokenize"], "[1, 2.5]", "stdin: item 2 (2.5) is not an integer token id"),
+    (["detokenize"], "[1, 2", "stdin: not valid JSON"),
+    (["detokenize"], '{"ids": [1]}', 'expected a JSON list of token ids or {"tokens": [...]}'),
+])
+def test_detokenize_bad_ids_are_one_line(capsys, monkeypatch, argv, stdin, needle):
+    code, out, err = run(capsys, argv, stdin, monkeypatch)
+    assert code == 1 and out == "" and needle in err and len(err.strip().splitlines()) == 1

@@ -29,16 +29,36 @@ def _add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N | mps (default: cpu)")
 
 
+_PROG = "gpt2kit"  # "gpt2kit <command>" once parsed: the prefix of every error and warning line
+
+
+def _warn(message: str) -> None:
+    print(f"{_PROG}: warning: {message}", file=sys.stderr)
+
+
 def _read_text(path: str | None) -> str:
-    if path is None or path == "-":
-        return sys.stdin.read()
+    """A text file (or stdin for None / "-") as str; bytes that are not UTF-8 become U+FFFD, with a warning."""
+    name = "stdin" if path is None or path == "-" else path
+    if name == "stdin":
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    else:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise CLIError(f"{path}: no such file") from None
+        except IsADirectoryError:
+            raise CLIError(f"{path}: is a directory, expected a text file") from None
+        except PermissionError:
+            raise CLIError(f"{path}: exists but cannot be read (permission denied)") from None
+    if isinstance(data, str):
+        return data
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise CLIError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise CLIError(f"{path}: is a directory, expected a text file") from None
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        _warn(f"{name} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
+              "invalid bytes were replaced with U+FFFD")
+        return data.decode("utf-8", errors="replace")
 
 
 # --- subcommands ------------------------------------------------------------------------------
@@ -64,6 +84,59 @@ def _register_tokenize(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--count", action="store_true", help="print only the number of tokens")
     p.add_argument("--allow-special", action="store_true", help="treat <|endoftext|> in the text as the special token")
     p.set_defaults(func=cmd_tokenize)
+
+
+def _parse_ids(text: str, where: str) -> list[int]:
+    """Token ids written as a JSON list, tokenize --json's {"tokens": [...]}, or separated by spaces/commas."""
+    import re
+
+    s = text.strip()
+    if s.startswith(("[", "{")):
+        try:
+            obj = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise CLIError(f"{where}: not valid JSON ({e.msg} at character {e.pos})") from None
+        if isinstance(obj, dict):
+            obj = obj.get("tokens")
+        if not isinstance(obj, list):
+            raise CLIError(f'{where}: expected a JSON list of token ids or {{"tokens": [...]}}')
+        for n, i in enumerate(obj, start=1):
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise CLIError(f"{where}: item {n} ({json.dumps(i)}) is not an integer token id")
+        return obj
+    ids = []
+    for n, item in enumerate((t for t in re.split(r"[\s,]+", s) if t), start=1):
+        if not item.isascii() or not item.lstrip("-").isdigit():
+            raise CLIError(f"{where}: item {n} ({item!r}) is not an integer token id")
+        ids.append(int(item))
+    return ids
+
+
+def cmd_detokenize(args: argparse.Namespace) -> int:
+    from gpt2kit.tokenizer import Tokenizer
+
+    if args.ids and args.file is not None:
+        raise CLIError("give ids on the line or --file, not both")
+    if args.ids:
+        ids = _parse_ids(" ".join(args.ids), "ids")
+    else:
+        ids = _parse_ids(_read_text(args.file), "stdin" if args.file in (None, "-") else args.file)
+    data = Tokenizer.default().decode_bytes(ids)  # ValueError naming an id outside the vocabulary
+    if hasattr(sys.stdout, "buffer"):
+        sys.stdout.buffer.write(data)  # the exact bytes, so `tokenize | detokenize` gives the file back
+    else:
+        sys.stdout.write(data.decode("utf-8", errors="replace"))
+    return 0
+
+
+def _register_detokenize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("detokenize", help="print the text of GPT-2 token ids (the inverse of tokenize)",
+                       description="Ids as arguments, or from --file / stdin: a JSON list, tokenize --json's "
+                                   'output ({"tokens": [...]}), or numbers separated by spaces or commas. The '
+                                   "text's exact bytes are written, with no newline added.")
+    p.add_argument("ids", nargs="*", help="token ids (default: read them from --file or stdin)")
+    p.add_argument("--file", "-f", default=None, help="file of ids ('-' for stdin)")
+    p.set_defaults(func=cmd_detokenize)
 
 
 def cmd_score(args: argparse.Namespace) -> int:
@@ -402,7 +475,7 @@ def _register_bench(sub: argparse._SubParsersAction) -> None:
 
 
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _register_tokenize, _register_score, _register_convert, _register_info,
+    _register_tokenize, _register_detokenize, _register_score, _register_convert, _register_info,
     _register_prepare, _register_train, _register_generate, _register_bench,
 ]
 
@@ -413,9 +486,19 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gpt2kit")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gpt2kit", description="GPT-2, complete, exact and fast.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"gpt2kit {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for register in REGISTRARS:
@@ -424,6 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _PROG
     argv = list(sys.argv[1:] if argv is None else argv)
     # --debug is accepted anywhere on the line, not only before the subcommand.
     debug = "--debug" in argv
@@ -431,18 +515,34 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.debug = debug
+    _PROG = f"gpt2kit {args.command}"
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed stdout shows up here, not at interpreter exit
+        return code
     except KeyboardInterrupt:
         print("gpt2kit: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0
+    except BrokenPipeError:  # the reader went away (`gpt2kit tokenize big.txt | head`): stop quietly
+        _detach_stdout()
+        return 141  # what a shell reports for a process ended by SIGPIPE (128 + 13)
     except Exception as e:  # noqa: BLE001 - the CLI's one place that turns errors into exit codes
         if debug:
             raise
-        print(f"gpt2kit {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 1
+
+
+def _detach_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's last flush cannot raise about the closed pipe."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is not a real file (tests, notebooks)
+        pass
 
 
 def _one_line(e: BaseException) -> str:

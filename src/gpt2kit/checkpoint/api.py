@@ -93,7 +93,7 @@ def _refuse_non_hub(raw: str, path: Path) -> None:
         if raw in PRESETS:
             raise FileNotFoundError(f"{raw}: a preset for training from scratch (gpt2kit train --model {raw}); "
                                     "it has no published weights")
-        close = difflib.get_close_matches(raw, HUB_NAMES, n=1)
+        close = difflib.get_close_matches(raw, HUB_NAMES, n=1, cutoff=0.75)
         hint = f"; did you mean {close[0]}?" if close else ""
         raise FileNotFoundError(
             f"{raw}: no such directory, and not a published GPT-2 name ({', '.join(HUB_NAMES)}) "
