@@ -519,3 +519,27 @@ def test_shard_index_entries_outside_the_directory_are_refused(tmp_path, index_n
     (d / index_name).write_text(json.dumps({"weight_map": {"transformer.wte.weight": shard}}))
     with pytest.raises(CheckpointError, match=f"shard '{shard}' lies outside the checkpoint directory"):
         load_model(d)
+
+
+def test_every_saved_file_gets_the_umask_mode(tmp_path):
+    old = os.umask(0o027)
+    try:
+        save_model(load_model(FIXTURE_TF), tmp_path / "m")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m").iterdir()}
+    assert set(modes) >= {"model.safetensors", "config.json", "generation_config.json", "vocab.json", "merges.txt"}
+    assert set(modes.values()) == {0o640}, modes
+    assert (tmp_path / "m").stat().st_mode & 0o777 == 0o750  # the directory as mkdir would make it
+
+
+def test_checkpoint_api_is_typed_and_its_init_only_reexports():
+    import inspect
+
+    import gpt2kit.checkpoint as ck
+    from gpt2kit.model import GPT2
+
+    assert inspect.signature(ck.load_model).return_annotation in (GPT2, "GPT2")
+    assert inspect.signature(ck.save_model).parameters["model"].annotation in (GPT2, "GPT2")
+    public = [getattr(ck, n) for n in ck.__all__]
+    assert all(getattr(obj, "__module__", "") != "gpt2kit.checkpoint" for obj in public)

@@ -22,11 +22,12 @@ import functools
 import importlib.resources
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import tiktoken
+
+from gpt2kit._io import atomic_write_text
 
 __all__ = ["GPT2_PATTERN", "EOT_TEXT", "IncrementalDecoder", "Tokenizer", "bytes_to_unicode", "get_tokenizer"]
 
@@ -154,22 +155,6 @@ def _mergeable_ranks(
             f"256 bytes + {len(merges)} merges = {256 + len(merges)}; the files do not belong together"
         )
     return ranks
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    # Temp file in the same directory so os.replace is a rename on one filesystem: readers see the
-    # old file or the new one, never half of one.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a saved checkpoint should be readable like any file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _as_id_list(ids: Iterable[int] | int) -> list[int]:
@@ -324,7 +309,7 @@ class Tokenizer:
         }
         paths = []
         for name, text in files.items():
-            _write_atomic(directory / name, text)
+            atomic_write_text(directory / name, text)
             paths.append(directory / name)
         return tuple(paths)
 
