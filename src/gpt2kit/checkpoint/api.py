@@ -24,6 +24,7 @@ from gpt2kit.checkpoint import hf, hub, openai_tf
 from gpt2kit.checkpoint.contract import TensorInfo, check
 from gpt2kit.checkpoint.errors import CheckpointError
 from gpt2kit.config import PRESETS, GPT2Config
+from gpt2kit.decode.layout import use_decode_layout
 from gpt2kit.devices import resolve_device, resolve_dtype
 from gpt2kit.model import GPT2
 from gpt2kit.tokenizer import Tokenizer
@@ -135,7 +136,7 @@ def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str
         model = GPT2(config)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    return model.eval()
+    return use_decode_layout(model.eval())  # the layout CPU decode kernels read fastest (decode/layout.py)
 
 
 def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None) -> Tokenizer:
