@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-from gpt2kit.checkpoint import hf, hub, openai_tf
+import gpt2kit.checkpoint.hf as hf
+import gpt2kit.checkpoint.hub as hub
+import gpt2kit.checkpoint.openai_tf as openai_tf
 from gpt2kit.checkpoint.contract import TensorInfo, check
 from gpt2kit.checkpoint.errors import CheckpointError
 from gpt2kit.config import PRESETS, GPT2Config
