@@ -210,3 +210,10 @@ def test_tokenize_then_detokenize_gives_the_bytes_back(tmp_path):
 def test_detokenize_bad_ids_are_one_line(capsys, monkeypatch, argv, stdin, needle):
     code, out, err = run(capsys, argv, stdin, monkeypatch)
     assert code == 1 and out == "" and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_detokenize_and_version_do_not_import_torch():
+    code = ("import sys; from gpt2kit.cli import main; main(['detokenize', '15496']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == "Hello", proc.stderr
