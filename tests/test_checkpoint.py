@@ -543,3 +543,36 @@ def test_checkpoint_api_is_typed_and_its_init_only_reexports():
     assert inspect.signature(ck.save_model).parameters["model"].annotation in (GPT2, "GPT2")
     public = [getattr(ck, n) for n in ck.__all__]
     assert all(getattr(obj, "__module__", "") != "gpt2kit.checkpoint" for obj in public)
+
+
+@pytest.mark.slow
+def test_kill_9_during_saves_leaves_one_whole_model(tmp_path):
+    """A writer killed at arbitrary moments while replacing a model: the directory always loads as
+    exactly one of the two models, and the next save clears what the dead writer left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import random_model
+
+    d = tmp_path / "model"
+    a, b = random_model(TINY, seed=1), random_model(TINY.replace(n_layer=3), seed=2)
+    save_model(a, d)
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[2]); from conftest import TINY, random_model; "
+        "from gpt2kit.checkpoint import save_model; "
+        "ms = [random_model(TINY, seed=1), random_model(TINY.replace(n_layer=3), seed=2)]; "
+        "print('ready', flush=True); i = 0\n"
+        "while True:\n    save_model(ms[i % 2], sys.argv[1]); i += 1")
+    wanted = {_logits(a).sum().item(), _logits(b).sum().item()}
+    for delay in (0.05, 0.13, 0.29):
+        proc = subprocess.Popen([sys.executable, "-c", script, str(d), str(Path(__file__).parent)],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert _logits(load_model(d)).sum().item() in wanted
+    save_model(a, d)
+    assert torch.equal(_logits(load_model(d)), _logits(a)) and _hidden_siblings(d) == []
