@@ -576,3 +576,19 @@ def test_kill_9_during_saves_leaves_one_whole_model(tmp_path):
         assert _logits(load_model(d)).sum().item() in wanted
     save_model(a, d)
     assert torch.equal(_logits(load_model(d)), _logits(a)) and _hidden_siblings(d) == []
+
+
+def test_save_into_a_dir_whose_parent_is_read_only_says_why(tmp_path, monkeypatch):
+    import tempfile
+
+    from conftest import random_model
+
+    d = tmp_path / "model"
+    d.mkdir()
+
+    def denied(*a, **k):  # what mkdtemp raises in a parent the user cannot write (root can write anywhere)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", denied)
+    with pytest.raises(PermissionError, match="needs write access to the parent directory"):
+        save_model(random_model(TINY), d)

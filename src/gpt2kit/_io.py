@@ -117,8 +117,16 @@ def atomic_directory(path: str | os.PathLike[str], *, keep: Callable[[str], bool
     parent.mkdir(parents=True, exist_ok=True)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"{path}: exists and is not a directory")
+    if os.path.ismount(path):
+        raise OSError(errno.EBUSY, f"{path} is a mount point and cannot be swapped for a new version; "
+                      "save into a directory inside it", str(path))
     _remove_stale(parent, path.name)
-    stage = Path(tempfile.mkdtemp(dir=parent, prefix=f".{path.name}{_STAGING}{os.getpid()}-"))
+    try:
+        stage = Path(tempfile.mkdtemp(dir=parent, prefix=f".{path.name}{_STAGING}{os.getpid()}-"))
+    except PermissionError:
+        raise PermissionError(f"{path}: cannot write beside it in {parent} (permission denied); a save builds "
+                              "the new directory next to the old one and swaps it in, so it needs write "
+                              "access to the parent directory") from None
     try:
         # mkdtemp makes 0700; keep the old directory's mode, or give what mkdir() would
         os.chmod(stage, path.stat().st_mode & 0o7777 if path.is_dir() else 0o777 & ~_umask())
