@@ -61,11 +61,27 @@ def atomic_write_path(path: str | os.PathLike[str], write: Callable[[str], None]
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        full = _out_of_space(e, path.parent)  # asked before the partial file is removed and frees space
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if full:
+            raise OSError(errno.ENOSPC, f"no space left on the device holding {path.parent} while writing "
+                          f"{path.name}; the previous {path.name}, if any, is untouched", str(path)) from None
         raise
     fsync_dir(path.parent)
+
+
+def _out_of_space(e: BaseException, directory: Path) -> bool:
+    """Whether a failed write failed for want of space (torch.save says "[enforce fail at inline_container...]")."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if not isinstance(e, (OSError, RuntimeError)):
+        return False
+    try:
+        return shutil.disk_usage(directory).free < (1 << 20)
+    except OSError:
+        return False
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:
