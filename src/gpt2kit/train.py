@@ -408,6 +408,33 @@ def _build_model(cfg: TrainConfig, log: Callable[[str], None]) -> GPT2:
     return model
 
 
+def _make_contiguous(model: nn.Module) -> None:
+    """Store every parameter row-major (contiguous), in place.
+
+    Loaders may hand over transposed views (HF's Conv1D and TF's [in, out] matrices); AdamW's moments
+    copy their parameter's strides and are saved with them, while a resumed model is built row-major.
+    Fused AdamW walks parameter, gradient and moments as flat memory, so a layout mismatch pairs the
+    wrong elements. One layout for every run, fresh or resumed, removes the mismatch at its source.
+    """
+    for p in model.parameters():
+        if not p.is_contiguous():
+            p.data = p.data.contiguous()
+
+
+def _match_param_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Give each restored optimizer state tensor its parameter's memory layout (values unchanged).
+
+    load_state_dict keeps the strides the tensors were saved with; a checkpoint written by a run whose
+    parameters had another layout would otherwise be paired element-by-memory-slot with the wrong values.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == p.shape and value.stride() != p.stride():
+                    state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+
+
 def _make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW with weight decay on the 2-D weights only: the matrices and, as in nanoGPT, the wte/wpe
     embeddings; biases and LayerNorm gains are not decayed. Fused kernels where the device has them."""
@@ -553,6 +580,7 @@ def _train(cfg: TrainConfig, d: _Dist) -> TrainResult:
         raw.load_state_dict(ckpt["model"])
     cfg, accum = _resolve(cfg, raw, d.world_size)
     raw.to(d.device)
+    _make_contiguous(raw)
     torch.manual_seed(cfg.seed + d.rank)  # ranks draw different dropout masks
     if d.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # as nanoGPT/llm.c: TF32 matmuls for float32 on GPUs
@@ -572,6 +600,7 @@ def _train(cfg: TrainConfig, d: _Dist) -> TrainResult:
                _autocast(cfg, d.device), out)
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
+        _match_param_layout(optimizer)
         train_loader.load_state_dict(ckpt["loader"])
         run.step = int(ckpt["step"])
         rngs = ckpt["rng"]
