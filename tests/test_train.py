@@ -483,3 +483,51 @@ def test_restored_optimizer_state_takes_its_parameters_layout(tmp_path):
         torch.testing.assert_close(got, want, atol=1e-7, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
     assert any(not torch.allclose(b, w, atol=1e-6) for b, w in zip(twins[0].state_dict().values(),
                                                                    model.state_dict().values(), strict=True))
+
+
+# --- one run per OUT; failed runs leave nothing behind ------------------------------------------
+
+_HOLD_OUT = r"""
+import sys, time
+from pathlib import Path
+from gpt2kit.distributed import setup
+from gpt2kit.train import _claim_out
+with _claim_out(Path(sys.argv[1]), setup("cpu")):
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_run_into_the_same_out_names_the_holder(shards, tmp_path):
+    import socket
+
+    from gpt2kit.train import OutInUse
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_OUT, str(out)], stdout=subprocess.PIPE, text=True,
+                              env=_env())
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        with pytest.raises(OutInUse, match=rf"{out} is in use by another training run \(pid {holder.pid} on "
+                                           rf"{socket.gethostname()}, since "):
+            train(_cfg(shards, out, max_steps=2, eval_every=0))
+        assert not (out / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    train(_cfg(shards, out, max_steps=2, eval_every=0))  # the kernel dropped the dead holder's lock
+    train(resume_config(out, max_steps=3))  # and each run released its own
+
+
+def test_a_failed_run_removes_the_out_it_created(shards, tmp_path):
+    out = tmp_path / "new" / "run"
+    with pytest.raises(ValueError, match="seq_len 128 exceeds"):
+        train(_cfg(shards, out, seq_len=128))
+    assert not (tmp_path / "new").exists()
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    with pytest.raises(ValueError, match="seq_len 128 exceeds"):
+        train(_cfg(shards, existing, seq_len=128))
+    assert existing.is_dir()  # not ours to remove
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        train(_cfg(shards, tmp_path / "a_file", max_steps=1)) if (tmp_path / "a_file").write_text("x") else None

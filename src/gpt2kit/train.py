@@ -53,6 +53,7 @@ from gpt2kit.metrics import PLOT_NAME, Metrics, Reporter
 from gpt2kit.model import GPT2
 
 CHECKPOINT_NAME = "checkpoint.pt"
+LOCK_NAME = ".lock"  # held (flock) by the run writing OUT
 CHECKPOINT_FORMAT = "gpt2kit-train/1"
 
 ADAM_BETAS = (0.9, 0.95)  # GPT-3's betas (nanoGPT, llm.c); 0.999 is less stable at GPT-2 batch sizes
@@ -394,9 +395,73 @@ def train(cfg: TrainConfig) -> TrainResult:
     """
     d = distributed.setup(cfg.device)
     try:
-        return _train(cfg, d)
+        with _claim_out(Path(cfg.out), d):
+            return _train(cfg, d)
     finally:
         distributed.teardown(d)
+
+
+class OutInUse(RuntimeError):
+    """Another training process holds the lock on the output directory."""
+
+
+@contextlib.contextmanager
+def _claim_out(out: Path, d: Dist) -> Iterator[None]:
+    """Create OUT if needed and hold an exclusive lock on it while the run lasts (rank 0 takes it).
+
+    Two runs writing one OUT would interleave their checkpoints and metrics; the second gets
+    OutInUse naming the holder instead. The lock is an flock on OUT/.lock, so the kernel releases it
+    when the holder exits, however it exits. A run that fails before writing anything removes the
+    directories it created.
+    """
+    created = []
+    if d.master:
+        p = out
+        while not p.exists() and p != p.parent:
+            created.append(p)
+            p = p.parent
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(f"--out {out} is a file, not a directory")
+    lock, error = None, None
+    if d.master:
+        out.mkdir(parents=True, exist_ok=True)
+        lock, error = _lock(out / LOCK_NAME)
+    error = d.broadcast(error)
+    if error is not None:
+        raise OutInUse(error)
+    try:
+        yield
+    except BaseException:
+        if d.master and created and {p.name for p in out.iterdir()} <= {LOCK_NAME}:
+            (out / LOCK_NAME).unlink(missing_ok=True)
+            for p in created:  # the leaf first
+                with contextlib.suppress(OSError):
+                    p.rmdir()
+        raise
+    finally:
+        if lock is not None:
+            lock.close()  # closing the file releases the flock
+
+
+def _lock(path: Path) -> tuple[Any, str | None]:
+    """(open lock file, None) with an exclusive flock held, or (None, a message naming the holder)."""
+    import fcntl
+    import socket
+
+    f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open while the run lasts
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        return None, (f"{path.parent} is in use by another training run ({holder}); wait for it to finish, "
+                      f"or choose another --out")
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f, None
 
 
 def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
@@ -410,8 +475,6 @@ def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
     if ckpt is None and (out / CHECKPOINT_NAME).exists():
         raise FileExistsError(f"{out / CHECKPOINT_NAME} exists: pass --resume to continue that run, "
                               f"or choose another --out (or delete it) to start a new one")
-    if d.master:
-        out.mkdir(parents=True, exist_ok=True)
     find_shards(cfg.data, "train")  # fail early, with the data module's message, if there are none
 
     random.seed(cfg.seed)
