@@ -531,3 +531,104 @@ def test_a_failed_run_removes_the_out_it_created(shards, tmp_path):
     assert existing.is_dir()  # not ours to remove
     with pytest.raises(NotADirectoryError, match="is a file"):
         train(_cfg(shards, tmp_path / "a_file", max_steps=1)) if (tmp_path / "a_file").write_text("x") else None
+
+
+# --- a damaged checkpoint, a diverged run, a full disk ---------------------------------------------
+
+
+def test_a_bit_flipped_checkpoint_is_refused(shards, tmp_path):
+    out = tmp_path / "run"
+    train(_cfg(shards, out, max_steps=2, eval_every=0))
+    path = out / CHECKPOINT_NAME
+    good = path.read_bytes()
+    assert torch.load(path, weights_only=True)["step"] == 2  # torch still reads the file with its trailer
+    for where in (len(good) // 2, len(good) - 10):  # inside a tensor; inside the recorded checksum
+        bad = bytearray(good)
+        bad[where] ^= 0x10
+        path.write_bytes(bytes(bad))
+        with pytest.raises(ValueError, match=r"checkpoint\.pt: checksum mismatch: the file was damaged"):
+            train(resume_config(out, max_steps=4))
+    path.write_bytes(good)
+    assert train(resume_config(out, max_steps=3)).step == 3
+
+
+def _strict_json(line: str):
+    def refuse(name: str):
+        raise ValueError(f"bare {name} in metrics.jsonl")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_a_diverging_run_stops_without_overwriting_the_last_good_checkpoint(shards, tmp_path, capsys):
+    from gpt2kit.cli import main
+
+    out = tmp_path / "run"
+    # An absurd rate: step 1 is finite, its update makes the weights ~1e30, step 2's logits overflow.
+    argv = ["train", "--data", str(shards), "--out", str(out), *TINY_FLAGS, "--batch-size", "4", "--seq-len", "32",
+            "--max-steps", "6", "--eval-every", "0", "--save-every", "1", "--lr", "1e30", "--warmup-steps", "0"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]
+    assert last.startswith("gpt2kit train: error: step 2: loss nan") and "stopped without saving: the last good " \
+        f"checkpoint is {out / CHECKPOINT_NAME} (step 1)" in last, err
+    ckpt = torch.load(out / CHECKPOINT_NAME, weights_only=True)
+    assert ckpt["step"] >= 1
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+    assert not (out / "model.safetensors").exists()  # never exported the diverged weights
+    records = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, ckpt["step"] + 1))
+    assert all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_metrics_never_write_a_bare_nan(tmp_path):
+    from gpt2kit.metrics import Metrics
+
+    m = Metrics(tmp_path, None)
+    m.log({"step": 1, "loss": float("nan"), "grad_norm": float("inf")})
+    m.close()
+    assert _strict_json((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": None, "grad_norm": None}
+
+
+@pytest.mark.parametrize("failure", ["oserror", "torch"])
+def test_a_full_disk_says_so(shards, tmp_path, monkeypatch, failure):
+    import errno
+
+    out = tmp_path / "run"
+    train(_cfg(shards, out, max_steps=2, eval_every=0))
+    before = (out / CHECKPOINT_NAME).read_bytes()
+    real_statvfs = os.statvfs
+
+    def full(obj, f, *args, **kwargs):
+        f.write(b"x" * 1000)
+        if failure == "oserror":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((4096, 4096, 100, 0, 0, 100, 0, 0, 0, 255)))
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match=rf"no space left on {out} while writing checkpoint\.pt"):
+        train(resume_config(out, max_steps=4))
+    monkeypatch.setattr(os, "statvfs", real_statvfs)
+    assert (out / CHECKPOINT_NAME).read_bytes() == before
+
+
+def test_ctrl_c_during_a_step_stops_after_that_step(shards, tmp_path, monkeypatch):
+    """The stop flag is read after the backward pass: a signal during step 3 ends the run at step 3."""
+    from gpt2kit.data import ShardLoader
+
+    real = ShardLoader.next_batch
+    calls = {"train": 0}
+
+    def next_batch(self):
+        if self.files[0].name.startswith("train"):
+            calls["train"] += 1
+            if calls["train"] == 3:  # step 3's batch: the signal arrives while step 3 runs
+                os.kill(os.getpid(), signal.SIGINT)
+        return real(self)
+
+    monkeypatch.setattr(ShardLoader, "next_batch", next_batch)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(shards, out, max_steps=10, eval_every=0))
+    assert torch.load(out / CHECKPOINT_NAME, weights_only=True)["step"] == 3
+    assert [s for s, _ in _losses(out)] == [1, 2, 3]

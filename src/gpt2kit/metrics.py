@@ -42,14 +42,16 @@ class Metrics:
         self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def _remember(self, rec: dict[str, Any]) -> None:
-        if "loss" in rec:
+        if rec.get("loss") is not None:
             self.train.append((rec["step"], rec["loss"]))
-        if "val_loss" in rec:
+        if rec.get("val_loss") is not None:
             self.val.append((rec["step"], rec["val_loss"]))
 
     def log(self, rec: dict[str, Any]) -> None:
+        # Strict JSON: a non-finite number is written as null, never as a bare NaN / Infinity.
+        rec = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
         self._remember(rec)
-        self.file.write(json.dumps(rec) + "\n")
+        self.file.write(json.dumps(rec, allow_nan=False) + "\n")
         self.file.flush()
 
     def plot(self, path: Path, title: str) -> None:

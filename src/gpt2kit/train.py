@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import hashlib
 import math
 import os
 import random
@@ -179,7 +181,8 @@ def resume_config(out: str | os.PathLike[str], **changes: Any) -> TrainConfig:
     The CLI uses this so that `gpt2kit train --out OUT --resume` needs no other flag; train() then
     rejects changes outside RESUMABLE_CHANGES.
     """
-    saved = _read_checkpoint(Path(out) / CHECKPOINT_NAME, mmap=True)["config"]
+    # The config only; train() verifies the checksum when it reads the whole file.
+    saved = _read_checkpoint(Path(out) / CHECKPOINT_NAME, mmap=True, verify=False)["config"]
     # stop_at belongs to the invocation that saved, not to the run.
     return TrainConfig(**(saved | {"out": os.fspath(out), "stop_at": None} | changes | {"resume": True}))
 
@@ -188,9 +191,87 @@ def resume_config(out: str | os.PathLike[str], **changes: Any) -> TrainConfig:
 # the checkpoint and RNG states
 
 
-def _read_checkpoint(path: Path, *, mmap: bool = False) -> dict[str, Any]:
+# checkpoint.pt is torch.save's zip archive followed by a trailer holding the SHA-256 of the archive
+# (zip readers find their directory from the end and ignore what follows). One file, so the
+# atomic rename keeps the data and its checksum together.
+_TRAILER_TAG = b"\ngpt2kit-sha256 "
+_TRAILER_LEN = len(_TRAILER_TAG) + 64 + 1
+
+
+class _HashingWriter:
+    """A write-only file wrapper that hashes what passes through it."""
+
+    def __init__(self, f: Any):
+        self.f = f
+        self.sha = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    def write(f: Any) -> None:
+        hashing = _HashingWriter(f)
+        torch.save(state, hashing)
+        f.write(_TRAILER_TAG + hashing.sha.hexdigest().encode() + b"\n")
+
+    try:
+        atomic_write(path, write)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise OSError(e.errno, f"no space left on {path.parent} while writing {path.name}; the previous "
+                                   f"checkpoint is untouched") from None
+        raise
+    except RuntimeError as e:  # torch's zip writer reports a failed write as "[enforce fail at ...]"
+        if _no_space(path.parent):
+            raise OSError(errno.ENOSPC, f"no space left on {path.parent} while writing {path.name}; the "
+                                        f"previous checkpoint is untouched") from e
+        raise
+
+
+def _no_space(directory: Path) -> bool:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 1 << 20
+
+
+def _verify_checkpoint(path: Path) -> None:
+    """Check the recorded SHA-256; a mismatch means the file changed after it was written."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size < _TRAILER_LEN:
+            return  # too short to hold a trailer: torch.load reports what is wrong with it
+        f.seek(size - _TRAILER_LEN)
+        trailer = f.read()
+        if not trailer.startswith(_TRAILER_TAG):
+            return  # written before checkpoints carried a checksum
+        want = trailer[len(_TRAILER_TAG):-1].decode("ascii", errors="replace")
+        sha = hashlib.sha256()
+        f.seek(0)
+        left = size - _TRAILER_LEN
+        while left:
+            block = f.read(min(left, 1 << 24))
+            if not block:
+                break
+            sha.update(block)
+            left -= len(block)
+    if sha.hexdigest() != want:
+        raise ValueError(f"{path}: checksum mismatch: the file was damaged after it was written (SHA-256 "
+                         f"{sha.hexdigest()[:16]}..., recorded {want[:16]}...); restore it from a copy or "
+                         f"start a new run")
+
+
+def _read_checkpoint(path: Path, *, mmap: bool = False, verify: bool = True) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no checkpoint to resume from (train without --resume first)")
+    if verify:
+        _verify_checkpoint(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - any unreadable file is one user-facing error
@@ -554,8 +635,11 @@ def _loop(run: _Run, *, fresh: bool) -> TrainResult:
                 val_loss = _evaluate(run, metrics, reporter)
             while run.step < end:
                 t0 = time.perf_counter()
-                loss, grad_norm, lr, stop_now = _train_step(run, stop.requested)
+                loss, grad_norm, lr, stop_now = _train_step(run, lambda: stop.requested)
                 dt = time.perf_counter() - t0
+                if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                    raise NonFiniteLoss(_non_finite_message(run, loss, grad_norm))
+                stop_now = stop_now or (stop.requested and not d.enabled)  # a signal during the update
                 run.step += 1
                 tokens += cfg.total_batch_tokens
                 seconds += dt
@@ -595,7 +679,26 @@ def _batches(run: _Run) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         yield x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
 
 
-def _train_step(run: _Run, stop_requested: bool) -> tuple[float, float, float, bool]:
+class NonFiniteLoss(FloatingPointError):
+    """The loss or the gradient norm became NaN or infinite; nothing was saved after it."""
+
+
+def _non_finite_message(run: _Run, loss: float, grad_norm: float) -> str:
+    what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
+    ckpt = run.out / CHECKPOINT_NAME
+    kept = f"{ckpt} (step {_saved_step(ckpt)})" if ckpt.exists() else "no checkpoint (none was written yet)"
+    return (f"step {run.step + 1}: {what}: training diverged or the weights hold non-finite values; stopped "
+            f"without saving: the last good checkpoint is {kept}; a lower --lr may help")
+
+
+def _saved_step(path: Path) -> str:
+    try:
+        return str(_read_checkpoint(path, mmap=True, verify=False)["step"])
+    except (OSError, ValueError, KeyError):
+        return "unreadable"
+
+
+def _train_step(run: _Run, stop_requested: Callable[[], bool]) -> tuple[float, float, float, bool]:
     """One optimizer step. Returns (mean loss over all ranks, grad norm, lr, whether any rank asked to stop)."""
     cfg, d, model = run.cfg, run.dist, run.model
     model.train()
@@ -609,7 +712,8 @@ def _train_step(run: _Run, stop_requested: bool) -> tuple[float, float, float, b
             loss.backward()
         loss_sum += loss.detach()
     # One all-reduce carries the loss and the stop flag, so every rank stops after the same step.
-    stats = d.sum(torch.stack([loss_sum, torch.tensor(float(stop_requested), device=d.device)]))
+    # The stop flag is read after the backward pass, so a signal during it stops after this step.
+    stats = d.sum(torch.stack([loss_sum, torch.tensor(float(stop_requested()), device=d.device)]))
     clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # inf: the norm, with no clipping (x1.0)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.raw.parameters(), clip)
     lr = learning_rate(run.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
@@ -658,7 +762,7 @@ def _save(run: _Run, metrics: Metrics | None, *, model_too: bool) -> None:
             "loader": run.train_loader.state_dict(),
             "world_size": run.dist.world_size,
         }
-        atomic_write(run.out / CHECKPOINT_NAME, lambda f: torch.save(state, f))
+        _write_checkpoint(run.out / CHECKPOINT_NAME, state)
         if model_too:
             from gpt2kit.checkpoint import save_model
 
