@@ -11,6 +11,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -632,3 +633,26 @@ def test_ctrl_c_during_a_step_stops_after_that_step(shards, tmp_path, monkeypatc
         train(_cfg(shards, out, max_steps=10, eval_every=0))
     assert torch.load(out / CHECKPOINT_NAME, weights_only=True)["step"] == 3
     assert [s for s, _ in _losses(out)] == [1, 2, 3]
+
+
+def test_parameter_count_without_building():
+    from gpt2kit.config import GPT2Config
+    from gpt2kit.train import parameter_count
+
+    for config in (GPT2Config.from_name("gpt2-tiny", n_layer=3, n_embd=48, n_head=3, n_ctx=32),
+                   GPT2Config(n_vocab=1000, n_vocab_padded=1024, n_ctx=64, n_embd=32, n_head=4, n_layer=2)):
+        assert parameter_count(config) == GPT2(config).num_parameters()
+
+
+def test_a_model_too_big_for_memory_is_refused_before_allocating(shards, tmp_path, capsys):
+    from gpt2kit.cli import main
+
+    out = tmp_path / "huge"
+    t0 = time.monotonic()
+    code = main(["train", "--data", str(shards), "--out", str(out), "--n-layer", "1000000", "--max-steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and time.monotonic() - t0 < 30
+    assert re.fullmatch(r"gpt2kit train: error: preset 'gpt2-tiny' n_layer=1000000 has 198\.3B parameters: "
+                        r"training needs 2\.9 TiB on cpu for its float32 weights, gradients and AdamW state "
+                        r"\(before activations\), but only [\d,.]+ [KMGT]iB is available", err), err
+    assert not out.exists()

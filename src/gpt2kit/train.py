@@ -338,13 +338,70 @@ class _StopSignal:
 # model and optimizer
 
 
-def _build_model(cfg: TrainConfig, log: Callable[[str], None]) -> GPT2:
+# float32 weights, gradients and AdamW's two moments; activations come on top and depend on B and T.
+TRAIN_BYTES_PER_PARAMETER = 16
+
+
+def parameter_count(config: GPT2Config) -> int:
+    """The parameters GPT2(config) has, computed without building it."""
+    C = config.n_embd
+    block = 12 * C * C + 13 * C  # ln_1, c_attn, attn c_proj, ln_2, c_fc, mlp c_proj
+    return config.embedding_rows * C + config.n_ctx * C + config.n_layer * block + 2 * C
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on `device` (CPU: MemAvailable), or None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(config: GPT2Config, device: torch.device, what: str) -> None:
+    """Refuse, in one line naming the size, a model whose training state cannot fit before building it."""
+    n = parameter_count(config)
+    needs = [(device, n * TRAIN_BYTES_PER_PARAMETER, "float32 weights, gradients and AdamW state")]
+    if device.type != "cpu":  # the model is built on the CPU first, then moved
+        needs.append((torch.device("cpu"), n * 4, "float32 weights, built on the CPU before the move"))
+    for dev, need, parts in needs:
+        have = available_memory(dev)
+        if have is not None and need > have:
+            raise MemoryError(f"{what} has {_count(n)} parameters: training needs {_bytes(need)} on {dev} for "
+                              f"its {parts} (before activations), but only {_bytes(have)} is available")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.1f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    raise AssertionError
+
+
+def _build_model(cfg: TrainConfig, log: Callable[[str], None], device: torch.device) -> GPT2:
     """A float32 model on the CPU: a fresh preset (from scratch) or a loaded checkpoint (fine-tune)."""
     overrides = {k: getattr(cfg, k) for k in _ARCH_OVERRIDES if getattr(cfg, k) is not None}
     if cfg.dropout is not None:
         overrides["dropout"] = cfg.dropout
     if cfg.from_scratch:
-        model = GPT2(GPT2Config.from_name(cfg.model, **overrides))
+        config = GPT2Config.from_name(cfg.model, **overrides)
+        check_memory(config, device, f"preset {cfg.model!r}" + "".join(f" {k}={v}" for k, v in overrides.items()))
+        model = GPT2(config)
         hint = f" (to fine-tune OpenAI's weights: --model openai-community/{cfg.model})" if cfg.model in _OPENAI else ""
         log(f"from scratch: preset {cfg.model!r}, {model.num_parameters() / 1e6:.1f}M parameters{hint}")
         return model
@@ -562,9 +619,11 @@ def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     if ckpt is None:
-        raw = _build_model(cfg, log)
+        raw = _build_model(cfg, log, d.device)
     else:
-        raw = GPT2(GPT2Config(**ckpt["model_config"]))
+        model_config = GPT2Config(**ckpt["model_config"])
+        check_memory(model_config, d.device, f"the model in {out / CHECKPOINT_NAME}")
+        raw = GPT2(model_config)
         raw.load_state_dict(ckpt["model"])
     cfg, accum = _resolve(cfg, raw, d.world_size)
     raw.to(d.device)
