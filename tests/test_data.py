@@ -434,3 +434,15 @@ def test_prepare_names_the_overwrite_flag(tmp_path):
     prepare([tmp_path / "a.txt"], tmp_path / "out", workers=1, progress=False, val_fraction=0)
     with pytest.raises(FileExistsError, match="pass --overwrite"):
         prepare([tmp_path / "a.txt"], tmp_path / "out", workers=1, progress=False, val_fraction=0)
+
+
+def test_first_token_at_least_scans_in_blocks(tmp_path):
+    from gpt2kit.data import first_token_at_least
+
+    tokens = np.zeros(1000, dtype=np.int64)
+    tokens[[5, 700, 701]] = [10, 300, 999]
+    write_shard(tmp_path / "s.bin", tokens)
+    assert first_token_at_least(tmp_path / "s.bin", 300, block=64) == (700, 300)
+    assert first_token_at_least(tmp_path / "s.bin", 11, block=7) == (700, 300)
+    assert first_token_at_least(tmp_path / "s.bin", 10) == (5, 10)
+    assert first_token_at_least(tmp_path / "s.bin", 1000) is None

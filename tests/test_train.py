@@ -656,3 +656,34 @@ def test_a_model_too_big_for_memory_is_refused_before_allocating(shards, tmp_pat
                         r"training needs 2\.9 TiB on cpu for its float32 weights, gradients and AdamW state "
                         r"\(before activations\), but only [\d,.]+ [KMGT]iB is available", err), err
     assert not out.exists()
+
+
+def test_a_token_outside_the_models_vocabulary_is_found_before_training(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    tokens = np.random.default_rng(0).integers(0, 512, size=4000)
+    write_shard(data / "train_000000.bin", tokens)
+    tokens[777] = 50300  # e.g. data tokenized with a padded or larger vocabulary
+    write_shard(data / "train_000001.bin", tokens)
+    with pytest.raises(ValueError, match=r"train_000001\.bin: token 50300 at offset 777 is outside the model's "
+                                         r"vocabulary \(n_vocab 50257, ids 0\.\.50256\); this shard holds ids up "
+                                         r"to 50300: the data was tokenized for a larger vocabulary"):
+        train(_cfg(data, tmp_path / "run", max_steps=2, eval_every=0))
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_cannot_go_back_and_says_when_there_is_nothing_to_do(shards, tmp_path, capsys):
+    from gpt2kit.cli import main
+
+    out = tmp_path / "run"
+    train(_cfg(shards, out, max_steps=3, eval_every=0))
+    with pytest.raises(ValueError, match=r"--max-steps 2 is below the step .*checkpoint\.pt is at \(3\); a run "
+                                         r"cannot go back"):
+        train(resume_config(out, max_steps=2))
+    capsys.readouterr()
+    before = (out / CHECKPOINT_NAME).read_bytes()
+    assert main(["train", "--out", str(out), "--resume"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == (f"nothing to do: {out} is already at step 3; pass a larger --max-steps with --resume "
+                            f"to extend the run\n")
+    assert (out / CHECKPOINT_NAME).read_bytes() == before

@@ -188,7 +188,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = TrainConfig(**given)
     with _one_line_warnings("train"):
         result = train(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0 and result.tokens == 0:
+        print(f"nothing to do: {result.out} is already at step {result.step}; pass a larger --max-steps "
+              f"with --resume to extend the run")
+    elif int(os.environ.get("RANK", "0")) == 0:
         val = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
         loss = f", loss {result.loss:.4f}" if result.loss is not None else ""
         print(f"step {result.step}{loss}{val}: model and checkpoint in {result.out}")

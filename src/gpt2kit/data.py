@@ -108,6 +108,17 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
+def first_token_at_least(path: str | os.PathLike, limit: int, *, block: int = 1 << 24) -> tuple[int, int] | None:
+    """(offset, token) of the first token >= `limit` in the shard at `path`, or None; read in blocks."""
+    tokens = read_shard(path)
+    for start in range(0, tokens.size, block):
+        chunk = tokens[start : start + block]
+        if chunk.max() >= limit:
+            i = int(np.argmax(chunk >= limit))
+            return start + i, int(chunk[i])
+    return None
+
+
 def find_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
     """The shards of `split` in `data_dir`, sorted by name.
 
@@ -557,6 +568,23 @@ class ShardLoader:
                     f"(world_size {world_size} * batch_size {batch_size} * seq_len {seq_len} + 1)"
                 )
         self.reset()
+
+    def check_vocab(self, n_vocab: int) -> None:
+        """Raise ValueError naming the shard and offset of the first token id >= n_vocab, if any.
+
+        Checked when training starts, so that data tokenized for a larger vocabulary than the model's
+        fails at once rather than when the loop reaches the token.
+        """
+        for f in self.files:
+            found = first_token_at_least(f, n_vocab)
+            if found is not None:
+                offset, token = found
+                top = int(read_shard(f).max())
+                raise ValueError(
+                    f"{f}: token {token} at offset {offset} is outside the model's vocabulary (n_vocab {n_vocab}, "
+                    f"ids 0..{n_vocab - 1}); this shard holds ids up to {top}: the data was tokenized for a "
+                    f"larger vocabulary than the model's"
+                )
 
     def reset(self) -> None:
         """Back to the start of the first shard, epoch 0."""

@@ -643,6 +643,9 @@ def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
     B, T, W = cfg.batch_size, cfg.seq_len, d.world_size
     train_loader = ShardLoader(cfg.data, "train", batch_size=B, seq_len=T, rank=d.rank, world_size=W)
     val_loader, eval_batches = _val_loader(cfg, d)
+    for loader in (train_loader, val_loader):
+        if loader is not None:
+            loader.check_vocab(raw.config.n_vocab)
     run = _Run(cfg, d, raw, model, fwd, optimizer, train_loader, val_loader, eval_batches, accum,
                _autocast(cfg, d.device), out)
     if ckpt is not None:
@@ -650,6 +653,9 @@ def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
         _match_param_layout(optimizer)
         train_loader.load_state_dict(ckpt["loader"])
         run.step = int(ckpt["step"])
+        if cfg.max_steps < run.step:
+            raise ValueError(f"--max-steps {cfg.max_steps} is below the step {out / CHECKPOINT_NAME} is at "
+                             f"({run.step}); a run cannot go back: pass --max-steps above {run.step} to extend it")
         rngs = ckpt["rng"]
         if len(rngs) == W:
             _set_rng_state(rngs[d.rank], d.device)
@@ -722,8 +728,12 @@ def _loop(run: _Run, *, fresh: bool) -> TrainResult:
         reporter.close()
         if metrics is not None:
             metrics.close()
-    if run.step >= end and tokens == 0:  # nothing to do (e.g. resumed at max_steps): still export
-        _save(run, metrics, model_too=True)
+    if run.step >= end and tokens == 0:  # nothing to do (e.g. resumed at max_steps)
+        if not (run.out / "config.json").exists():  # the previous invocation died before exporting
+            _save(run, metrics, model_too=True)
+        reporter.line(f"nothing to do: {run.out} is already at step {run.step} (--max-steps {cfg.max_steps}"
+                      + (f", --stop-at {cfg.stop_at}" if cfg.stop_at is not None else "")
+                      + "); pass a larger --max-steps to extend the run")
     if d.master and tokens:
         reporter.line(f"done: step {run.step}, loss {last_loss:.4f}"
                       + (f", val loss {val_loss:.4f}" if val_loss is not None else "")
