@@ -687,3 +687,24 @@ def test_resume_cannot_go_back_and_says_when_there_is_nothing_to_do(shards, tmp_
     assert captured.out == (f"nothing to do: {out} is already at step 3; pass a larger --max-steps with --resume "
                             f"to extend the run\n")
     assert (out / CHECKPOINT_NAME).read_bytes() == before
+
+
+def test_log_lines_carry_elapsed_time_and_eta_and_evaluations_show_progress(shards, tmp_path, capsys):
+    from gpt2kit.metrics import Reporter
+
+    train(_cfg(shards, tmp_path / "run", max_steps=4, log_every=2, eval_every=4))
+    err = capsys.readouterr().err  # not a terminal: plain lines
+    steps = [line for line in err.splitlines() if line.startswith("step ") and "| loss" in line]
+    assert [line.split(" ")[1] for line in steps] == ["2/4", "4/4"]
+    assert all(re.search(r"\| elapsed \d+:\d\d:\d\d \| ETA \d+:\d\d:\d\d$", line) for line in steps), steps
+    assert steps[-1].endswith("ETA 0:00:00")
+    assert re.search(r"^step 4: val loss \d+\.\d{4} \(2 batches, \d+\.\d s\)$", err, re.M), err
+
+    rep = Reporter(True, 0, 10, log_every=100, heartbeat=0.0)  # heartbeat 0: every step and batch reports
+    rep.step({"step": 1, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0}, 3.0)
+    with rep.evaluating(3) as advance:
+        for _ in range(3):
+            advance()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].endswith("| ETA 0:00:27")  # 3 s per step, 9 steps left
+    assert lines[1:] == [f"evaluating: {i}/3 batches, 0:00:00" for i in (1, 2, 3)]

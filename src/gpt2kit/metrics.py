@@ -8,9 +8,12 @@ otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,12 +91,23 @@ def smooth(values: tuple[float, ...]) -> list[float]:
 
 
 class Reporter:
-    """Rank 0's output: a tqdm bar when stderr is a terminal, plain log lines otherwise."""
+    """Rank 0's output: a tqdm bar when stderr is a terminal, plain log lines otherwise.
 
-    def __init__(self, enabled: bool, start: int, total: int, log_every: int):
+    Plain lines come every `log_every` steps, and at least every `heartbeat` seconds, and carry the
+    elapsed time and an ETA (the mean step time of this invocation times the steps left), so a log
+    file shows how far a run is. Evaluations report their own progress (`evaluating`).
+    """
+
+    def __init__(self, enabled: bool, start: int, total: int, log_every: int, heartbeat: float = 60.0):
         self.enabled = enabled
         self.log_every = log_every
         self.total = total
+        self.start_step = start
+        self.heartbeat = heartbeat
+        self.t0 = time.monotonic()
+        self.last_line = self.t0
+        self.step_seconds = 0.0  # time in training steps only, for the ETA
+        self.eval_seconds = 0.0  # how long the last evaluation took
         self.bar = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
@@ -103,19 +117,60 @@ class Reporter:
     def line(self, text: str) -> None:
         if not self.enabled:
             return
+        self.last_line = time.monotonic()
         if self.bar is not None:
             self.bar.write(text, file=sys.stderr)
         else:
             print(text, file=sys.stderr, flush=True)
 
-    def step(self, rec: dict[str, Any]) -> None:
+    def step(self, rec: dict[str, Any], seconds: float) -> None:
+        self.step_seconds += seconds
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
             self.bar.update()
-        elif rec["step"] % self.log_every == 0 or rec["step"] == self.total:
-            self.line(f"step {rec['step']}/{self.total} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
-                      f"grad norm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s")
+            return
+        step = rec["step"]
+        due = step % self.log_every == 0 or step == self.total
+        if due or time.monotonic() - self.last_line >= self.heartbeat:
+            done = step - self.start_step
+            eta = self.step_seconds / done * (self.total - step) if done else 0.0
+            self.line(f"step {step}/{self.total} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
+                      f"grad norm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | "
+                      f"elapsed {clock(time.monotonic() - self.t0)} | ETA {clock(eta)}")
+
+    @contextlib.contextmanager
+    def evaluating(self, batches: int) -> Iterator[Callable[[], None]]:
+        """Progress of one evaluation: yields a function to call after each batch."""
+        t0 = time.monotonic()
+        bar = None
+        if self.enabled and self.bar is not None:
+            from tqdm import tqdm
+
+            bar = tqdm(total=batches, unit="batch", desc="evaluating", leave=False, dynamic_ncols=True,
+                       file=sys.stderr)
+        done = 0
+
+        def advance() -> None:
+            nonlocal done
+            done += 1
+            if bar is not None:
+                bar.update()
+            elif self.enabled and time.monotonic() - self.last_line >= min(self.heartbeat, 10.0):
+                self.line(f"evaluating: {done}/{batches} batches, {clock(time.monotonic() - t0)}")
+
+        try:
+            yield advance
+        finally:
+            if bar is not None:
+                bar.close()
+        self.eval_seconds = time.monotonic() - t0
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def clock(seconds: float) -> str:
+    """H:MM:SS."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"

@@ -713,7 +713,7 @@ def _loop(run: _Run, *, fresh: bool) -> TrainResult:
                        "tokens_per_s": cfg.total_batch_tokens / dt}
                 if metrics is not None:
                     metrics.log(rec)
-                reporter.step(rec)
+                reporter.step(rec, dt)
                 if stop_now:
                     _save(run, metrics, model_too=True)
                     reporter.line(f"stopped at step {run.step}: saved {run.out / CHECKPOINT_NAME} and the model; "
@@ -803,13 +803,16 @@ def _evaluate(run: _Run, metrics: Metrics | None, reporter: Reporter) -> float:
     model.eval()
     run.val_loader.reset()
     total = torch.zeros((), device=d.device)
-    for _ in range(run.eval_batches):
-        x, y = run.val_loader.next_batch()  # (B, T), (B, T)
-        with run.autocast():
-            total += model(x.to(d.device), targets=y.to(d.device)).loss.float()
+    with reporter.evaluating(run.eval_batches) as advance:
+        for _ in range(run.eval_batches):
+            x, y = run.val_loader.next_batch()  # (B, T), (B, T)
+            with run.autocast():
+                total += model(x.to(d.device), targets=y.to(d.device)).loss.float()
+            advance()
     model.train()
     val_loss = d.sum(total).item() / (run.eval_batches * d.world_size)
-    reporter.line(f"step {run.step}: val loss {val_loss:.4f}")
+    reporter.line(f"step {run.step}: val loss {val_loss:.4f} ({run.eval_batches} batches, "
+                  f"{reporter.eval_seconds:.1f} s)")
     if metrics is not None:
         metrics.log({"step": run.step, "val_loss": val_loss})
         metrics.plot(run.out / PLOT_NAME, f"{run.cfg.model} on {Path(run.cfg.data).name}")
