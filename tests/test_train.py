@@ -708,3 +708,25 @@ def test_log_lines_carry_elapsed_time_and_eta_and_evaluations_show_progress(shar
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].endswith("| ETA 0:00:27")  # 3 s per step, 9 steps left
     assert lines[1:] == [f"evaluating: {i}/3 batches, 0:00:00" for i in (1, 2, 3)]
+
+
+def test_temporaries_of_a_killed_run_are_removed_and_warnings_are_one_line(tmp_path, capsys):
+    from gpt2kit.cli import main
+
+    data = tmp_path / "data"  # no validation shards: a warning
+    data.mkdir()
+    write_shard(data / "train_000000.bin", np.random.default_rng(0).integers(0, 512, size=2000))
+    out = tmp_path / "run"
+    out.mkdir()
+    stale = [out / ".checkpoint.pt.k2j4x_8q.tmp", out / ".model.safetensors.abcdefgh.tmp"]
+    for p in stale:
+        p.write_bytes(b"half a file")
+    mine = out / ".notes.tmp"
+    mine.write_text("not ours")
+    argv = ["train", "--data", str(data), "--out", str(out), *TINY_FLAGS, "--batch-size", "2", "--seq-len", "32",
+            "--max-steps", "1"]
+    assert main(argv) == 0
+    assert not any(p.exists() for p in stale) and mine.exists()
+    err = capsys.readouterr().err
+    assert f"gpt2kit train: warning: {data} has no val_*.bin shards: no validation loss will be reported\n" in err
+    assert "warnings.warn" not in err and "UserWarning" not in err

@@ -32,6 +32,7 @@ import hashlib
 import math
 import os
 import random
+import re
 import signal
 import sys
 import threading
@@ -567,6 +568,8 @@ def _claim_out(out: Path, d: Dist) -> Iterator[None]:
     error = d.broadcast(error)
     if error is not None:
         raise OutInUse(error)
+    if d.master:
+        _remove_stale_temporaries(out)
     try:
         yield
     except BaseException:
@@ -579,6 +582,18 @@ def _claim_out(out: Path, d: Dist) -> Iterator[None]:
     finally:
         if lock is not None:
             lock.close()  # closing the file releases the flock
+
+
+# atomic_write's temporaries: mkstemp(prefix=".NAME.", suffix=".tmp") adds 8 characters.
+_TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """Delete half-written files a killed run left in OUT. Safe: we hold OUT's lock, so no live writer
+    owns them."""
+    for p in out.iterdir():
+        if _TEMPORARY.fullmatch(p.name) and p.is_file():
+            p.unlink(missing_ok=True)
 
 
 def _lock(path: Path) -> tuple[Any, str | None]:
