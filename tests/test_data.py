@@ -446,3 +446,16 @@ def test_first_token_at_least_scans_in_blocks(tmp_path):
     assert first_token_at_least(tmp_path / "s.bin", 11, block=7) == (700, 300)
     assert first_token_at_least(tmp_path / "s.bin", 10) == (5, 10)
     assert first_token_at_least(tmp_path / "s.bin", 1000) is None
+
+
+def test_a_full_disk_names_the_directory(tmp_path, monkeypatch):
+    import errno
+
+    import gpt2kit.data as data
+
+    def full(path, write):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(data, "atomic_write", full)
+    with pytest.raises(OSError, match=rf"no space left on {tmp_path} while writing train_000000\.bin"):
+        write_shard(tmp_path / "train_000000.bin", [1, 2, 3])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import multiprocessing as mp
@@ -74,7 +75,13 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int]) -> 
         f.write(header.tobytes())
         f.write(payload.tobytes())
 
-    atomic_write(Path(path), write)
+    path = Path(path)
+    try:
+        atomic_write(path, write)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"no space left on {path.parent} while writing {path.name}") from None
+        raise
 
 
 def _shard_token_count(path: Path) -> int:

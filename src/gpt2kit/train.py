@@ -853,7 +853,13 @@ def _save(run: _Run, metrics: Metrics | None, *, model_too: bool) -> None:
         if model_too:
             from gpt2kit.checkpoint import save_model
 
-            save_model(run.raw, run.out)
+            try:
+                save_model(run.raw, run.out)
+            except (OSError, RuntimeError) as e:
+                if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or _no_space(run.out):
+                    raise OSError(errno.ENOSPC, f"no space left on {run.out} while saving the model; "
+                                                f"{CHECKPOINT_NAME} (step {run.step}) was saved") from e
+                raise
             if metrics is not None and metrics.train:
                 metrics.plot(run.out / PLOT_NAME, f"{run.cfg.model} on {Path(run.cfg.data).name}")
     run.dist.barrier()
