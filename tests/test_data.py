@@ -302,27 +302,33 @@ def test_loader_rejects_short_and_corrupt_shards(shard_dir, tmp_path_factory):
 _KILL_A_WORKER = r"""
 import os, signal, sys, threading, time
 from pathlib import Path
-from gpt2kit.data import prepare
+import gpt2kit.data as data
 
-def kill_first_worker():
+first_result = threading.Event()
+add = data._ShardWriter.add
+def add_and_tell(self, tokens):
+    first_result.set()
+    return add(self, tokens)
+data._ShardWriter.add = add_and_tell
+
+def kill_a_busy_worker():
+    first_result.wait()  # the workers are now in the middle of their next documents
     me = str(os.getpid())
-    while True:
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if ppid == me and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-                os.kill(int(pid), signal.SIGKILL)
-                return
-        time.sleep(0.01)
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if ppid == me and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            os.kill(int(pid), signal.SIGKILL)
+            return
 
-threading.Thread(target=kill_first_worker, daemon=True).start()
+threading.Thread(target=kill_a_busy_worker, daemon=True).start()
 try:
-    prepare([sys.argv[1]], sys.argv[2], workers=2, progress=False)
+    data.prepare([sys.argv[1]], sys.argv[2], workers=2, progress=False)
 except Exception as e:
     print(f"{type(e).__name__}: {e}")
     sys.exit(3)
@@ -341,7 +347,7 @@ def _big_corpus(root, n_docs=200, size=20_000):
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker through /proc")
 def test_prepare_fails_fast_when_a_worker_dies(tmp_path):
     """multiprocessing.Pool replaced a killed worker and waited forever for its lost task."""
-    corpus = _big_corpus(tmp_path)
+    corpus = _big_corpus(tmp_path, n_docs=400)
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-c", _KILL_A_WORKER, str(corpus), str(out)], capture_output=True,
                           text=True, timeout=180)
