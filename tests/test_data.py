@@ -347,10 +347,10 @@ def _big_corpus(root, n_docs=200, size=20_000):
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker through /proc")
 def test_prepare_fails_fast_when_a_worker_dies(tmp_path):
     """multiprocessing.Pool replaced a killed worker and waited forever for its lost task."""
-    corpus = _big_corpus(tmp_path, n_docs=400)
+    corpus = _big_corpus(tmp_path, n_docs=100, size=200_000)  # big documents: the killed worker is busy
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-c", _KILL_A_WORKER, str(corpus), str(out)], capture_output=True,
-                          text=True, timeout=180)
+                          text=True, timeout=120)  # the old pool hung here forever
     assert proc.returncode == 3, (proc.stdout, proc.stderr)
     assert proc.stdout.startswith("WorkerDied: a tokenizer process died"), proc.stdout
     assert not list(out.glob("*.bin"))
