@@ -12,7 +12,9 @@ OUT holds, when a run ends (finished, --stop-at, or interrupted by SIGINT/SIGTER
     checkpoint.pt    model, optimizer, step, RNG states, data position, the TrainConfig
     metrics.jsonl    {"step", "loss", "lr", "grad_norm", "tokens_per_s"} per step, {"step", "val_loss"} per eval
     loss.png         train and validation loss, redrawn at each evaluation
-checkpoint.pt is also written every save_every steps, atomically (temporary file, fsync, rename).
+    .lock            flock'ed by the run writing OUT; names it (pid, host)
+checkpoint.pt is also written every save_every steps, atomically (temporary file, fsync, rename),
+and ends with its SHA-256, which resuming checks. A non-finite loss stops the run without saving.
 
 Distributed data parallel: gpt2kit.distributed joins the process group torchrun describes; every
 rank reads its own slice of each batch (ShardLoader(rank, world_size)), DDP averages gradients on the
