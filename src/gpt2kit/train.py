@@ -612,6 +612,11 @@ def _lock(path: Path) -> tuple[Any, str | None]:
         f.close()
         return None, (f"{path.parent} is in use by another training run ({holder}); wait for it to finish, "
                       f"or choose another --out")
+    except OSError as e:  # a filesystem without locks (some network mounts): run, but say so
+        f.close()
+        warnings.warn(f"{path.parent}: cannot lock the output directory ({e.strerror}); make sure no other "
+                      f"run writes to it", stacklevel=4)
+        return None, None
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
