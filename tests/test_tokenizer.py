@@ -540,3 +540,16 @@ def test_a_million_whitespace_characters(tok, unit: str, ids: list[int]) -> None
     body = ids * (len(piece) // per) + tok.encode(piece[len(piece) - len(piece) % per:])
     assert tok.encode("a" + run + "b") == [64, *body, *tok.encode(run[-1] + "b")]
     assert tok.encode(run) == ids * (len(run) // per) + tok.encode(run[len(run) - len(run) % per:])
+
+
+def test_many_runs_just_below_the_cut_stay_fast_and_exact(tok, tiktoken_ref) -> None:
+    """Runs a little shorter than LONG_WHITESPACE go to tiktoken whole; finding that out must not be
+    quadratic in their length (an unanchored search took 37 s on this text)."""
+    import time
+
+    text = ("x" + " " * (LONG_WHITESPACE - 96)) * 200
+    t0 = time.perf_counter()
+    ids = tok.encode(text)
+    took = time.perf_counter() - t0
+    assert ids == tiktoken_ref.encode_ordinary(text)
+    assert took < 10, f"{took:.1f} s"

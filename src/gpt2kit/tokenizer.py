@@ -49,7 +49,16 @@ _WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u20
 # Whitespace runs at least this long are cut out before tiktoken's regex sees them: its `\s+(?!\S)`
 # backtracks recursively and overflows the stack (a Rust panic) somewhere above 200,000 characters.
 LONG_WHITESPACE = 4096
-_LONG_RUN = re.compile(f"[{_WHITE_SPACE}]{{{LONG_WHITESPACE},}}")
+# Anchored at a run's start by the lookbehind: without it the search retries inside every shorter
+# run, quadratic in the run's length.
+_LONG_RUN = re.compile(f"(?<![{_WHITE_SPACE}])[{_WHITE_SPACE}]{{{LONG_WHITESPACE},}}")
+
+
+def _may_hold_long_run(text: str) -> bool:
+    """False only if ``text`` has no whitespace run of LONG_WHITESPACE characters: such a run holds a
+    whole aligned block of half that length (str.isspace accepts a superset of White_Space)."""
+    half = LONG_WHITESPACE // 2
+    return any(text[i : i + half].isspace() for i in range(0, len(text) - half + 1, half))
 
 
 @functools.lru_cache(maxsize=1)
@@ -265,7 +274,7 @@ class Tokenizer:
 
         Any text is accepted: whitespace runs of any length give GPT-2's ids (see :meth:`_encode_long`).
         """
-        if _LONG_RUN.search(text) is None:
+        if not _may_hold_long_run(text) or _LONG_RUN.search(text) is None:
             return self._encode_regex(text, allow_special)
         return self._encode_long(text, allow_special)
 
@@ -307,7 +316,7 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str], *, allow_special: bool = False) -> list[list[int]]:
         """:meth:`encode` for many texts at once, on tiktoken's thread pool."""
         texts = list(texts)
-        if any(_LONG_RUN.search(t) for t in texts):
+        if any(_may_hold_long_run(t) for t in texts):
             return [self.encode(t, allow_special=allow_special) for t in texts]
         if allow_special:
             return self._enc.encode_batch(texts, num_threads=_BATCH_THREADS, allowed_special="all")
