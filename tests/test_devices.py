@@ -33,3 +33,14 @@ def test_devices_that_are_not_there(monkeypatch):
                                          r"cuda:0..cuda:1"):
         resolve_device("cuda:2")
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+def test_auto_dtype_is_the_measured_faster_one_on_cpu(tmp_path):
+    import torch
+
+    from gpt2kit.decode.kernels import bfloat16_decodes_faster, half_kernel_choice
+    from gpt2kit.devices import resolve_dtype
+
+    want = torch.bfloat16 if bfloat16_decodes_faster() else torch.float32
+    assert resolve_dtype("auto") == resolve_dtype("AUTO", "cpu") == want
+    assert set(half_kernel_choice().values()) <= {"linear", "mv"}

@@ -130,9 +130,10 @@ def load_state(name_or_path: str | os.PathLike[str]) -> tuple[GPT2Config, dict[s
 
 def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
                device: torch.device | str | None = None) -> GPT2:
-    """A GPT2 in eval mode from any published checkpoint (float32 unless dtype is given)."""
-    dtype = resolve_dtype(dtype) or torch.float32
+    """A GPT2 in eval mode from any published checkpoint (float32 unless dtype is given; "auto": the
+    fastest within bfloat16's accuracy on this device, see devices.resolve_dtype)."""
     device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device) or torch.float32
     config, state, _ = load_state(name_or_path)
     with torch.device("meta"):
         model = GPT2(config)
