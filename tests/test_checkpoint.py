@@ -592,3 +592,15 @@ def test_save_into_a_dir_whose_parent_is_read_only_says_why(tmp_path, monkeypatc
     monkeypatch.setattr(tempfile, "mkdtemp", denied)
     with pytest.raises(PermissionError, match="needs write access to the parent directory"):
         save_model(random_model(TINY), d)
+
+
+def test_many_missing_tensors_make_one_short_line(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    random_hf_model(TINY.replace(n_layer=2)).save_pretrained(tmp_path)
+    st = tmp_path / "model.safetensors"
+    kept = {k: v for k, v in load_file(st).items() if ".mlp." not in k}  # 8 missing
+    kept |= {f"transformer.extra.{i}": torch.zeros(1) for i in range(30)}
+    save_file(kept, st)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\): .* \.\.\. and 18 more$"):
+        load_model(tmp_path)
