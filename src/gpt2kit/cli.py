@@ -8,9 +8,10 @@ code 1 (2 for usage errors); `--debug` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -215,16 +216,23 @@ def _register_info(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_info)
 
 
-def cmd_prepare(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def _one_line_warnings(command: str) -> Iterator[None]:
+    """Warnings as `gpt2kit COMMAND: warning: ...` lines, without Python's file, line and source."""
     import warnings
 
-    from gpt2kit.data import prepare
-
-    def show(message, category, filename, lineno, file=None, line=None) -> None:  # one line per warning
-        print(f"gpt2kit prepare: warning: {message}", file=sys.stderr)
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"gpt2kit {command}: warning: {message}", file=sys.stderr, flush=True)
 
     with warnings.catch_warnings():
         warnings.showwarning = show
+        yield
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from gpt2kit.data import prepare
+
+    with _one_line_warnings("prepare"):
         s = prepare(args.inputs, args.out, val_fraction=args.val_fraction, glob=args.glob,
                     workers=args.workers, shard_size=args.shard_size, progress=sys.stderr.isatty(),
                     overwrite=args.overwrite)
@@ -268,8 +276,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise CLIError("--data is required: a directory of shards written by `gpt2kit prepare`")
     else:
         cfg = TrainConfig(**given)
-    result = train(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:
+    with _one_line_warnings("train"):
+        result = train(cfg)
+    if int(os.environ.get("RANK", "0")) == 0 and result.tokens == 0:
+        print(f"nothing to do: {result.out} is already at step {result.step}; pass a larger --max-steps "
+              f"with --resume to extend the run")
+    elif int(os.environ.get("RANK", "0")) == 0:
         val = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
         loss = f", loss {result.loss:.4f}" if result.loss is not None else ""
         print(f"step {result.step}{loss}{val}: model and checkpoint in {result.out}")
