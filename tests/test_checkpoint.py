@@ -592,3 +592,39 @@ def test_save_into_a_dir_whose_parent_is_read_only_says_why(tmp_path, monkeypatc
     monkeypatch.setattr(tempfile, "mkdtemp", denied)
     with pytest.raises(PermissionError, match="needs write access to the parent directory"):
         save_model(random_model(TINY), d)
+
+
+def test_many_missing_tensors_make_one_short_line(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    random_hf_model(TINY.replace(n_layer=2)).save_pretrained(tmp_path)
+    st = tmp_path / "model.safetensors"
+    kept = {k: v for k, v in load_file(st).items() if ".mlp." not in k}  # 8 missing
+    kept |= {f"transformer.extra.{i}": torch.zeros(1) for i in range(30)}
+    save_file(kept, st)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\): .* \.\.\. and 18 more$"):
+        load_model(tmp_path)
+
+
+def test_a_lock_held_on_a_file_in_the_dir_survives_a_save(tmp_path):
+    """train holds an flock on OUT/.lock and keeps metrics.jsonl open while it saves the model into OUT."""
+    import fcntl
+
+    from conftest import random_model
+
+    d = tmp_path / "run"
+    d.mkdir()
+    lock = open(d / ".lock", "w")  # noqa: SIM115
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    metrics = open(d / "metrics.jsonl", "a")  # noqa: SIM115
+    try:
+        save_model(random_model(TINY), d)
+        save_model(random_model(TINY, seed=3), d)
+        with open(d / ".lock") as again, pytest.raises(BlockingIOError):
+            fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a second run still sees the lock
+        metrics.write('{"step": 1}\n')
+        metrics.flush()
+        assert (d / "metrics.jsonl").read_text() == '{"step": 1}\n'  # appends land in the new directory
+    finally:
+        lock.close()
+        metrics.close()

@@ -46,10 +46,10 @@ def check(config: GPT2Config, infos: dict[str, TensorInfo], path: Path, config_f
     expected = expected_shapes(config)
     unexpected = sorted(f"{k} ({infos[k].file})" for k in set(infos) - set(expected))
     if unexpected:
-        raise CheckpointError(f"{path}: unexpected tensor(s): {', '.join(unexpected)}")
+        raise CheckpointError(f"{path}: unexpected tensor(s): {_some(unexpected)}")
     missing = [k for k in expected if k not in infos]
     if missing:
-        raise CheckpointError(f"{path}: missing tensor(s): {', '.join(missing)}")
+        raise CheckpointError(f"{path}: missing tensor(s): {_some(missing)}")
     for k, shape in expected.items():
         info = infos[k]
         if info.shape != shape:
@@ -57,3 +57,9 @@ def check(config: GPT2Config, infos: dict[str, TensorInfo], path: Path, config_f
                 f"{path / info.file}: tensor {k} has shape {info.shape}, {config_file} implies {shape}")
         if not is_float(info.dtype):
             raise CheckpointError(f"{path / info.file}: tensor {k} has dtype {info.dtype}, expected a float type")
+
+
+def _some(names: list[str], shown: int = 12) -> str:
+    """The first names and a count of the rest: one readable line however many there are."""
+    more = f" ... and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
