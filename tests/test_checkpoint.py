@@ -265,3 +265,366 @@ def test_saved_files_get_the_umask_mode_not_0600(tmp_path):
         os.umask(old)
     assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "config.json").stat().st_mode & 0o777 == 0o644
+
+
+# --- directory-level saves are atomic ------------------------------------------------------------
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(_ids(model.config.n_vocab)).logits
+
+
+def _hidden_siblings(d: Path) -> list[str]:
+    return sorted(p.name for p in d.parent.iterdir() if p.name.startswith(f".{d.name}"))
+
+
+def test_save_failing_midway_leaves_the_old_model_whole(tmp_path, monkeypatch):
+    from conftest import random_model
+
+    from gpt2kit.tokenizer import Tokenizer
+
+    d = tmp_path / "model"
+    old = random_model(TINY, seed=1)
+    save_model(old, d)
+    (d / "checkpoint.pt").write_bytes(b"a training run's file")
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+
+    def fail(self, directory):  # the weights are written by now; the tokenizer and config are not
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Tokenizer, "save", fail)
+    new = random_model(TINY.replace(n_layer=3), seed=2)
+    with pytest.raises(OSError, match="No space left"):
+        save_model(new, d)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before  # not one byte changed
+    assert torch.equal(_logits(load_model(d)), _logits(old))
+    assert _hidden_siblings(d) == []  # the staging directory is gone
+
+
+def test_save_replaces_the_model_whole_and_keeps_other_files(tmp_path):
+    from conftest import random_model
+
+    d = tmp_path / "model"
+    save_model(random_model(TINY, seed=1), d)
+    (d / "pytorch_model.bin").write_bytes(b"stale weights")  # would contradict the new ones
+    (d / "notes.txt").write_text("mine")
+    inode = (d / "notes.txt").stat().st_ino
+    new = random_model(TINY.replace(n_layer=3), seed=2)
+    save_model(new, d)
+    assert torch.equal(_logits(load_model(d)), _logits(new))
+    assert not (d / "pytorch_model.bin").exists()
+    assert (d / "notes.txt").read_text() == "mine" and (d / "notes.txt").stat().st_ino == inode  # hard link
+    assert _hidden_siblings(d) == []
+
+
+def test_stale_staging_dirs_of_dead_writers_are_removed(tmp_path):
+    from conftest import random_model
+
+    d = tmp_path / "model"
+    stale = tmp_path / ".model.saving-999999999-abc"  # no such pid: a writer killed with -9
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    save_model(random_model(TINY), d)
+    assert not stale.exists() and _hidden_siblings(d) == []
+
+
+def test_save_through_a_symlink_replaces_its_target(tmp_path):
+    from conftest import random_model
+
+    real, link = tmp_path / "real", tmp_path / "link"
+    save_model(random_model(TINY, seed=1), real)
+    link.symlink_to(real)
+    new = random_model(TINY, seed=2)
+    save_model(new, link)
+    assert link.is_symlink() and torch.equal(_logits(load_model(real)), _logits(new))
+
+
+# --- the config is checked against the headers before anything is read or built ------------------
+
+def _edit_config(d: Path, **changes) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | changes))
+
+
+def _no_tensor_data(monkeypatch) -> None:
+    import safetensors.torch
+
+    def refuse(*a, **k):
+        raise AssertionError("tensor data was read")
+
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+
+
+@pytest.mark.parametrize("n_layer,needle", [
+    (1000, r"config.json says n_layer=1000, but the weights hold 2 layer\(s\) \(h.0 .. h.1\)"),
+    (1000000, r"config.json: n_layer=1000000 is beyond the limit 1,024"),
+    (1, r"config.json says n_layer=1, but the weights hold 2 layer"),
+])
+def test_config_that_does_not_match_the_weights_fails_before_reading_them(tmp_path, monkeypatch, n_layer, needle):
+    random_hf_model().save_pretrained(tmp_path)
+    _edit_config(tmp_path, n_layer=n_layer)
+    _no_tensor_data(monkeypatch)
+    with pytest.raises(ValueError, match=needle):
+        load_model(tmp_path)
+
+
+def test_config_width_mismatch_names_tensor_and_file(tmp_path, monkeypatch):
+    random_hf_model().save_pretrained(tmp_path)
+    _edit_config(tmp_path, n_embd=64)
+    _no_tensor_data(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor wte.weight has shape \(1000, 32\), "
+                                              r"config.json implies \(1000, 64\)"):
+        load_model(tmp_path)
+
+
+def test_info_reads_headers_only(tmp_path, monkeypatch):
+    hf = random_hf_model()
+    hf.save_pretrained(tmp_path / "hf")
+    _no_tensor_data(monkeypatch)
+    info = describe(tmp_path / "hf")
+    assert info["parameters"] == sum(p.numel() for p in hf.transformer.parameters()) == 59520
+    assert info["dtype"] == "float32"
+    d = tmp_path / "tf"  # the TF index alone: data cut to nothing still describes, and fails to load
+    shutil.copytree(FIXTURE_TF, d)
+    (d / "model.ckpt.data-00000-of-00001").write_bytes(b"")
+    assert describe(d)["parameters"] == 59520
+    with pytest.raises(CheckpointError, match="model.ckpt.data"):
+        load_model(d)
+
+
+def test_expected_shapes_equal_the_models_own():
+    from gpt2kit.checkpoint.keymap import expected_shapes
+    from gpt2kit.model import GPT2
+
+    for cfg in (TINY, TINY.replace(n_vocab_padded=1024, n_layer=3)):
+        with torch.device("meta"):
+            model = GPT2(cfg)
+        assert expected_shapes(cfg) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        assert cfg.n_params == model.num_parameters()
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ({"n_layer": "12"}, r"config.json: n_layer must be an integer, got '12' \(str\)"),
+    ({"layer_norm_epsilon": "1e-5"}, "config.json: layer_norm_epsilon must be a number"),
+    ({"n_embd": True}, "config.json: n_embd must be an integer, got True"),
+    ({"n_positions": 2 ** 30}, "config.json: n_positions=1073741824 is beyond the limit"),
+])
+def test_config_json_values_of_the_wrong_kind_name_file_and_key(tmp_path, bad, needle):
+    random_hf_model().save_pretrained(tmp_path)
+    _edit_config(tmp_path, **bad)
+    with pytest.raises(ValueError, match=needle):
+        load_model(tmp_path)
+
+
+def test_config_json_not_utf8_empty_or_unreadable(tmp_path):
+    random_hf_model().save_pretrained(tmp_path)
+    cfg = tmp_path / "config.json"
+    cfg.write_bytes(b'{"n_layer": 2, "x": "\xff"}')
+    with pytest.raises(ValueError, match=r"config.json: not UTF-8 text \(byte 0xff at offset 21\)"):
+        load_model(tmp_path)
+    cfg.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"config.json: empty file"):
+        load_model(tmp_path)
+
+
+# --- names that do not resolve are reported as local problems, never sent to the hub -------------
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    from gpt2kit.checkpoint import hub
+
+    def refuse(*a, **k):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr(hub, "download", refuse)
+
+
+@pytest.mark.parametrize("name,needle", [
+    ("./mdl", r"^\./mdl: no such directory$"),
+    ("models/gpt2x", r"models/gpt2x: no such directory \(models exists; gpt2x does not\)"),
+    ("loop", "loop: a symlink loop"),
+    ("dangling", "dangling: a symlink to nowhere, which does not exist"),
+    ("gpt2-mediun", r"not a published GPT-2 name \(gpt2, gpt2-medium, .*did you mean gpt2-medium\?"),
+    ("mdl", r"mdl: no such directory, and not a published GPT-2 name"),
+    ("gpt2-tiny", "a preset for training from scratch"),
+])
+def test_a_local_name_that_does_not_resolve_is_not_a_hub_id(tmp_path, monkeypatch, no_hub, name, needle):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "dangling").symlink_to("nowhere")
+    with pytest.raises(FileNotFoundError, match=needle):
+        load_model(name)
+
+
+def test_empty_and_unreadable_weights_are_named_as_such(tmp_path, monkeypatch):
+    hf = random_hf_model()
+    hf.save_pretrained(tmp_path)
+    st = tmp_path / "model.safetensors"
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == st else real_access(p, mode))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: exists but cannot be read \(permission denied\)"):
+        load_model(tmp_path)
+    monkeypatch.undo()
+    st.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"model.safetensors: empty file \(0 bytes\)"):
+        load_model(tmp_path)
+    st.unlink()
+    torch.save({}, tmp_path / "pytorch_model.bin")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"pytorch_model.bin: empty file \(0 bytes\)"):
+        load_model(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_checkpoint_dir_is_not_called_missing(tmp_path):
+    hf = random_hf_model()
+    hf.save_pretrained(tmp_path / "m")
+    (tmp_path / "m").chmod(0)
+    try:
+        with pytest.raises(PermissionError, match="permission denied"):
+            load_model(tmp_path / "m")
+    finally:
+        (tmp_path / "m").chmod(0o755)
+
+
+# --- paths a checkpoint names are taken inside its directory -------------------------------------
+
+@pytest.mark.parametrize("named", ['"/home/someone/gpt-2/models/124M/model.ckpt"', '"../../elsewhere/model.ckpt"'])
+def test_tf_checkpoint_file_naming_another_place_loads_the_files_beside_it(tmp_path, named):
+    d = tmp_path / "124M"
+    shutil.copytree(FIXTURE_TF, d)
+    (d / "checkpoint").write_text(f"model_checkpoint_path: {named}\nall_model_checkpoint_paths: {named}\n")
+    x = _ids(1000, 16)
+    with torch.no_grad():
+        assert torch.equal(load_model(d)(x).logits, load_model(FIXTURE_TF)(x).logits)
+    (d / "checkpoint").write_text('model_checkpoint_path: "model-other.ckpt"\n')
+    with pytest.raises(CheckpointError, match="names 'model-other.ckpt', but there is no model-other.ckpt.index"):
+        load_model(d)
+
+
+@pytest.mark.parametrize("index_name,shard", [
+    ("model.safetensors.index.json", "../../outside.safetensors"),
+    ("model.safetensors.index.json", "/etc/outside.safetensors"),
+    ("pytorch_model.bin.index.json", "sub/../../outside.bin"),
+])
+def test_shard_index_entries_outside_the_directory_are_refused(tmp_path, index_name, shard):
+    d = tmp_path / "a" / "b"
+    random_hf_model().save_pretrained(d)
+    outside = (d / shard) if not shard.startswith("/") else Path(shard)
+    if not shard.startswith("/"):
+        outside.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(d / "model.safetensors", outside)
+    (d / "model.safetensors").unlink()
+    (d / index_name).write_text(json.dumps({"weight_map": {"transformer.wte.weight": shard}}))
+    with pytest.raises(CheckpointError, match=f"shard '{shard}' lies outside the checkpoint directory"):
+        load_model(d)
+
+
+def test_every_saved_file_gets_the_umask_mode(tmp_path):
+    old = os.umask(0o027)
+    try:
+        save_model(load_model(FIXTURE_TF), tmp_path / "m")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m").iterdir()}
+    assert set(modes) >= {"model.safetensors", "config.json", "generation_config.json", "vocab.json", "merges.txt"}
+    assert set(modes.values()) == {0o640}, modes
+    assert (tmp_path / "m").stat().st_mode & 0o777 == 0o750  # the directory as mkdir would make it
+
+
+def test_checkpoint_api_is_typed_and_its_init_only_reexports():
+    import inspect
+
+    import gpt2kit.checkpoint as ck
+    from gpt2kit.model import GPT2
+
+    assert inspect.signature(ck.load_model).return_annotation in (GPT2, "GPT2")
+    assert inspect.signature(ck.save_model).parameters["model"].annotation in (GPT2, "GPT2")
+    public = [getattr(ck, n) for n in ck.__all__]
+    assert all(getattr(obj, "__module__", "") != "gpt2kit.checkpoint" for obj in public)
+
+
+@pytest.mark.slow
+def test_kill_9_during_saves_leaves_one_whole_model(tmp_path):
+    """A writer killed at arbitrary moments while replacing a model: the directory always loads as
+    exactly one of the two models, and the next save clears what the dead writer left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import random_model
+
+    d = tmp_path / "model"
+    a, b = random_model(TINY, seed=1), random_model(TINY.replace(n_layer=3), seed=2)
+    save_model(a, d)
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[2]); from conftest import TINY, random_model; "
+        "from gpt2kit.checkpoint import save_model; "
+        "ms = [random_model(TINY, seed=1), random_model(TINY.replace(n_layer=3), seed=2)]; "
+        "print('ready', flush=True); i = 0\n"
+        "while True:\n    save_model(ms[i % 2], sys.argv[1]); i += 1")
+    wanted = {_logits(a).sum().item(), _logits(b).sum().item()}
+    for delay in (0.05, 0.13, 0.29):
+        proc = subprocess.Popen([sys.executable, "-c", script, str(d), str(Path(__file__).parent)],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert _logits(load_model(d)).sum().item() in wanted
+    save_model(a, d)
+    assert torch.equal(_logits(load_model(d)), _logits(a)) and _hidden_siblings(d) == []
+
+
+def test_save_into_a_dir_whose_parent_is_read_only_says_why(tmp_path, monkeypatch):
+    import tempfile
+
+    from conftest import random_model
+
+    d = tmp_path / "model"
+    d.mkdir()
+
+    def denied(*a, **k):  # what mkdtemp raises in a parent the user cannot write (root can write anywhere)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", denied)
+    with pytest.raises(PermissionError, match="needs write access to the parent directory"):
+        save_model(random_model(TINY), d)
+
+
+def test_many_missing_tensors_make_one_short_line(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    random_hf_model(TINY.replace(n_layer=2)).save_pretrained(tmp_path)
+    st = tmp_path / "model.safetensors"
+    kept = {k: v for k, v in load_file(st).items() if ".mlp." not in k}  # 8 missing
+    kept |= {f"transformer.extra.{i}": torch.zeros(1) for i in range(30)}
+    save_file(kept, st)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\): .* \.\.\. and 18 more$"):
+        load_model(tmp_path)
+
+
+def test_a_lock_held_on_a_file_in_the_dir_survives_a_save(tmp_path):
+    """train holds an flock on OUT/.lock and keeps metrics.jsonl open while it saves the model into OUT."""
+    import fcntl
+
+    from conftest import random_model
+
+    d = tmp_path / "run"
+    d.mkdir()
+    lock = open(d / ".lock", "w")  # noqa: SIM115
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    metrics = open(d / "metrics.jsonl", "a")  # noqa: SIM115
+    try:
+        save_model(random_model(TINY), d)
+        save_model(random_model(TINY, seed=3), d)
+        with open(d / ".lock") as again, pytest.raises(BlockingIOError):
+            fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a second run still sees the lock
+        metrics.write('{"step": 1}\n')
+        metrics.flush()
+        assert (d / "metrics.jsonl").read_text() == '{"step": 1}\n'  # appends land in the new directory
+    finally:
+        lock.close()
+        metrics.close()

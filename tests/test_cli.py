@@ -108,3 +108,112 @@ def test_debug_shows_traceback():
     proc = subprocess.run([sys.executable, "-m", "gpt2kit", "info", "/nonexistent/model", "--debug"],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_convert_refuses_to_overwrite_a_model_unless_asked(capsys, tmp_path):
+    dst = tmp_path / "hf"
+    assert run(capsys, ["convert", str(FIXTURE_TF), str(dst)])[0] == 0
+    mtime = (dst / "model.safetensors").stat().st_mtime_ns
+    code, _, err = run(capsys, ["convert", str(FIXTURE_TF), str(dst)])
+    assert code == 1 and "already holds a model" in err and "--overwrite" in err
+    assert (dst / "model.safetensors").stat().st_mtime_ns == mtime
+    code, _, err = run(capsys, ["convert", str(FIXTURE_TF), str(dst), "--overwrite", "--dtype", "bfloat16"])
+    assert code == 0, err
+    assert load_model(dst).config.n_layer == 2 and "bfloat16" in (dst / "config.json").read_text()
+
+
+def test_convert_never_overwrites_its_own_source(capsys, tmp_path, model_dir):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    (tmp_path / "alias").symlink_to(d)
+    before = (d / "model.safetensors").read_bytes()
+    for dst in (d, tmp_path / "alias", tmp_path / "m" / ".." / "m"):
+        code, _, err = run(capsys, ["convert", str(d), str(dst), "--overwrite"])
+        assert code == 1 and "is the source" in err, err
+    assert (d / "model.safetensors").read_bytes() == before
+
+
+def test_train_refuses_out_equal_to_the_model_it_fine_tunes(capsys, tmp_path, model_dir):
+    code, _, err = run(capsys, ["train", "--data", str(tmp_path), "--model", str(model_dir), "--out", str(model_dir)])
+    assert code == 1 and "model being fine-tuned" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_is_one_line(capsys, tmp_path):
+    (tmp_path / "t.txt").write_text("hello")
+    code, _, err = run(capsys, ["score", "--model", str(FIXTURE_TF), "--device", "cuda", str(tmp_path / "t.txt")])
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert "device 'cuda' asked for, but" in err and "--device cpu" in err
+
+
+def test_output_to_a_closed_pipe_exits_nonzero_quietly(tmp_path):
+    import os
+
+    (tmp_path / "t.txt").write_text("hello world " * 20000)
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first write, as with `| head -c1` after its byte
+    proc = subprocess.run([sys.executable, "-m", "gpt2kit", "tokenize", str(tmp_path / "t.txt")],
+                          stdout=w, stderr=subprocess.PIPE, text=True)
+    os.close(w)
+    assert proc.returncode == 141 and proc.stderr == ""
+
+
+def test_non_utf8_input_warns_once_and_replaces(capsys, monkeypatch, tmp_path, model_dir):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("café".encode("latin-1"))
+    code, out, err = run(capsys, ["tokenize", str(f)])
+    assert code == 0 and out.split() == [str(i) for i in Tokenizer.default().encode("caf\ufffd")]
+    assert err.strip() == (f"gpt2kit tokenize: warning: {f} is not valid UTF-8 (byte 0xe9 at offset 3); "
+                           "invalid bytes were replaced with U+FFFD")
+    code, out, err = run(capsys, ["score", "--model", str(model_dir), str(f)])
+    assert code == 0 and "not valid UTF-8" in err and "perplexity" in out
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"gpt2kit {version('gpt2kit')}"
+
+
+def test_detokenize_from_args_file_and_stdin(capsys, monkeypatch, tmp_path):
+    tok = Tokenizer.default()
+    text = "Hello world, café ☕"
+    ids = tok.encode(text)
+    assert run(capsys, ["detokenize", *map(str, ids)])[1] == text
+    assert run(capsys, ["detokenize"], json.dumps(ids), monkeypatch)[1] == text
+    assert run(capsys, ["detokenize"], ", ".join(map(str, ids)) + "\n", monkeypatch)[1] == text
+    f = tmp_path / "ids.json"
+    f.write_text(json.dumps({"tokens": ids}))  # what tokenize --json prints
+    assert run(capsys, ["detokenize", "--file", str(f)])[1] == text
+
+
+def test_tokenize_then_detokenize_gives_the_bytes_back(tmp_path):
+    src = tmp_path / "t.txt"
+    src.write_bytes("line one\n\ttwo  ☕\r\n".encode() + b"\xff end")  # not even UTF-8: still exact
+    ids = subprocess.run([sys.executable, "-m", "gpt2kit", "tokenize", str(src)], capture_output=True, check=True)
+    back = subprocess.run([sys.executable, "-m", "gpt2kit", "detokenize"], input=ids.stdout, capture_output=True,
+                          check=True)
+    assert back.stdout == "line one\n\ttwo  ☕\r\n\ufffd end".encode()
+
+
+@pytest.mark.parametrize("argv,stdin,needle", [
+    (["detokenize", "1", "x"], None, "ids: item 2 ('x') is not an integer token id"),
+    (["detokenize", "50257"], None, "token id 50257 is outside the vocabulary (n_vocab 50257: ids 0..50256)"),
+    (["detokenize"], "[1, 2.5]", "stdin: item 2 (2.5) is not an integer token id"),
+    (["detokenize"], "[1, 2", "stdin: not valid JSON"),
+    (["detokenize"], '{"ids": [1]}', 'expected a JSON list of token ids or {"tokens": [...]}'),
+])
+def test_detokenize_bad_ids_are_one_line(capsys, monkeypatch, argv, stdin, needle):
+    code, out, err = run(capsys, argv, stdin, monkeypatch)
+    assert code == 1 and out == "" and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_detokenize_and_version_do_not_import_torch():
+    code = ("import sys; from gpt2kit.cli import main; main(['detokenize', '15496']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == "Hello", proc.stderr

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import os
+import signal
 import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -287,3 +294,174 @@ def test_loader_rejects_short_and_corrupt_shards(shard_dir, tmp_path_factory):
         ShardLoader(other, batch_size=1, seq_len=1)
     with pytest.raises(ValueError, match="rank"):
         ShardLoader(shard_dir, batch_size=1, seq_len=1, rank=2, world_size=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare under faults: a dying worker, Ctrl-C, leftovers of a killed run, odd inputs
+
+_KILL_A_WORKER = r"""
+import os, signal, sys, threading, time
+from pathlib import Path
+import gpt2kit.data as data
+
+first_result = threading.Event()
+add = data._ShardWriter.add
+def add_and_tell(self, tokens):
+    first_result.set()
+    return add(self, tokens)
+data._ShardWriter.add = add_and_tell
+
+def kill_a_busy_worker():
+    first_result.wait()  # the workers are now in the middle of their next documents
+    me = str(os.getpid())
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if ppid == me and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            os.kill(int(pid), signal.SIGKILL)
+            return
+
+threading.Thread(target=kill_a_busy_worker, daemon=True).start()
+try:
+    data.prepare([sys.argv[1]], sys.argv[2], workers=2, progress=False)
+except Exception as e:
+    print(f"{type(e).__name__}: {e}")
+    sys.exit(3)
+"""
+
+
+def _big_corpus(root, n_docs=200, size=20_000):
+    corpus = root / "corpus"
+    corpus.mkdir()
+    text = ("The quick brown fox jumps over the lazy dog. " * (size // 45 + 1))[:size]
+    for i in range(n_docs):
+        (corpus / f"doc{i:04d}.txt").write_text(f"{i} {text}", encoding="utf-8")
+    return corpus
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker through /proc")
+def test_prepare_fails_fast_when_a_worker_dies(tmp_path):
+    """multiprocessing.Pool replaced a killed worker and waited forever for its lost task."""
+    corpus = _big_corpus(tmp_path, n_docs=100, size=200_000)  # big documents: the killed worker is busy
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", _KILL_A_WORKER, str(corpus), str(out)], capture_output=True,
+                          text=True, timeout=120)  # the old pool hung here forever
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert proc.stdout.startswith("WorkerDied: a tokenizer process died"), proc.stdout
+    assert not list(out.glob("*.bin"))
+
+
+def test_ctrl_c_during_prepare_exits_at_once_without_worker_tracebacks(tmp_path):
+    corpus = _big_corpus(tmp_path, n_docs=400, size=50_000)
+    out = tmp_path / "out"
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2kit", "prepare", str(corpus), "--out", str(out),
+                             "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not _children(proc.pid):
+            time.sleep(0.05)
+        time.sleep(1.0)  # the workers are busy tokenizing
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert took < 30, f"took {took:.1f}s to stop"
+    assert not list(out.glob("*.bin")) and not list(out.glob(".*.tmp"))
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(p))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def test_prepare_removes_temporaries_a_killed_run_left(tmp_path):
+    (tmp_path / "a.txt").write_text("some text", encoding="utf-8")
+    out = tmp_path / "out"
+    out.mkdir()
+    leftovers = [out / ".train_000003.bin.k2j4x_8q.tmp", out / ".prepare.json.abc123.tmp"]
+    for p in leftovers:
+        p.write_bytes(b"half a shard")
+    keep = out / ".notes.tmp"  # not ours: left alone
+    keep.write_text("mine", encoding="utf-8")
+    prepare([tmp_path / "a.txt"], out, workers=1, progress=False, val_fraction=0)
+    assert not any(p.exists() for p in leftovers) and keep.exists()
+
+
+def test_prepare_reads_dev_null_and_pipes_as_inputs(tmp_path, reference_gpt2):
+    (tmp_path / "a.txt").write_text("from a file", encoding="utf-8")
+    s = prepare([tmp_path / "a.txt", "/dev/null"], tmp_path / "out", workers=1, progress=False, val_fraction=0)
+    assert s.documents == 2  # /dev/null is an empty document, not a missing file
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("from a pipe", encoding="utf-8"))
+    writer.start()
+    s = prepare([fifo], tmp_path / "out2", workers=1, progress=False, val_fraction=0)
+    writer.join()
+    assert _concat(s.train_shards) == [EOT] + reference_gpt2.encode_ordinary("from a pipe")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        prepare([tmp_path / "missing.txt"], tmp_path / "out3", workers=1, progress=False)
+
+
+def test_prepare_says_which_files_the_glob_skipped(tmp_path):
+    d = tmp_path / "src"
+    d.mkdir()
+    (d / "a.txt").write_text("text", encoding="utf-8")
+    (d / "b.py").write_text("x = 1", encoding="utf-8")
+    (d / "c.py").write_text("y = 2", encoding="utf-8")
+    (d / "d.md").write_text("# doc", encoding="utf-8")
+    skipped = r"skipped 3 files that do not match --glob '\*\.txt' \(2 \.py, 1 \.md\); pass e\.g\. --glob '\*\.py'"
+    with pytest.warns(UserWarning, match=skipped):
+        s = prepare([d], tmp_path / "out", workers=1, progress=False, val_fraction=0)
+    assert s.documents == 1
+    s = prepare([d], tmp_path / "out", workers=1, progress=False, val_fraction=0, glob="*.py", overwrite=True)
+    assert s.documents == 2
+
+
+def test_prepare_names_the_overwrite_flag(tmp_path):
+    (tmp_path / "a.txt").write_text("one", encoding="utf-8")
+    prepare([tmp_path / "a.txt"], tmp_path / "out", workers=1, progress=False, val_fraction=0)
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        prepare([tmp_path / "a.txt"], tmp_path / "out", workers=1, progress=False, val_fraction=0)
+
+
+def test_first_token_at_least_scans_in_blocks(tmp_path):
+    from gpt2kit.data import first_token_at_least
+
+    tokens = np.zeros(1000, dtype=np.int64)
+    tokens[[5, 700, 701]] = [10, 300, 999]
+    write_shard(tmp_path / "s.bin", tokens)
+    assert first_token_at_least(tmp_path / "s.bin", 300, block=64) == (700, 300)
+    assert first_token_at_least(tmp_path / "s.bin", 11, block=7) == (700, 300)
+    assert first_token_at_least(tmp_path / "s.bin", 10) == (5, 10)
+    assert first_token_at_least(tmp_path / "s.bin", 1000) is None
+
+
+def test_a_full_disk_names_the_directory(tmp_path, monkeypatch):
+    import errno
+
+    import gpt2kit.data as data
+
+    def full(path, write):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(data, "atomic_write", full)
+    with pytest.raises(OSError, match=rf"no space left on {tmp_path} while writing train_000000\.bin"):
+        write_shard(tmp_path / "train_000000.bin", [1, 2, 3])

@@ -258,10 +258,16 @@ def test_padded_vocab_logits_are_cut_back():
     cfg = TINY.replace(n_vocab_padded=1024)
     model = random_model(cfg)
     assert model.wte.weight.shape[0] == 1024
+    plain = GPT2(TINY).eval()
+    plain.load_state_dict({k: v[:1000] if k == "wte.weight" else v for k, v in model.state_dict().items()})
+    x = _ids(cfg, 2, 8)
     with torch.no_grad():
         model.wte.weight[1000:] = 100.0  # would win every argmax if it leaked into the logits
-        logits = model(_ids(cfg, 1, 8)).logits
-    assert logits.shape[-1] == 1000
+        out = model(x, targets=x)
+        want = plain(x, targets=x)
+    assert out.logits.shape[-1] == 1000
+    torch.testing.assert_close(out.logits, want.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.loss, want.loss, atol=1e-6, rtol=1e-6)
 
 
 def test_gpt2_initialisation():
@@ -307,3 +313,46 @@ def test_bad_cache_and_mask_shapes():
         model(x, attention_mask=torch.ones(2, 9))
     with pytest.raises(ValueError, match="targets"):
         model(x, targets=x[:, :5])
+
+
+def test_narrow_integer_ids_give_the_int64_logits():
+    model = random_model()
+    x = _ids(TINY, 2, 9) % 250
+    with torch.no_grad():
+        want = model(x).logits
+        for dtype in (torch.uint8, torch.int16, torch.int32):
+            assert torch.equal(model(x.to(dtype)).logits, want), dtype
+        assert torch.equal(model(x, targets=x.to(torch.int16)).loss, model(x, targets=x).loss)
+
+
+@pytest.mark.parametrize("value", [2, 0.5, -1])
+def test_attention_mask_values_other_than_0_and_1_are_refused(value):
+    model = random_model()
+    mask = torch.ones(1, 4)
+    mask[0, 1] = value
+    with pytest.raises(ValueError, match=f"attention_mask must hold only 0.*{value}"):
+        model(_ids(TINY, 1, 4), attention_mask=mask)
+    model(_ids(TINY, 1, 4), attention_mask=torch.tensor([[False, True, True, True]]))  # bool masks are fine
+
+
+def test_past_of_another_dtype_is_refused_naming_both():
+    model = random_model()
+    x = _ids(TINY, 1, 6)
+    with torch.no_grad():
+        past = model(x, use_cache=True).present
+    with pytest.raises(ValueError, match="float64.*float32"):
+        model(x[:, :1], past=past.double())
+
+
+def test_targets_outside_the_vocabulary_or_all_ignored_are_refused():
+    model = random_model()
+    x = _ids(TINY, 1, 6)
+    with pytest.raises(ValueError, match="target id 1000 is outside"):
+        model(x, targets=torch.full_like(x, 1000))
+    with pytest.raises(ValueError, match="target id -5"):
+        model(x, targets=torch.full_like(x, -5))
+    with pytest.raises(ValueError, match="every target is ignore_index=-100"):
+        model(x, targets=torch.full_like(x, -100))
+    t = torch.full_like(x, -100)
+    t[0, 2] = 7
+    assert torch.isfinite(model(x, targets=t).loss)

@@ -7,9 +7,11 @@ tolerances the issue states: resume within 1e-6 (float32, CPU), 2 DDP ranks vs 1
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -389,3 +391,342 @@ def test_cli_prepare_then_train(tmp_path, capsys):
     assert err.startswith("gpt2kit train: error: total_batch_tokens 1000 is not a multiple of") and err.count("\n") == 1
     assert main(["train", "--out", str(tmp_path / "nodata")]) == 1
     assert "--data is required" in capsys.readouterr().err
+
+
+# --- exact resume of a fine-tune, whatever layout the loader gave -------------------------------
+
+
+def _hf_base(tmp_path: Path) -> Path:
+    from conftest import random_hf_model
+
+    from gpt2kit.config import GPT2Config
+
+    path = tmp_path / "hf_base"
+    random_hf_model(GPT2Config(n_vocab=600, n_ctx=64, n_embd=32, n_head=2, n_layer=2), seed=3).save_pretrained(path)
+    return path
+
+
+def _tf_base(tmp_path: Path) -> Path:
+    return Path(__file__).parent / "fixtures" / "openai_tf_tiny"
+
+
+def _bf16_base(tmp_path: Path) -> Path:
+    """An HF directory holding bfloat16 weights: the float32 fine-tune converts them at load."""
+    from conftest import random_hf_model
+
+    from gpt2kit.config import GPT2Config
+
+    path = tmp_path / "bf16_base"
+    hf = random_hf_model(GPT2Config(n_vocab=600, n_ctx=64, n_embd=32, n_head=2, n_layer=2), seed=4)
+    hf.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("make_base", [_hf_base, _tf_base, _bf16_base], ids=["hf", "openai_tf", "bf16"])
+def test_resume_of_a_fine_tune_continues_exactly(shards, tmp_path, make_base):
+    """A fine-tune from a loaded checkpoint (whose matrices the loader may hand over in any memory
+    layout) resumed at step N == the straight run, per step within 1e-6 (float32 CPU, fused AdamW)."""
+    from gpt2kit.checkpoint import load_model
+
+    base = make_base(tmp_path)
+    n_vocab = load_model(base).config.n_vocab
+    data = tmp_path / "data"  # tokens the base's vocabulary holds
+    data.mkdir()
+    rng = np.random.default_rng(1)
+    write_shard(data / "train_000000.bin", rng.integers(0, min(n_vocab, 512), size=6_000))
+    n_ctx = load_model(base).config.n_ctx
+    kw = dict(data=str(data), model=str(base), batch_size=2, seq_len=min(16, n_ctx), lr=3e-3, max_steps=10,
+              eval_every=0, save_every=0, log_every=100)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(TrainConfig(out=str(straight), **kw))
+    train(TrainConfig(out=str(split), stop_at=4, **kw))
+    train(resume_config(split))
+    _assert_same_losses(_losses(straight), _losses(split), tol=1e-6)
+    a = torch.load(straight / CHECKPOINT_NAME, weights_only=True)["model"]
+    b = torch.load(split / CHECKPOINT_NAME, weights_only=True)["model"]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+
+
+def test_restored_optimizer_state_takes_its_parameters_layout(tmp_path):
+    """An AdamW state saved with column-major moments (as checkpoints of older versions hold) steps
+    exactly like the same state held row-major (fused AdamW pairs elements by memory slot)."""
+    from gpt2kit.train import _match_param_layout
+
+    cfg = _cfg(tmp_path, tmp_path, lr=1e-2)
+    torch.manual_seed(0)
+    model = GPT2.from_name("gpt2-tiny", n_layer=1, n_embd=32, n_head=2, n_ctx=64)
+    opt = _make_optimizer(model, cfg)
+    idx = torch.randint(0, 512, (2, 16))
+    model(idx, targets=idx).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    state = copy.deepcopy(opt.state_dict())  # state_dict() shares the live per-parameter dicts
+    # The same values, stored transposed (what a run over loader-given column-major matrices saved).
+    for s in state["state"].values():
+        for k, v in s.items():
+            if v.dim() == 2:
+                s[k] = v.t().contiguous().t()
+    twins = []
+    for fix in (False, True):
+        m = GPT2.from_name("gpt2-tiny", n_layer=1, n_embd=32, n_head=2, n_ctx=64)
+        m.load_state_dict(model.state_dict())
+        o = _make_optimizer(m, cfg)
+        o.load_state_dict(copy.deepcopy(state))  # loading keeps the tensors; step() updates them in place
+        if fix:
+            _match_param_layout(o)
+        m(idx, targets=idx).loss.backward()
+        o.step()
+        twins.append(m)
+    model(idx, targets=idx).loss.backward()
+    opt.step()
+    for (name, want), got in zip(model.state_dict().items(), twins[1].state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-7, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    assert any(not torch.allclose(b, w, atol=1e-6) for b, w in zip(twins[0].state_dict().values(),
+                                                                   model.state_dict().values(), strict=True))
+
+
+# --- one run per OUT; failed runs leave nothing behind ------------------------------------------
+
+_HOLD_OUT = r"""
+import sys, time
+from pathlib import Path
+from gpt2kit.distributed import setup
+from gpt2kit.train import _claim_out
+with _claim_out(Path(sys.argv[1]), setup("cpu")):
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_run_into_the_same_out_names_the_holder(shards, tmp_path):
+    import socket
+
+    from gpt2kit.train import OutInUse
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_OUT, str(out)], stdout=subprocess.PIPE, text=True,
+                              env=_env())
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        with pytest.raises(OutInUse, match=rf"{out} is in use by another training run \(pid {holder.pid} on "
+                                           rf"{socket.gethostname()}, since "):
+            train(_cfg(shards, out, max_steps=2, eval_every=0))
+        assert not (out / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    train(_cfg(shards, out, max_steps=2, eval_every=0))  # the kernel dropped the dead holder's lock
+    train(resume_config(out, max_steps=3))  # and each run released its own
+
+
+def test_a_failed_run_removes_the_out_it_created(shards, tmp_path):
+    out = tmp_path / "new" / "run"
+    with pytest.raises(ValueError, match="seq_len 128 exceeds"):
+        train(_cfg(shards, out, seq_len=128))
+    assert not (tmp_path / "new").exists()
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    with pytest.raises(ValueError, match="seq_len 128 exceeds"):
+        train(_cfg(shards, existing, seq_len=128))
+    assert existing.is_dir()  # not ours to remove
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        train(_cfg(shards, tmp_path / "a_file", max_steps=1)) if (tmp_path / "a_file").write_text("x") else None
+
+
+# --- a damaged checkpoint, a diverged run, a full disk ---------------------------------------------
+
+
+def test_a_bit_flipped_checkpoint_is_refused(shards, tmp_path):
+    out = tmp_path / "run"
+    train(_cfg(shards, out, max_steps=2, eval_every=0))
+    path = out / CHECKPOINT_NAME
+    good = path.read_bytes()
+    assert torch.load(path, weights_only=True)["step"] == 2  # torch still reads the file with its trailer
+    for where in (len(good) // 2, len(good) - 10):  # inside a tensor; inside the recorded checksum
+        bad = bytearray(good)
+        bad[where] ^= 0x10
+        path.write_bytes(bytes(bad))
+        with pytest.raises(ValueError, match=r"checkpoint\.pt: checksum mismatch: the file was damaged"):
+            train(resume_config(out, max_steps=4))
+    path.write_bytes(good)
+    assert train(resume_config(out, max_steps=3)).step == 3
+
+
+def _strict_json(line: str):
+    def refuse(name: str):
+        raise ValueError(f"bare {name} in metrics.jsonl")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_a_diverging_run_stops_without_overwriting_the_last_good_checkpoint(shards, tmp_path, capsys):
+    from gpt2kit.cli import main
+
+    out = tmp_path / "run"
+    # An absurd rate: step 1 is finite, its update makes the weights ~1e30, step 2's logits overflow.
+    argv = ["train", "--data", str(shards), "--out", str(out), *TINY_FLAGS, "--batch-size", "4", "--seq-len", "32",
+            "--max-steps", "6", "--eval-every", "0", "--save-every", "1", "--lr", "1e30", "--warmup-steps", "0"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]
+    assert last.startswith("gpt2kit train: error: step 2: loss nan") and "stopped without saving: the last good " \
+        f"checkpoint is {out / CHECKPOINT_NAME} (step 1)" in last, err
+    ckpt = torch.load(out / CHECKPOINT_NAME, weights_only=True)
+    assert ckpt["step"] >= 1
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+    assert not (out / "model.safetensors").exists()  # never exported the diverged weights
+    records = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, ckpt["step"] + 1))
+    assert all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_metrics_never_write_a_bare_nan(tmp_path):
+    from gpt2kit.metrics import Metrics
+
+    m = Metrics(tmp_path, None)
+    m.log({"step": 1, "loss": float("nan"), "grad_norm": float("inf")})
+    m.close()
+    assert _strict_json((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": None, "grad_norm": None}
+
+
+@pytest.mark.parametrize("failure", ["oserror", "torch"])
+def test_a_full_disk_says_so(shards, tmp_path, monkeypatch, failure):
+    import errno
+
+    out = tmp_path / "run"
+    train(_cfg(shards, out, max_steps=2, eval_every=0))
+    before = (out / CHECKPOINT_NAME).read_bytes()
+    real_statvfs = os.statvfs
+
+    def full(obj, f, *args, **kwargs):
+        f.write(b"x" * 1000)
+        if failure == "oserror":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((4096, 4096, 100, 0, 0, 100, 0, 0, 0, 255)))
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match=rf"no space left on {out} while writing checkpoint\.pt"):
+        train(resume_config(out, max_steps=4))
+    monkeypatch.setattr(os, "statvfs", real_statvfs)
+    assert (out / CHECKPOINT_NAME).read_bytes() == before
+
+
+def test_ctrl_c_during_a_step_stops_after_that_step(shards, tmp_path, monkeypatch):
+    """The stop flag is read after the backward pass: a signal during step 3 ends the run at step 3."""
+    from gpt2kit.data import ShardLoader
+
+    real = ShardLoader.next_batch
+    calls = {"train": 0}
+
+    def next_batch(self):
+        if self.files[0].name.startswith("train"):
+            calls["train"] += 1
+            if calls["train"] == 3:  # step 3's batch: the signal arrives while step 3 runs
+                os.kill(os.getpid(), signal.SIGINT)
+        return real(self)
+
+    monkeypatch.setattr(ShardLoader, "next_batch", next_batch)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(shards, out, max_steps=10, eval_every=0))
+    assert torch.load(out / CHECKPOINT_NAME, weights_only=True)["step"] == 3
+    assert [s for s, _ in _losses(out)] == [1, 2, 3]
+
+
+def test_parameter_count_without_building():
+    from gpt2kit.config import GPT2Config
+    from gpt2kit.train import parameter_count
+
+    for config in (GPT2Config.from_name("gpt2-tiny", n_layer=3, n_embd=48, n_head=3, n_ctx=32),
+                   GPT2Config(n_vocab=1000, n_vocab_padded=1024, n_ctx=64, n_embd=32, n_head=4, n_layer=2)):
+        assert parameter_count(config) == GPT2(config).num_parameters()
+
+
+def test_a_model_too_big_for_memory_is_refused_before_allocating(shards, tmp_path, capsys):
+    from gpt2kit.cli import main
+
+    out = tmp_path / "huge"
+    t0 = time.monotonic()
+    code = main(["train", "--data", str(shards), "--out", str(out), "--n-layer", "1000000", "--max-steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and time.monotonic() - t0 < 30
+    assert re.fullmatch(r"gpt2kit train: error: preset 'gpt2-tiny' n_layer=1000000 has 198\.3B parameters: "
+                        r"training needs 2\.9 TiB on cpu for its float32 weights, gradients and AdamW state "
+                        r"\(before activations\), but only [\d,.]+ [KMGT]iB is available", err), err
+    assert not out.exists()
+
+
+def test_a_token_outside_the_models_vocabulary_is_found_before_training(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    tokens = np.random.default_rng(0).integers(0, 512, size=4000)
+    write_shard(data / "train_000000.bin", tokens)
+    tokens[777] = 50300  # e.g. data tokenized with a padded or larger vocabulary
+    write_shard(data / "train_000001.bin", tokens)
+    with pytest.raises(ValueError, match=r"train_000001\.bin: token 50300 at offset 777 is outside the model's "
+                                         r"vocabulary \(n_vocab 50257, ids 0\.\.50256\); this shard holds ids up "
+                                         r"to 50300: the data was tokenized for a larger vocabulary"):
+        train(_cfg(data, tmp_path / "run", max_steps=2, eval_every=0))
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_cannot_go_back_and_says_when_there_is_nothing_to_do(shards, tmp_path, capsys):
+    from gpt2kit.cli import main
+
+    out = tmp_path / "run"
+    train(_cfg(shards, out, max_steps=3, eval_every=0))
+    with pytest.raises(ValueError, match=r"--max-steps 2 is below the step .*checkpoint\.pt is at \(3\); a run "
+                                         r"cannot go back"):
+        train(resume_config(out, max_steps=2))
+    capsys.readouterr()
+    before = (out / CHECKPOINT_NAME).read_bytes()
+    assert main(["train", "--out", str(out), "--resume"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == (f"nothing to do: {out} is already at step 3; pass a larger --max-steps with --resume "
+                            f"to extend the run\n")
+    assert (out / CHECKPOINT_NAME).read_bytes() == before
+
+
+def test_log_lines_carry_elapsed_time_and_eta_and_evaluations_show_progress(shards, tmp_path, capsys):
+    from gpt2kit.metrics import Reporter
+
+    train(_cfg(shards, tmp_path / "run", max_steps=4, log_every=2, eval_every=4))
+    err = capsys.readouterr().err  # not a terminal: plain lines
+    steps = [line for line in err.splitlines() if line.startswith("step ") and "| loss" in line]
+    assert [line.split(" ")[1] for line in steps] == ["2/4", "4/4"]
+    assert all(re.search(r"\| elapsed \d+:\d\d:\d\d \| ETA \d+:\d\d:\d\d$", line) for line in steps), steps
+    assert steps[-1].endswith("ETA 0:00:00")
+    assert re.search(r"^step 4: val loss \d+\.\d{4} \(2 batches, \d+\.\d s\)$", err, re.M), err
+
+    rep = Reporter(True, 0, 10, log_every=100, heartbeat=0.0)  # heartbeat 0: every step and batch reports
+    rep.step({"step": 1, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0}, 3.0)
+    with rep.evaluating(3) as advance:
+        for _ in range(3):
+            advance()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].endswith("| ETA 0:00:27")  # 3 s per step, 9 steps left
+    assert lines[1:] == [f"evaluating: {i}/3 batches, 0:00:00" for i in (1, 2, 3)]
+
+
+def test_temporaries_of_a_killed_run_are_removed_and_warnings_are_one_line(tmp_path, capsys):
+    from gpt2kit.cli import main
+
+    data = tmp_path / "data"  # no validation shards: a warning
+    data.mkdir()
+    write_shard(data / "train_000000.bin", np.random.default_rng(0).integers(0, 512, size=2000))
+    out = tmp_path / "run"
+    out.mkdir()
+    stale = [out / ".checkpoint.pt.k2j4x_8q.tmp", out / ".model.safetensors.abcdefgh.tmp"]
+    for p in stale:
+        p.write_bytes(b"half a file")
+    mine = out / ".notes.tmp"
+    mine.write_text("not ours")
+    argv = ["train", "--data", str(data), "--out", str(out), *TINY_FLAGS, "--batch-size", "2", "--seq-len", "32",
+            "--max-steps", "1"]
+    assert main(argv) == 0
+    assert not any(p.exists() for p in stale) and mine.exists()
+    err = capsys.readouterr().err
+    assert f"gpt2kit train: warning: {data} has no val_*.bin shards: no validation loss will be reported\n" in err
+    assert "warnings.warn" not in err and "UserWarning" not in err

@@ -1,44 +1,261 @@
-"""Small file helpers shared by the modules that write atomically."""
+"""The one place that writes files: atomic single files and atomically swapped directories.
+
+Every file gpt2kit writes goes through `atomic_write` (or `atomic_write_path` / `atomic_write_text`):
+a temporary file in the same directory, the umask's mode (what open() would give), fsync, rename,
+then fsync of the directory so the rename itself is durable. Directory-level saves (a model
+directory) go through `atomic_directory`: the new directory is built beside the old one and
+swapped in with one rename, so a reader or a crash sees the old directory or the new one, whole.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import errno
 import os
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
 
-def file_mode() -> int:
-    """The mode open() gives a new file under the current umask (mkstemp would give 0600)."""
+def _umask() -> int:
     umask = os.umask(0o022)  # reading the umask means setting it; put it straight back
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:
-    """Write through a temporary file in the same directory, fsync, then rename over `path`.
+def file_mode() -> int:
+    """The mode open() gives a new file under the current umask (mkstemp would give 0600)."""
+    return 0o666 & ~_umask()
 
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make renames and creations inside `path` durable (a no-op where directories cannot be opened)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write_path(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
+    """`write(tmp_path)` fills a temporary file beside `path`, which then replaces `path` atomically.
+
+    For writers that want a file name (safetensors' save_file, matplotlib); see `atomic_write`.
     A crash (or a second Ctrl-C) at any point leaves the previous file whole; readers never see
     half a file.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, file_mode())  # mkstemp makes 0600; give the file the mode open() would
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        os.close(fd)
+        write(tmp)
+        os.chmod(tmp, file_mode())  # mkstemp makes 0600 (and some writers recreate the file): the mode open() gives
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        full = _out_of_space(e, path.parent)  # asked before the partial file is removed and frees space
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if full:
+            raise OSError(errno.ENOSPC, f"no space left on the device holding {path.parent} while writing "
+                          f"{path.name}; the previous {path.name}, if any, is untouched", str(path)) from None
         raise
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    fsync_dir(path.parent)
+
+
+def _out_of_space(e: BaseException, directory: Path) -> bool:
+    """Whether a failed write failed for want of space (torch.save says "[enforce fail at inline_container...]")."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if not isinstance(e, (OSError, RuntimeError)):
+        return False
+    try:
+        return shutil.disk_usage(directory).free < (1 << 20)
+    except OSError:
+        return False
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:
+    """`write(f)` fills an open binary file that then replaces `path` atomically (see atomic_write_path)."""
+
+    def fill(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            write(f)
+
+    atomic_write_path(path, fill)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """`text` as UTF-8 with '\\n' line ends, replacing `path` atomically."""
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def same_path(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether two paths name the same file or directory (through symlinks, .., case-folding filesystems)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+# --- directories ------------------------------------------------------------------------------
+
+_STAGING = ".saving-"
+_OLD = ".replaced-"
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike[str], *, keep: Callable[[str], bool] = lambda name: True
+                     ) -> Iterator[Path]:
+    """Build a new version of directory `path` in a sibling directory, then swap it in whole.
+
+    Yields the staging directory to write into. Entries of an existing `path` for which
+    `keep(name)` is true, and that the caller did not write, are carried into the new version
+    (hard links where the filesystem allows, else copies), so files that belong to someone
+    else (a training run's checkpoint.pt beside its model) survive. On success the staging
+    directory replaces `path` with one atomic exchange (Linux renameat2; elsewhere two renames);
+    on any error it is removed and `path` is left exactly as it was. Staging directories left by
+    a killed process are removed by the next save to the same path.
+    """
+    path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()  # replace what the link points to, not the link
+    parent = path.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path}: exists and is not a directory")
+    if os.path.ismount(path):
+        raise OSError(errno.EBUSY, f"{path} is a mount point and cannot be swapped for a new version; "
+                      "save into a directory inside it", str(path))
+    _remove_stale(parent, path.name)
+    try:
+        stage = Path(tempfile.mkdtemp(dir=parent, prefix=f".{path.name}{_STAGING}{os.getpid()}-"))
+    except PermissionError:
+        raise PermissionError(f"{path}: cannot write beside it in {parent} (permission denied); a save builds "
+                              "the new directory next to the old one and swaps it in, so it needs write "
+                              "access to the parent directory") from None
+    try:
+        # mkdtemp makes 0700; keep the old directory's mode, or give what mkdir() would
+        os.chmod(stage, path.stat().st_mode & 0o7777 if path.is_dir() else 0o777 & ~_umask())
+        yield stage
+        if path.is_dir():
+            written = set(os.listdir(stage))
+            _carry(path, stage, (n for n in os.listdir(path) if n not in written and keep(n)))
+        for entry in stage.iterdir():
+            if entry.is_file():
+                _fsync_file(entry)
+        fsync_dir(stage)
+        _swap_in(stage, path)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    fsync_dir(parent)
+
+
+def _carry(src: Path, dst: Path, names: Iterable[str]) -> None:
+    for name in names:
+        s, d = src / name, dst / name
+        if s.is_symlink():
+            os.symlink(os.readlink(s), d)
+        elif s.is_dir():
+            shutil.copytree(s, d, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(s, d)
+
+
+def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    try:
+        os.link(src, dst)  # same inode: cheap, and a lock held on the file stays held
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_in(stage: Path, path: Path) -> None:
+    if not path.exists():
+        os.rename(stage, path)
+        return
+    if _exchange(stage, path):  # path is now the new version, stage holds the old one
+        shutil.rmtree(stage, ignore_errors=True)
+        return
+    old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}{_OLD}{os.getpid()}-"))
+    os.rmdir(old)
+    os.rename(path, old)
+    try:
+        os.rename(stage, path)
+    except BaseException:
+        os.rename(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # the filesystem cannot exchange
+        return False
+    raise OSError(err, f"cannot swap {a} into place: {os.strerror(err)}", str(b))
+
+
+_RENAMEAT2: list = []
+
+
+def _renameat2():
+    if not _RENAMEAT2:
+        fn = None
+        with contextlib.suppress(OSError, AttributeError, TypeError):
+            libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+            fn = libc.renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        _RENAMEAT2.append(fn)
+    return _RENAMEAT2[0]
+
+
+def _remove_stale(parent: Path, name: str) -> None:
+    """Remove staging/old directories of `name` whose writing process no longer runs."""
+    for prefix in (f".{name}{_STAGING}", f".{name}{_OLD}"):
+        for entry in parent.glob(f"{_glob_escape(prefix)}*"):
+            pid = entry.name[len(prefix):].partition("-")[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def _glob_escape(s: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in s)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -8,9 +8,11 @@ code 1 (2 for usage errors); `--debug` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 
 class CLIError(Exception):
@@ -24,20 +26,41 @@ def _add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> Non
 
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    p.add_argument("--dtype", default=None,
+                   help="float32 | bfloat16 | float16 | auto (the fastest here within bf16 accuracy; default float32)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N | mps (default: cpu)")
 
 
+_PROG = "gpt2kit"  # "gpt2kit <command>" once parsed: the prefix of every error and warning line
+
+
+def _warn(message: str) -> None:
+    print(f"{_PROG}: warning: {message}", file=sys.stderr)
+
+
 def _read_text(path: str | None) -> str:
-    if path is None or path == "-":
-        return sys.stdin.read()
+    """A text file (or stdin for None / "-") as str; bytes that are not UTF-8 become U+FFFD, with a warning."""
+    name = "stdin" if path is None or path == "-" else path
+    if name == "stdin":
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    else:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise CLIError(f"{path}: no such file") from None
+        except IsADirectoryError:
+            raise CLIError(f"{path}: is a directory, expected a text file") from None
+        except PermissionError:
+            raise CLIError(f"{path}: exists but cannot be read (permission denied)") from None
+    if isinstance(data, str):
+        return data
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise CLIError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise CLIError(f"{path}: is a directory, expected a text file") from None
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        _warn(f"{name} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
+              "invalid bytes were replaced with U+FFFD")
+        return data.decode("utf-8", errors="replace")
 
 
 # --- subcommands ------------------------------------------------------------------------------
@@ -65,6 +88,59 @@ def _register_tokenize(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_tokenize)
 
 
+def _parse_ids(text: str, where: str) -> list[int]:
+    """Token ids written as a JSON list, tokenize --json's {"tokens": [...]}, or separated by spaces/commas."""
+    import re
+
+    s = text.strip()
+    if s.startswith(("[", "{")):
+        try:
+            obj = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise CLIError(f"{where}: not valid JSON ({e.msg} at character {e.pos})") from None
+        if isinstance(obj, dict):
+            obj = obj.get("tokens")
+        if not isinstance(obj, list):
+            raise CLIError(f'{where}: expected a JSON list of token ids or {{"tokens": [...]}}')
+        for n, i in enumerate(obj, start=1):
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise CLIError(f"{where}: item {n} ({json.dumps(i)}) is not an integer token id")
+        return obj
+    ids = []
+    for n, item in enumerate((t for t in re.split(r"[\s,]+", s) if t), start=1):
+        if not item.isascii() or not item.lstrip("-").isdigit():
+            raise CLIError(f"{where}: item {n} ({item!r}) is not an integer token id")
+        ids.append(int(item))
+    return ids
+
+
+def cmd_detokenize(args: argparse.Namespace) -> int:
+    from gpt2kit.tokenizer import Tokenizer
+
+    if args.ids and args.file is not None:
+        raise CLIError("give ids on the line or --file, not both")
+    if args.ids:
+        ids = _parse_ids(" ".join(args.ids), "ids")
+    else:
+        ids = _parse_ids(_read_text(args.file), "stdin" if args.file in (None, "-") else args.file)
+    data = Tokenizer.default().decode_bytes(ids)  # ValueError naming an id outside the vocabulary
+    if hasattr(sys.stdout, "buffer"):
+        sys.stdout.buffer.write(data)  # the exact bytes, so `tokenize | detokenize` gives the file back
+    else:
+        sys.stdout.write(data.decode("utf-8", errors="replace"))
+    return 0
+
+
+def _register_detokenize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("detokenize", help="print the text of GPT-2 token ids (the inverse of tokenize)",
+                       description="Ids as arguments, or from --file / stdin: a JSON list, tokenize --json's "
+                                   'output ({"tokens": [...]}), or numbers separated by spaces or commas. The '
+                                   "text's exact bytes are written, with no newline added.")
+    p.add_argument("ids", nargs="*", help="token ids (default: read them from --file or stdin)")
+    p.add_argument("--file", "-f", default=None, help="file of ids ('-' for stdin)")
+    p.set_defaults(func=cmd_detokenize)
+
+
 def cmd_score(args: argparse.Namespace) -> int:
     from gpt2kit.checkpoint import load_model, load_tokenizer
     from gpt2kit.score import score_text
@@ -90,10 +166,19 @@ def _register_score(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from gpt2kit.checkpoint import load_model, load_tokenizer, save_model
+    from gpt2kit._io import same_path
+    from gpt2kit.checkpoint import holds_model, load_model, load_tokenizer, resolve_source, save_model
 
-    model = load_model(args.src, dtype=args.dtype)
-    out = save_model(model, args.dst, tokenizer=load_tokenizer(args.src))
+    dst = Path(args.dst).expanduser()
+    if dst.exists() and not dst.is_dir():
+        raise CLIError(f"{args.dst}: exists and is not a directory")
+    if holds_model(dst) and not args.overwrite:
+        raise CLIError(f"{args.dst} already holds a model; pass --overwrite to replace it")
+    _, src = resolve_source(args.src)
+    if same_path(src, dst):
+        raise CLIError(f"{args.dst} is the source being converted; write to another directory")
+    model = load_model(src, dtype=args.dtype)
+    out = save_model(model, dst, tokenizer=load_tokenizer(src))
     print(f"wrote {out} ({model.num_parameters():,} parameters, {args.dtype or 'float32'})")
     return 0
 
@@ -101,8 +186,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def _register_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="write any loadable checkpoint as an HF-format directory")
     p.add_argument("src", help="hub id, HF directory or OpenAI TF release directory")
-    p.add_argument("dst", help="output directory")
+    p.add_argument("dst", help="output directory (replaced atomically; never the source)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--overwrite", action="store_true", help="replace a model already in DST")
     p.set_defaults(func=cmd_convert)
 
 
@@ -131,16 +217,23 @@ def _register_info(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_info)
 
 
-def cmd_prepare(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def _one_line_warnings(command: str) -> Iterator[None]:
+    """Warnings as `gpt2kit COMMAND: warning: ...` lines, without Python's file, line and source."""
     import warnings
 
-    from gpt2kit.data import prepare
-
-    def show(message, category, filename, lineno, file=None, line=None) -> None:  # one line per warning
-        print(f"gpt2kit prepare: warning: {message}", file=sys.stderr)
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"gpt2kit {command}: warning: {message}", file=sys.stderr, flush=True)
 
     with warnings.catch_warnings():
         warnings.showwarning = show
+        yield
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from gpt2kit.data import prepare
+
+    with _one_line_warnings("prepare"):
         s = prepare(args.inputs, args.out, val_fraction=args.val_fraction, glob=args.glob,
                     workers=args.workers, shard_size=args.shard_size, progress=sys.stderr.isatty(),
                     overwrite=args.overwrite)
@@ -172,14 +265,24 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if not args.resume and args.model and args.out and Path(args.model).expanduser().exists():
+        from gpt2kit._io import same_path
+
+        if same_path(args.model, args.out):
+            raise CLIError(f"--out {args.out} is the model being fine-tuned; its weights would be overwritten: "
+                           "choose another --out")
     if args.resume:
         cfg = resume_config(given.pop("out"), **given)
     elif "data" not in given:
         raise CLIError("--data is required: a directory of shards written by `gpt2kit prepare`")
     else:
         cfg = TrainConfig(**given)
-    result = train(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:
+    with _one_line_warnings("train"):
+        result = train(cfg)
+    if int(os.environ.get("RANK", "0")) == 0 and result.tokens == 0:
+        print(f"nothing to do: {result.out} is already at step {result.step}; pass a larger --max-steps "
+              f"with --resume to extend the run")
+    elif int(os.environ.get("RANK", "0")) == 0:
         val = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
         loss = f", loss {result.loss:.4f}" if result.loss is not None else ""
         print(f"step {result.step}{loss}{val}: model and checkpoint in {result.out}")
@@ -431,7 +534,7 @@ def _register_trace(sub: argparse._SubParsersAction) -> None:
 
 
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _register_tokenize, _register_score, _register_convert, _register_info,
+    _register_tokenize, _register_detokenize, _register_score, _register_convert, _register_info,
     _register_prepare, _register_train, _register_generate, _register_bench, _register_trace,
 ]
 
@@ -442,9 +545,19 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gpt2kit")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gpt2kit", description="GPT-2, complete, exact and fast.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"gpt2kit {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for register in REGISTRARS:
@@ -453,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _PROG
     argv = list(sys.argv[1:] if argv is None else argv)
     # --debug is accepted anywhere on the line, not only before the subcommand.
     debug = "--debug" in argv
@@ -460,18 +574,34 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.debug = debug
+    _PROG = f"gpt2kit {args.command}"
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed stdout shows up here, not at interpreter exit
+        return code
     except KeyboardInterrupt:
         print("gpt2kit: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0
+    except BrokenPipeError:  # the reader went away (`gpt2kit tokenize big.txt | head`): stop quietly
+        _detach_stdout()
+        return 141  # what a shell reports for a process ended by SIGPIPE (128 + 13)
     except Exception as e:  # noqa: BLE001 - the CLI's one place that turns errors into exit codes
         if debug:
             raise
-        print(f"gpt2kit {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 1
+
+
+def _detach_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's last flush cannot raise about the closed pipe."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is not a real file (tests, notebooks)
+        pass
 
 
 def _one_line(e: BaseException) -> str:

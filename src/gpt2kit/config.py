@@ -14,6 +14,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+EOT_ID = 50256  # <|endoftext|> in GPT-2's vocabulary: the document separator, stop token and scoring context
+
+# Beyond these a config is a typo or an attack, not a model (GPT-2 XL: 48 layers, 1600 wide, 25 heads);
+# checked before anything is allocated, so a config.json saying n_layer=1000000 fails at once.
+LIMITS = {"n_vocab": 1 << 24, "n_ctx": 1 << 20, "n_embd": 1 << 16, "n_head": 1 << 10, "n_layer": 1 << 10}
+MAX_PARAMETERS = 10**12
+
 
 @dataclass(frozen=True)
 class GPT2Config:
@@ -33,11 +40,21 @@ class GPT2Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPT2Config.{name} must be a positive integer, got {value!r}")
+            if value > LIMITS[name]:
+                raise ValueError(f"GPT2Config.{name}={value} is beyond the limit {LIMITS[name]:,} "
+                                 f"(GPT-2 XL has {getattr(_XL, name)})")
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"GPT2Config.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
                 f"valid n_head values for n_embd={self.n_embd}: {_divisors(self.n_embd)}"
             )
+        if (self.n_vocab_padded is not None
+                and (isinstance(self.n_vocab_padded, bool) or not isinstance(self.n_vocab_padded, int))):
+            raise ValueError(f"GPT2Config.n_vocab_padded must be an integer or None, got {self.n_vocab_padded!r}")
+        for name in ("dropout", "layer_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"GPT2Config.{name} must be a number, got {value!r}")
         if not (0.0 <= self.dropout < 1.0):
             raise ValueError(f"GPT2Config.dropout must be in [0, 1), got {self.dropout!r}")
         if not (self.layer_norm_eps > 0 and math.isfinite(self.layer_norm_eps)):
@@ -46,6 +63,12 @@ class GPT2Config:
             raise ValueError(
                 f"GPT2Config.n_vocab_padded ({self.n_vocab_padded}) must be >= n_vocab ({self.n_vocab})"
             )
+        if self.n_vocab_padded is not None and self.n_vocab_padded > LIMITS["n_vocab"]:
+            raise ValueError(f"GPT2Config.n_vocab_padded={self.n_vocab_padded} is beyond the limit "
+                             f"{LIMITS['n_vocab']:,}")
+        if self.n_params > MAX_PARAMETERS:
+            raise ValueError(f"GPT2Config has {self.n_params:,} parameters, beyond the limit {MAX_PARAMETERS:,} "
+                             f"(n_layer={self.n_layer}, n_embd={self.n_embd}); GPT-2 XL has 1.56e9")
 
     @property
     def head_dim(self) -> int:
@@ -56,9 +79,18 @@ class GPT2Config:
         return self.n_vocab_padded or self.n_vocab
 
     @property
+    def n_params(self) -> int:
+        """Parameters of the model this config builds (padded embedding rows included), from arithmetic.
+
+        Lets callers size a model (memory estimates, `gpt2kit info`) without building it."""
+        C = self.n_embd
+        per_block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
+        return self.embedding_rows * C + self.n_ctx * C + self.n_layer * per_block + 2 * C
+
+    @property
     def eot_id(self) -> int | None:
         """<|endoftext|>'s id, when the vocabulary is GPT-2's (random test models may be smaller)."""
-        return 50256 if self.n_vocab > 50256 else None
+        return EOT_ID if self.n_vocab > EOT_ID else None
 
     def replace(self, **changes: Any) -> GPT2Config:
         return dataclasses.replace(self, **changes)
@@ -77,44 +109,49 @@ class GPT2Config:
     @classmethod
     def from_hf(cls, source: dict[str, Any] | str | os.PathLike[str]) -> GPT2Config:
         """From a Hugging Face GPT-2 config.json (a path, a directory holding it, or the parsed dict)."""
-        d = _read_json(source, "config.json")
+        d, where = _read_json(source, "config.json")
         model_type = d.get("model_type", "gpt2")
         if model_type != "gpt2":
-            raise ValueError(f"config.json has model_type {model_type!r}; gpt2kit loads only 'gpt2'")
+            raise ValueError(f"{where} has model_type {model_type!r}; gpt2kit loads only 'gpt2'")
         act = d.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(
-                f"config.json has activation_function {act!r}; GPT-2 uses the tanh GELU ('gelu_new')"
-            )
-        n_inner = d.get("n_inner")
-        if n_inner is not None and n_inner != 4 * d.get("n_embd", 768):
-            raise ValueError(f"config.json has n_inner={n_inner}; GPT-2 uses 4 * n_embd")
+            raise ValueError(f"{where} has activation_function {act!r}; GPT-2 uses the tanh GELU ('gelu_new')")
+        n_embd = _number(d, "n_embd", 768, where, int)
+        n_inner = _number(d, "n_inner", None, where, int)
+        if n_inner is not None and n_inner != 4 * n_embd:
+            raise ValueError(f"{where} has n_inner={n_inner}; GPT-2 uses 4 * n_embd = {4 * n_embd}")
         for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
             if d.get(flag):
-                raise ValueError(f"config.json sets {flag}=true, which is not the GPT-2 graph")
+                raise ValueError(f"{where} sets {flag}=true, which is not the GPT-2 graph")
         if d.get("scale_attn_weights") is False:
-            raise ValueError("config.json sets scale_attn_weights=false, which is not the GPT-2 graph")
+            raise ValueError(f"{where} sets scale_attn_weights=false, which is not the GPT-2 graph")
+        ctx_key = "n_positions" if "n_positions" in d else "n_ctx"
+        fields = {"n_vocab": ("vocab_size", 50257), "n_ctx": (ctx_key, 1024), "n_embd": ("n_embd", 768),
+                  "n_head": ("n_head", 12), "n_layer": ("n_layer", 12)}
+        values: dict[str, Any] = {ours: _number(d, key, default, where, int) for ours, (key, default) in fields.items()}
+        values["layer_norm_eps"] = _number(d, "layer_norm_epsilon", 1e-5, where, float)
         try:
-            return cls(
-                n_vocab=d.get("vocab_size", 50257),
-                n_ctx=d.get("n_positions", d.get("n_ctx", 1024)),
-                n_embd=d.get("n_embd", 768),
-                n_head=d.get("n_head", 12),
-                n_layer=d.get("n_layer", 12),
-                layer_norm_eps=d.get("layer_norm_epsilon", 1e-5),
-            )
-        except TypeError as e:
-            raise ValueError(f"config.json is not a GPT-2 config: {e}") from None
+            return cls(**values)
+        except ValueError as e:
+            # Name the file and its own key, not our field: "config.json: n_layer=1000000 is beyond ..."
+            message = str(e)
+            for ours, (key, _) in fields.items():
+                message = message.replace(f"GPT2Config.{ours}", key)
+            raise ValueError(f"{where}: {message.replace('GPT2Config.layer_norm_eps', 'layer_norm_epsilon')}") \
+                from None
 
     @classmethod
     def from_openai(cls, source: dict[str, Any] | str | os.PathLike[str]) -> GPT2Config:
         """From OpenAI's hparams.json (a path, a directory holding it, or the parsed dict)."""
-        d = _read_json(source, "hparams.json")
-        missing = [k for k in ("n_vocab", "n_ctx", "n_embd", "n_head", "n_layer") if k not in d]
+        d, where = _read_json(source, "hparams.json")
+        keys = ("n_vocab", "n_ctx", "n_embd", "n_head", "n_layer")
+        missing = [k for k in keys if k not in d]
         if missing:
-            raise ValueError(f"hparams.json is missing {missing}")
-        return cls(n_vocab=d["n_vocab"], n_ctx=d["n_ctx"], n_embd=d["n_embd"], n_head=d["n_head"],
-                   n_layer=d["n_layer"])
+            raise ValueError(f"{where} is missing {missing}")
+        try:
+            return cls(**{k: _number(d, k, None, where, int) for k in keys})
+        except ValueError as e:
+            raise ValueError(f"{where}: {str(e).replace('GPT2Config.', '')}") from None
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json transformers writes for GPT2LMHeadModel with these sizes."""
@@ -165,6 +202,9 @@ PRESETS: dict[str, GPT2Config] = {
 }
 
 
+_XL = PRESETS["gpt2-xl"]
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -173,19 +213,43 @@ def _field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(GPT2Config)]
 
 
-def _read_json(source: dict[str, Any] | str | os.PathLike[str], default_name: str) -> dict[str, Any]:
+def _number(d: dict[str, Any], key: str, default: Any, where: str, kind: type) -> Any:
+    """d[key] (or default) checked to be a JSON number of the right kind, naming file and key if not."""
+    value = d.get(key, default)
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                         and (kind is float or isinstance(value, int))):
+        return value
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)  # 12.0 is a fine way to write 12
+    want = "an integer" if kind is int else "a number"
+    raise ValueError(f"{where}: {key} must be {want}, got {value!r} ({type(value).__name__})")
+
+
+def _read_json(source: dict[str, Any] | str | os.PathLike[str], default_name: str) -> tuple[dict[str, Any], str]:
+    """The parsed object and how to name it in messages (the path, or the default file name for a dict)."""
     if isinstance(source, dict):
-        return source
+        return source, default_name
     path = os.fspath(source)
     if os.path.isdir(path):
         path = os.path.join(path, default_name)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file") from None
+    except PermissionError:
+        raise PermissionError(f"{path}: exists but cannot be read (permission denied)") from None
+    if not raw.strip():
+        raise ValueError(f"{path}: empty file (0 bytes of JSON)" if not raw else f"{path}: contains only whitespace")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                         "a JSON config must be UTF-8") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data, path

@@ -13,14 +13,19 @@ Legend: B batch size, T sequence length, W world size (number of data-parallel r
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
+import errno
 import json
 import math
 import multiprocessing as mp
 import os
 import re
+import signal
+import stat
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -70,7 +75,13 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int]) -> 
         f.write(header.tobytes())
         f.write(payload.tobytes())
 
-    atomic_write(Path(path), write)
+    path = Path(path)
+    try:
+        atomic_write(path, write)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"no space left on {path.parent} while writing {path.name}") from None
+        raise
 
 
 def _shard_token_count(path: Path) -> int:
@@ -104,6 +115,17 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
+def first_token_at_least(path: str | os.PathLike, limit: int, *, block: int = 1 << 24) -> tuple[int, int] | None:
+    """(offset, token) of the first token >= `limit` in the shard at `path`, or None; read in blocks."""
+    tokens = read_shard(path)
+    for start in range(0, tokens.size, block):
+        chunk = tokens[start : start + block]
+        if chunk.max() >= limit:
+            i = int(np.argmax(chunk >= limit))
+            return start + i, int(chunk[i])
+    return None
+
+
 def find_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
     """The shards of `split` in `data_dir`, sorted by name.
 
@@ -123,9 +145,12 @@ def find_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
 _TOKENIZER: Any = None  # per worker process, set by _init_worker
 
 
-def _init_worker() -> None:
+def _init_worker(ignore_sigint: bool = False) -> None:
     global _TOKENIZER
     from gpt2kit.tokenizer import Tokenizer
+
+    if ignore_sigint:  # Ctrl-C reaches the whole process group; the parent alone handles it
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     _TOKENIZER = Tokenizer.default()
 
@@ -139,7 +164,8 @@ def _decode(raw: bytes) -> tuple[str, bool]:
 
 
 # A task is one document: (path, line number, raw line) for a .jsonl line, (path, 0, None) for a
-# text file, which the worker reads itself so that big files are not piped through the parent.
+# text file, which the worker reads itself so that big files are not piped through the parent, and
+# (path, 0, contents) for an input that can be read only once (a pipe, /dev/stdin), read up front.
 _Task = tuple[str, int, bytes | None]
 
 
@@ -160,6 +186,8 @@ def _tokenize_doc(task: _Task) -> tuple[np.ndarray, str | None]:
     path, lineno, raw = task
     if raw is None:
         text, replaced = _decode(Path(path).read_bytes())
+    elif lineno == 0:
+        text, replaced = _decode(raw)
     else:
         text, replaced = _jsonl_text(raw, path, lineno)
     ids = _TOKENIZER.encode(text)
@@ -173,21 +201,57 @@ def _is_jsonl(path: Path) -> bool:
     return path.suffix.lower() == ".jsonl"
 
 
-def _collect_files(inputs: Iterable[str | os.PathLike], glob: str, exclude: Path) -> list[Path]:
-    """Input files (directories expanded recursively by `glob`), deduplicated, sorted by path string."""
+def _collect_files(
+    inputs: Iterable[str | os.PathLike], glob: str, exclude: Path
+) -> tuple[list[Path], dict[str, bytes]]:
+    """Input files (directories expanded recursively by `glob`), deduplicated, sorted by path string,
+    and the contents of the inputs that are not regular files (pipes, character devices), read once here.
+
+    Files in directories that `glob` leaves out are reported in one warning (how many, which suffixes).
+    """
     found: dict[str, Path] = {}
+    once: dict[str, bytes] = {}
     for item in inputs:
         p = Path(os.path.abspath(item))
         if p.is_dir():
             candidates = [f for f in p.rglob(glob) if f.is_file()]
+            _warn_skipped(p, glob, {str(f) for f in candidates}, exclude)
         elif p.is_file():
             candidates = [p]
+        elif p.exists():  # a pipe, /dev/null, /dev/stdin: readable once, as one text document
+            mode = p.stat().st_mode
+            if not (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+                raise ValueError(f"input {item} is neither a file nor a directory")
+            if _is_jsonl(p):
+                raise ValueError(f"input {item}: a .jsonl input must be a regular file (it is read twice)")
+            with open(p, "rb") as f:
+                once[str(p)] = f.read()
+            candidates = [p]
+        elif p.is_symlink():
+            raise FileNotFoundError(f"input {item} is a symbolic link to {os.readlink(p)}, which does not exist")
         else:
             raise FileNotFoundError(f"input {item} does not exist")
         for f in candidates:
             if exclude not in f.parents:  # never read our own output back
                 found[str(f)] = f
-    return [found[k] for k in sorted(found)]
+    return [found[k] for k in sorted(found)], once
+
+
+def _warn_skipped(directory: Path, glob: str, taken: set[str], exclude: Path) -> None:
+    def hidden(f: Path) -> bool:
+        return any(part.startswith(".") for part in f.relative_to(directory).parts)
+
+    skipped = [f for f in directory.rglob("*")
+               if f.is_file() and str(f) not in taken and exclude not in f.parents and not hidden(f)]
+    if not skipped:
+        return
+    suffixes = collections.Counter(f.suffix or "(no suffix)" for f in skipped)
+    listed = ", ".join(f"{n} {suffix}" for suffix, n in suffixes.most_common(5))
+    more = ", ..." if len(suffixes) > 5 else ""
+    top = next((suffix for suffix, _ in suffixes.most_common() if suffix.startswith(".")), ".py")
+    files = "file that does" if len(skipped) == 1 else "files that do"
+    warnings.warn(f"{directory}: skipped {len(skipped)} {files} not match --glob {glob!r} ({listed}{more}); "
+                  f"pass e.g. --glob '*{top}' or --glob '*' to include them", stacklevel=4)
 
 
 def _count_jsonl_docs(path: Path) -> int:
@@ -195,15 +259,17 @@ def _count_jsonl_docs(path: Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
-def _tasks(files: list[Path]) -> Iterator[_Task]:
+def _tasks(files: list[Path], once: dict[str, bytes]) -> Iterator[_Task]:
     for path in files:
-        if not _is_jsonl(path):
+        if str(path) in once:
+            yield str(path), 0, once[str(path)]
+        elif not _is_jsonl(path):
             yield str(path), 0, None
-            continue
-        with open(path, "rb") as f:
-            for lineno, line in enumerate(f, start=1):
-                if line.strip():
-                    yield str(path), lineno, line
+        else:
+            with open(path, "rb") as f:
+                for lineno, line in enumerate(f, start=1):
+                    if line.strip():
+                        yield str(path), lineno, line
 
 
 class _ShardWriter:
@@ -322,8 +388,8 @@ def prepare(
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     out = Path(os.path.abspath(out_dir))
 
-    files = _collect_files(inputs, glob, exclude=out)
-    n_docs = sum(_count_jsonl_docs(f) if _is_jsonl(f) else 1 for f in files)
+    files, once = _collect_files(inputs, glob, exclude=out)
+    n_docs = sum(_count_jsonl_docs(f) if _is_jsonl(f) and str(f) not in once else 1 for f in files)
     if n_docs == 0:
         names = ", ".join(str(i) for i in inputs) or "(no inputs)"
         raise ValueError(
@@ -333,15 +399,17 @@ def prepare(
     n_val = _val_documents(val_fraction, n_docs)
 
     out.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(out)
     stale = _existing_shards(out)
     if stale and not overwrite:
-        raise FileExistsError(f"{out} already holds shards ({stale[0].name}, ...); pass overwrite=True")
+        raise FileExistsError(f"{out} already holds shards ({stale[0].name}, ...); pass --overwrite "
+                              f"(overwrite=True) to replace them, or choose another output directory")
     for p in stale:
         p.unlink()
 
     writer = _ShardWriter(out, shard_size)
     try:
-        text_tokens = _tokenize_into(writer, files, n_docs, n_val, workers, progress)
+        text_tokens = _tokenize_into(writer, _tasks(files, once), n_docs, n_val, workers, progress)
         writer.flush()
         if text_tokens == 0:
             names = ", ".join(str(i) for i in inputs)
@@ -369,37 +437,94 @@ def prepare(
     return summary
 
 
+def _remove_stale_temporaries(out: Path) -> None:
+    """Delete what a killed earlier run left half-written (atomic_write's `.<name>.<random>.tmp`)."""
+    pattern = re.compile(r"\.(?:(?:train|val)_\d{6}\.bin|prepare\.json)\..+\.tmp")
+    for p in out.iterdir():
+        if pattern.fullmatch(p.name) and p.is_file():
+            p.unlink(missing_ok=True)
+
+
 def _tokenize_into(
-    writer: _ShardWriter, files: list[Path], n_docs: int, n_val: int, workers: int, progress: bool
+    writer: _ShardWriter, tasks: Iterator[_Task], n_docs: int, n_val: int, workers: int, progress: bool
 ) -> int:
     """Tokenize every document into `writer`; returns the number of tokens excluding separators."""
     warned: set[str] = set()
     text_tokens = 0
-    if workers == 1:
-        _init_worker()
-        pool = None
-        results: Iterable[tuple[np.ndarray, str | None]] = map(_tokenize_doc, _tasks(files))
-    else:
-        # spawn, not fork: forking a parent that runs torch's threads can deadlock the children
-        pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker)
-        results = pool.imap(_tokenize_doc, _tasks(files), chunksize=16)
-    try:
-        with tqdm(total=n_docs, unit="doc", desc="tokenizing", disable=not progress) as bar:
-            for i, (tokens, replaced_in) in enumerate(results):
-                if replaced_in is not None and replaced_in not in warned:
-                    warned.add(replaced_in)
-                    msg = f"{replaced_in}: invalid UTF-8 bytes were replaced with U+FFFD"
-                    warnings.warn(msg, UnicodeWarning, stacklevel=3)
-                if i == n_val:
-                    writer.start_train()
-                writer.add(tokens)
-                text_tokens += tokens.size - 1
-                bar.update()
-    finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
+    with contextlib.ExitStack() as stack:
+        if workers == 1:
+            _init_worker()
+            results: Iterable[tuple[np.ndarray, str | None]] = map(_tokenize_doc, tasks)
+        else:
+            results = stack.enter_context(_worker_pool(workers))(tasks)
+        bar = stack.enter_context(tqdm(total=n_docs, unit="doc", desc="tokenizing", disable=not progress))
+        for i, (tokens, replaced_in) in enumerate(results):
+            if replaced_in is not None and replaced_in not in warned:
+                warned.add(replaced_in)
+                msg = f"{replaced_in}: invalid UTF-8 bytes were replaced with U+FFFD"
+                warnings.warn(msg, UnicodeWarning, stacklevel=3)
+            if i == n_val:
+                writer.start_train()
+            writer.add(tokens)
+            text_tokens += tokens.size - 1
+            bar.update()
     return text_tokens
+
+
+class WorkerDied(RuntimeError):
+    """A tokenizer process ended without an answer (killed, out of memory, or crashed in native code)."""
+
+
+_CHUNK = 16  # documents per message to a worker
+
+
+def _tokenize_chunk(tasks: list[_Task]) -> list[tuple[np.ndarray, str | None]]:
+    return [_tokenize_doc(t) for t in tasks]
+
+
+@contextlib.contextmanager
+def _worker_pool(workers: int) -> Iterator[Callable[[Iterator[_Task]], Iterator[tuple[np.ndarray, str | None]]]]:
+    """An ordered, bounded `imap` over a process pool that fails fast.
+
+    multiprocessing.Pool replaces a worker that dies and waits forever for the task it lost;
+    concurrent.futures marks the whole pool broken instead, which we turn into WorkerDied naming the
+    document being tokenized. Workers ignore SIGINT: on Ctrl-C (or any error) the parent terminates
+    them and returns at once, without their tracebacks.
+    """
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    # spawn, not fork: forking a parent that runs torch's threads can deadlock the children
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                               initargs=(True,))
+
+    def imap(tasks: Iterator[_Task]) -> Iterator[tuple[np.ndarray, str | None]]:
+        pending: collections.deque = collections.deque()
+        chunks = iter(lambda: [t for _, t in zip(range(_CHUNK), tasks, strict=False)], [])
+        for chunk in chunks:
+            pending.append((chunk[0][0], pool.submit(_tokenize_chunk, chunk)))
+            while len(pending) >= 4 * workers:
+                yield from _result(*pending.popleft())
+        while pending:
+            yield from _result(*pending.popleft())
+
+    def _result(path: str, future) -> list[tuple[np.ndarray, str | None]]:
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            raise WorkerDied(f"a tokenizer process died (killed, out of memory, or crashed) while tokenizing "
+                             f"{path} or the documents after it; nothing was written") from None
+
+    ok = False
+    try:
+        yield imap
+        ok = True
+    finally:
+        if not ok:
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                with contextlib.suppress(Exception):
+                    proc.terminate()
+        pool.shutdown(wait=ok, cancel_futures=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,6 +575,23 @@ class ShardLoader:
                     f"(world_size {world_size} * batch_size {batch_size} * seq_len {seq_len} + 1)"
                 )
         self.reset()
+
+    def check_vocab(self, n_vocab: int) -> None:
+        """Raise ValueError naming the shard and offset of the first token id >= n_vocab, if any.
+
+        Checked when training starts, so that data tokenized for a larger vocabulary than the model's
+        fails at once rather than when the loop reaches the token.
+        """
+        for f in self.files:
+            found = first_token_at_least(f, n_vocab)
+            if found is not None:
+                offset, token = found
+                top = int(read_shard(f).max())
+                raise ValueError(
+                    f"{f}: token {token} at offset {offset} is outside the model's vocabulary (n_vocab {n_vocab}, "
+                    f"ids 0..{n_vocab - 1}); this shard holds ids up to {top}: the data was tokenized for a "
+                    f"larger vocabulary than the model's"
+                )
 
     def reset(self) -> None:
         """Back to the start of the first shard, epoch 0."""

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gpt2kit.config import EOT_ID
+
 
 @dataclass(frozen=True)
 class ScoreResult:
@@ -38,7 +40,7 @@ class ScoreResult:
 
 
 @torch.inference_mode()
-def score_tokens(model, tokens: list[int], *, eot_token: int = 50256, stride: int | None = None) -> list[float]:
+def score_tokens(model, tokens: list[int], *, eot_token: int = EOT_ID, stride: int | None = None) -> list[float]:
     """ln p(tokens[i] | eot, tokens[:i]) for every i, with the strided sliding window."""
     n_ctx = model.config.n_ctx
     stride = n_ctx // 2 if stride is None else stride

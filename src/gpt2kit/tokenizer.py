@@ -22,11 +22,13 @@ import functools
 import importlib.resources
 import json
 import os
-import tempfile
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import tiktoken
+
+from gpt2kit._io import atomic_write_text
 
 __all__ = ["GPT2_PATTERN", "EOT_TEXT", "IncrementalDecoder", "Tokenizer", "bytes_to_unicode", "get_tokenizer"]
 
@@ -41,6 +43,23 @@ MODEL_MAX_LENGTH = 1024  # GPT-2's n_ctx, written to tokenizer_config.json for t
 _FILE_PAIRS = (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe"))
 _MERGES_HEADER = "#version: 0.2"
 _BATCH_THREADS = 8
+
+# Unicode White_Space, what `\s` means to tiktoken's regex (Python's str.isspace differs: it also
+# counts \x1c-\x1f).
+_WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+# Whitespace runs at least this long are cut out before tiktoken's regex sees them: its `\s+(?!\S)`
+# backtracks recursively and overflows the stack (a Rust panic) somewhere above 200,000 characters.
+LONG_WHITESPACE = 4096
+# Anchored at a run's start by the lookbehind: without it the search retries inside every shorter
+# run, quadratic in the run's length.
+_LONG_RUN = re.compile(f"(?<![{_WHITE_SPACE}])[{_WHITE_SPACE}]{{{LONG_WHITESPACE},}}")
+
+
+def _may_hold_long_run(text: str) -> bool:
+    """False only if ``text`` has no whitespace run of LONG_WHITESPACE characters: such a run holds a
+    whole aligned block of half that length (str.isspace accepts a superset of White_Space)."""
+    half = LONG_WHITESPACE // 2
+    return any(text[i : i + half].isspace() for i in range(0, len(text) - half + 1, half))
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,15 +86,24 @@ def _unicode_to_bytes() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
+@functools.lru_cache(maxsize=1)
+def _byte_chars() -> tuple[dict[int, str], frozenset[str]]:
+    """str.translate's table from the printable alphabet to the bytes as Latin-1 characters, and
+    the alphabet itself (translate and encode run in C: building the 50k-token vocabulary takes
+    milliseconds instead of most of a second)."""
+    table = {ord(c): chr(b) for c, b in _unicode_to_bytes().items()}
+    return table, frozenset(_unicode_to_bytes())
+
+
 def _token_bytes(token: str, path: Path, where: str) -> bytes:
-    decoder = _unicode_to_bytes()
-    try:
-        return bytes(decoder[c] for c in token)
-    except KeyError as e:
+    table, alphabet = _byte_chars()
+    if not alphabet.issuperset(token):
+        bad = next(c for c in token if c not in alphabet)
         raise ValueError(
-            f"{path}: {where}: token {token!r} has character {e.args[0]!r} that is not in GPT-2's "
+            f"{path}: {where}: token {token!r} has character {bad!r} that is not in GPT-2's "
             "byte-to-unicode alphabet (is this a byte-level BPE file?)"
-        ) from None
+        )
+    return token.translate(table).encode("latin-1")
 
 
 def _read_vocab(path: Path) -> dict[str, int]:
@@ -124,10 +152,12 @@ def _mergeable_ranks(
 ) -> dict[bytes, int]:
     """Token bytes -> id for every non-special token, checked against the merge order (see module doc)."""
     ranks: dict[bytes, int] = {}
+    token_bytes: dict[str, bytes] = {}
     for token, i in vocab.items():
         if token == EOT_TEXT:
             continue
-        ranks[_token_bytes(token, vocab_path, "vocabulary")] = i
+        token_bytes[token] = b = _token_bytes(token, vocab_path, "vocabulary")
+        ranks[b] = i
     missing_bytes = [b for b in range(256) if bytes([b]) not in ranks]
     if missing_bytes:
         raise ValueError(f"{vocab_path}: no token for the single bytes {missing_bytes[:8]}")
@@ -135,7 +165,9 @@ def _mergeable_ranks(
     last_rank = -1
     for lineno, (a, b) in enumerate(merges, start=1):
         where = f"merge {lineno} ({a} {b})"
-        left, right = _token_bytes(a, merges_path, where), _token_bytes(b, merges_path, where)
+        left, right = token_bytes.get(a), token_bytes.get(b)
+        if left is None or right is None:  # not vocabulary tokens: say why (alphabet, or absent)
+            left, right = _token_bytes(a, merges_path, where), _token_bytes(b, merges_path, where)
         for part, part_bytes in ((a, left), (b, right)):
             if part_bytes not in ranks:
                 raise ValueError(f"{merges_path}: {where}: {part!r} is not in {vocab_path}")
@@ -154,22 +186,6 @@ def _mergeable_ranks(
             f"256 bytes + {len(merges)} merges = {256 + len(merges)}; the files do not belong together"
         )
     return ranks
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    # Temp file in the same directory so os.replace is a rename on one filesystem: readers see the
-    # old file or the new one, never half of one.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a saved checkpoint should be readable like any file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _as_id_list(ids: Iterable[int] | int) -> list[int]:
@@ -224,7 +240,7 @@ class Tokenizer:
     @staticmethod
     @functools.lru_cache(maxsize=1)
     def default() -> Tokenizer:
-        """The GPT-2 tokenizer from the packaged files; built once (about a second) and shared."""
+        """The GPT-2 tokenizer from the packaged files; built once and shared."""
         data = importlib.resources.files("gpt2kit") / "data"
         # as_file gives a real path even for zipped installs; the files are read before it exits.
         with (
@@ -252,16 +268,57 @@ class Tokenizer:
     # --- text <-> ids -------------------------------------------------------------------------
 
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
-        """Token ids for ``text``. ``<|endoftext|>`` in the text is plain text unless ``allow_special``."""
-        if allow_special:
-            return self._enc.encode(text, allowed_special="all")
-        return self._enc.encode_ordinary(text)
+        """Token ids for ``text``. ``<|endoftext|>`` in the text is plain text unless ``allow_special``.
+
+        Any text is accepted: whitespace runs of any length give GPT-2's ids (see :meth:`_encode_long`).
+        """
+        if not _may_hold_long_run(text) or _LONG_RUN.search(text) is None:
+            return self._encode_regex(text, allow_special)
+        return self._encode_long(text, allow_special)
+
+    def _encode_regex(self, text: str, allow_special: bool) -> list[int]:
+        try:
+            if allow_special:
+                return self._enc.encode(text, allowed_special="all")
+            return self._enc.encode_ordinary(text)
+        except BaseException as e:  # tiktoken's Rust panics arrive as a BaseException (pyo3's PanicException)
+            if isinstance(e, Exception) or type(e).__name__ != "PanicException":
+                raise
+            raise ValueError(f"tiktoken failed on a text of {len(text):,} characters: {e}") from None
+
+    def _encode_long(self, text: str, allow_special: bool) -> list[int]:
+        """:meth:`encode` with each long whitespace run tokenized apart from the regex.
+
+        GPT-2's pattern splits a maximal whitespace run W the same way wherever it stands: when a
+        character that is not whitespace follows, ``\\s+(?!\\S)`` takes W[:-1] as one piece and W's last
+        character starts the next piece (`` ?\\p{L}+`` and co. take a space with the word after it; any
+        other whitespace stands alone); at the end of the text (or before an allowed special token)
+        W is one piece. No piece ever joins W to the text before it. So the text before W, the piece
+        and the text from the cut on are tokenized separately, the piece by tiktoken's BPE directly
+        (``_encode_single_piece``, the function its encoder applies to every regex piece): the ids
+        are GPT-2's by construction, which tests check against the unsplit encoding and OpenAI's
+        encoder.py.
+        """
+        ids: list[int] = []
+        pos = 0
+        for run in _LONG_RUN.finditer(text):
+            start, end = run.span()
+            followed = end < len(text) and not (allow_special and text.startswith(EOT_TEXT, end))
+            cut = end - 1 if followed else end
+            ids += self._encode_regex(text[pos:start], allow_special)
+            ids += self._enc._encode_single_piece(text[start:cut].encode("utf-8"))
+            pos = cut
+        ids += self._encode_regex(text[pos:], allow_special)
+        return ids
 
     def encode_batch(self, texts: Sequence[str], *, allow_special: bool = False) -> list[list[int]]:
         """:meth:`encode` for many texts at once, on tiktoken's thread pool."""
+        texts = list(texts)
+        if any(_may_hold_long_run(t) for t in texts):
+            return [self.encode(t, allow_special=allow_special) for t in texts]
         if allow_special:
-            return self._enc.encode_batch(list(texts), num_threads=_BATCH_THREADS, allowed_special="all")
-        return self._enc.encode_ordinary_batch(list(texts), num_threads=_BATCH_THREADS)
+            return self._enc.encode_batch(texts, num_threads=_BATCH_THREADS, allowed_special="all")
+        return self._enc.encode_ordinary_batch(texts, num_threads=_BATCH_THREADS)
 
     def decode_bytes(self, ids: Iterable[int] | int) -> bytes:
         """The raw bytes of the tokens; may end in (or contain) part of a UTF-8 character."""
@@ -324,7 +381,7 @@ class Tokenizer:
         }
         paths = []
         for name, text in files.items():
-            _write_atomic(directory / name, text)
+            atomic_write_text(directory / name, text)
             paths.append(directory / name)
         return tuple(paths)
 

@@ -12,12 +12,15 @@ OUT holds, when a run ends (finished, --stop-at, or interrupted by SIGINT/SIGTER
     checkpoint.pt    model, optimizer, step, RNG states, data position, the TrainConfig
     metrics.jsonl    {"step", "loss", "lr", "grad_norm", "tokens_per_s"} per step, {"step", "val_loss"} per eval
     loss.png         train and validation loss, redrawn at each evaluation
-checkpoint.pt is also written every save_every steps, atomically (temporary file, fsync, rename).
+    .lock            flock'ed by the run writing OUT; names it (pid, host)
+checkpoint.pt is also written every save_every steps, atomically (temporary file, fsync, rename),
+and ends with its SHA-256, which resuming checks. A non-finite loss stops the run without saving.
 
-Distributed data parallel lives in this file only: torchrun sets WORLD_SIZE/RANK/LOCAL_RANK, we join
-the process group (NCCL on CUDA, gloo otherwise), every rank reads its own slice of each batch
-(ShardLoader(rank, world_size)), DDP averages gradients on the last micro-step only (no_sync on the
-others), and rank 0 alone writes files and logs.
+Distributed data parallel: gpt2kit.distributed joins the process group torchrun describes; every
+rank reads its own slice of each batch (ShardLoader(rank, world_size)), DDP averages gradients on the
+last micro-step only (no_sync on the others), and rank 0 alone writes files and logs. metrics.jsonl,
+loss.png and the progress output live in gpt2kit.metrics. This module holds the config, the
+checkpoint (write, read, resume) and the loop.
 
 Legend: B batch size, T sequence length, W world size (ranks), A gradient-accumulation micro-steps.
 """
@@ -26,10 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
+import errno
+import hashlib
 import math
 import os
 import random
+import re
 import signal
 import sys
 import threading
@@ -44,14 +49,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from gpt2kit import distributed
 from gpt2kit._io import atomic_write
 from gpt2kit.config import PRESETS, GPT2Config
 from gpt2kit.data import ShardLoader, find_shards
+from gpt2kit.distributed import Dist
+from gpt2kit.metrics import PLOT_NAME, Metrics, Reporter
 from gpt2kit.model import GPT2
 
 CHECKPOINT_NAME = "checkpoint.pt"
-METRICS_NAME = "metrics.jsonl"
-PLOT_NAME = "loss.png"
+LOCK_NAME = ".lock"  # held (flock) by the run writing OUT
 CHECKPOINT_FORMAT = "gpt2kit-train/1"
 
 ADAM_BETAS = (0.9, 0.95)  # GPT-3's betas (nanoGPT, llm.c); 0.999 is less stable at GPT-2 batch sizes
@@ -177,81 +184,97 @@ def resume_config(out: str | os.PathLike[str], **changes: Any) -> TrainConfig:
     The CLI uses this so that `gpt2kit train --out OUT --resume` needs no other flag; train() then
     rejects changes outside RESUMABLE_CHANGES.
     """
-    saved = _read_checkpoint(Path(out) / CHECKPOINT_NAME, mmap=True)["config"]
+    # The config only; train() verifies the checksum when it reads the whole file.
+    saved = _read_checkpoint(Path(out) / CHECKPOINT_NAME, mmap=True, verify=False)["config"]
     # stop_at belongs to the invocation that saved, not to the run.
     return TrainConfig(**(saved | {"out": os.fspath(out), "stop_at": None} | changes | {"resume": True}))
 
 
 # ---------------------------------------------------------------------------------------------
-# distributed: the one place that knows about torch.distributed
+# the checkpoint and RNG states
 
 
-@dataclass(frozen=True)
-class _Dist:
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-    owns_group: bool  # we initialised the process group, so we destroy it
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        """All-reduce a tensor by summing over ranks (in place; a no-op with one process)."""
-        if self.enabled:
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
-        return t
-
-    def gather(self, obj: Any) -> list[Any]:
-        if not self.enabled:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(out, obj)
-        return out
-
-    def barrier(self) -> None:
-        if self.enabled:
-            torch.distributed.barrier()
+# checkpoint.pt is torch.save's zip archive followed by a trailer holding the SHA-256 of the archive
+# (zip readers find their directory from the end and ignore what follows). One file, so the
+# atomic rename keeps the data and its checksum together.
+_TRAILER_TAG = b"\ngpt2kit-sha256 "
+_TRAILER_LEN = len(_TRAILER_TAG) + 64 + 1
 
 
-def _setup_dist(device_arg: str | None) -> _Dist:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_arg is None:
-        device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(device_arg)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device(f"cuda:{local_rank}")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    owns = False
-    if world_size > 1 and not torch.distributed.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        torch.distributed.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-        owns = True
-    return _Dist(rank, local_rank, world_size, device, owns)
+class _HashingWriter:
+    """A write-only file wrapper that hashes what passes through it."""
+
+    def __init__(self, f: Any):
+        self.f = f
+        self.sha = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
-def _teardown_dist(d: _Dist) -> None:
-    if d.owns_group and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+def _write_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    def write(f: Any) -> None:
+        hashing = _HashingWriter(f)
+        torch.save(state, hashing)
+        f.write(_TRAILER_TAG + hashing.sha.hexdigest().encode() + b"\n")
+
+    try:
+        atomic_write(path, write)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise OSError(e.errno, f"no space left on {path.parent} while writing {path.name}; the previous "
+                                   f"checkpoint is untouched") from None
+        raise
+    except RuntimeError as e:  # torch's zip writer reports a failed write as "[enforce fail at ...]"
+        if _no_space(path.parent):
+            raise OSError(errno.ENOSPC, f"no space left on {path.parent} while writing {path.name}; the "
+                                        f"previous checkpoint is untouched") from e
+        raise
 
 
-# ---------------------------------------------------------------------------------------------
-# files: atomic writes, the checkpoint, metrics, the plot
+def _no_space(directory: Path) -> bool:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 1 << 20
 
 
-def _read_checkpoint(path: Path, *, mmap: bool = False) -> dict[str, Any]:
+def _verify_checkpoint(path: Path) -> None:
+    """Check the recorded SHA-256; a mismatch means the file changed after it was written."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size < _TRAILER_LEN:
+            return  # too short to hold a trailer: torch.load reports what is wrong with it
+        f.seek(size - _TRAILER_LEN)
+        trailer = f.read()
+        if not trailer.startswith(_TRAILER_TAG):
+            return  # written before checkpoints carried a checksum
+        want = trailer[len(_TRAILER_TAG):-1].decode("ascii", errors="replace")
+        sha = hashlib.sha256()
+        f.seek(0)
+        left = size - _TRAILER_LEN
+        while left:
+            block = f.read(min(left, 1 << 24))
+            if not block:
+                break
+            sha.update(block)
+            left -= len(block)
+    if sha.hexdigest() != want:
+        raise ValueError(f"{path}: checksum mismatch: the file was damaged after it was written (SHA-256 "
+                         f"{sha.hexdigest()[:16]}..., recorded {want[:16]}...); restore it from a copy or "
+                         f"start a new run")
+
+
+def _read_checkpoint(path: Path, *, mmap: bool = False, verify: bool = True) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no checkpoint to resume from (train without --resume first)")
+    if verify:
+        _verify_checkpoint(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - any unreadable file is one user-facing error
@@ -281,71 +304,6 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-class _Metrics:
-    """metrics.jsonl (appended, flushed per line) and the loss history behind loss.png."""
-
-    def __init__(self, out: Path, resume_step: int | None):
-        self.path = out / METRICS_NAME
-        self.train: list[tuple[int, float]] = []
-        self.val: list[tuple[int, float]] = []
-        lines: list[str] = []
-        if resume_step is not None and self.path.exists():
-            # Drop what was logged after the checkpoint: those steps are about to be redone.
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut short by a crash
-                if isinstance(rec, dict) and rec.get("step", math.inf) <= resume_step:
-                    lines.append(line)
-                    self._remember(rec)
-        atomic_write(self.path, lambda f: f.write("".join(x + "\n" for x in lines).encode()))
-        self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-
-    def _remember(self, rec: dict[str, Any]) -> None:
-        if "loss" in rec:
-            self.train.append((rec["step"], rec["loss"]))
-        if "val_loss" in rec:
-            self.val.append((rec["step"], rec["val_loss"]))
-
-    def log(self, rec: dict[str, Any]) -> None:
-        self._remember(rec)
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
-
-    def plot(self, path: Path, title: str) -> None:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg  # no pyplot: no global state, no GUI
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(8, 4.5), dpi=100)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        if self.train:
-            steps, losses = zip(*self.train, strict=True)
-            ax.plot(steps, losses, lw=0.6, alpha=0.35, color="C0")
-            ax.plot(steps, _smooth(losses), lw=1.5, color="C0", label="train (smoothed)")
-        if self.val:
-            ax.plot(*zip(*self.val, strict=True), "o-", ms=3, label="validation")
-        ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
-        ax.grid(alpha=0.3)
-        if self.train or self.val:
-            ax.legend()
-        atomic_write(path, lambda f: fig.savefig(f, format="png"))
-
-    def close(self) -> None:
-        self.file.close()
-
-
-def _smooth(values: tuple[float, ...]) -> list[float]:
-    """Exponential moving average with a span of ~1/20 of the run, debiased (as TensorBoard's)."""
-    beta = 1 - 1 / max(1.0, len(values) / 20)
-    out, avg = [], 0.0
-    for i, v in enumerate(values, start=1):
-        avg = beta * avg + (1 - beta) * v
-        out.append(avg / (1 - beta**i) if beta else v)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,13 +341,70 @@ class _StopSignal:
 # model and optimizer
 
 
-def _build_model(cfg: TrainConfig, log: Callable[[str], None]) -> GPT2:
+# float32 weights, gradients and AdamW's two moments; activations come on top and depend on B and T.
+TRAIN_BYTES_PER_PARAMETER = 16
+
+
+def parameter_count(config: GPT2Config) -> int:
+    """The parameters GPT2(config) has, computed without building it."""
+    C = config.n_embd
+    block = 12 * C * C + 13 * C  # ln_1, c_attn, attn c_proj, ln_2, c_fc, mlp c_proj
+    return config.embedding_rows * C + config.n_ctx * C + config.n_layer * block + 2 * C
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on `device` (CPU: MemAvailable), or None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(config: GPT2Config, device: torch.device, what: str) -> None:
+    """Refuse, in one line naming the size, a model whose training state cannot fit before building it."""
+    n = parameter_count(config)
+    needs = [(device, n * TRAIN_BYTES_PER_PARAMETER, "float32 weights, gradients and AdamW state")]
+    if device.type != "cpu":  # the model is built on the CPU first, then moved
+        needs.append((torch.device("cpu"), n * 4, "float32 weights, built on the CPU before the move"))
+    for dev, need, parts in needs:
+        have = available_memory(dev)
+        if have is not None and need > have:
+            raise MemoryError(f"{what} has {_count(n)} parameters: training needs {_bytes(need)} on {dev} for "
+                              f"its {parts} (before activations), but only {_bytes(have)} is available")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.1f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    raise AssertionError
+
+
+def _build_model(cfg: TrainConfig, log: Callable[[str], None], device: torch.device) -> GPT2:
     """A float32 model on the CPU: a fresh preset (from scratch) or a loaded checkpoint (fine-tune)."""
     overrides = {k: getattr(cfg, k) for k in _ARCH_OVERRIDES if getattr(cfg, k) is not None}
     if cfg.dropout is not None:
         overrides["dropout"] = cfg.dropout
     if cfg.from_scratch:
-        model = GPT2(GPT2Config.from_name(cfg.model, **overrides))
+        config = GPT2Config.from_name(cfg.model, **overrides)
+        check_memory(config, device, f"preset {cfg.model!r}" + "".join(f" {k}={v}" for k, v in overrides.items()))
+        model = GPT2(config)
         hint = f" (to fine-tune OpenAI's weights: --model openai-community/{cfg.model})" if cfg.model in _OPENAI else ""
         log(f"from scratch: preset {cfg.model!r}, {model.num_parameters() / 1e6:.1f}M parameters{hint}")
         return model
@@ -408,12 +423,44 @@ def _build_model(cfg: TrainConfig, log: Callable[[str], None]) -> GPT2:
     return model
 
 
-def _make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on the 2-D weights only: the matrices and, as in nanoGPT, the wte/wpe
-    embeddings; biases and LayerNorm gains are not decayed. Fused kernels where the device has them."""
+def _make_contiguous(model: nn.Module) -> None:
+    """Store every parameter row-major (contiguous), in place.
+
+    Loaders may hand over transposed views (HF's Conv1D and TF's [in, out] matrices); AdamW's moments
+    copy their parameter's strides and are saved with them, while a resumed model is built row-major.
+    Fused AdamW walks parameter, gradient and moments as flat memory, so a layout mismatch pairs the
+    wrong elements. One layout for every run, fresh or resumed, removes the mismatch at its source.
+    """
+    for p in model.parameters():
+        if not p.is_contiguous():
+            p.data = p.data.contiguous()
+
+
+def _match_param_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Give each restored optimizer state tensor its parameter's memory layout (values unchanged).
+
+    load_state_dict keeps the strides the tensors were saved with; a checkpoint written by a run whose
+    parameters had another layout would otherwise be paired element-by-memory-slot with the wrong values.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == p.shape and value.stride() != p.stride():
+                    state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's two groups: weight decay on the 2-D weights (the matrices and, as in nanoGPT, the
+    wte/wpe embeddings), none on biases and LayerNorm gains. Frozen parameters are left out."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over param_groups(), with fused kernels where the device has them."""
+    groups = param_groups(model, cfg.weight_decay)
     kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": ADAM_BETAS, "eps": ADAM_EPS}
     try:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
@@ -462,46 +509,12 @@ def _check_resume(saved: TrainConfig, cfg: TrainConfig) -> None:
 # the loop
 
 
-class _Reporter:
-    """Rank 0's output: a tqdm bar when stderr is a terminal, plain log lines otherwise."""
-
-    def __init__(self, enabled: bool, start: int, total: int, log_every: int):
-        self.enabled = enabled
-        self.log_every = log_every
-        self.total = total
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
-
-    def line(self, text: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.write(text, file=sys.stderr)
-        else:
-            print(text, file=sys.stderr, flush=True)
-
-    def step(self, rec: dict[str, Any]) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
-            self.bar.update()
-        elif rec["step"] % self.log_every == 0 or rec["step"] == self.total:
-            self.line(f"step {rec['step']}/{self.total} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
-                      f"grad norm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 @dataclass
 class _Run:
     """What the loop needs, built once by train()."""
 
     cfg: TrainConfig
-    dist: _Dist
+    dist: Dist
     raw: GPT2  # the plain module: its state_dict is what we save
     model: nn.Module  # what runs forward/backward (compiled and/or DDP-wrapped)
     eval_model: nn.Module  # compiled or raw, never DDP
@@ -521,16 +534,99 @@ def train(cfg: TrainConfig) -> TrainResult:
     Raises ValueError for bad settings (naming them), FileNotFoundError for missing data or
     checkpoint, and KeyboardInterrupt after saving when stopped by SIGINT/SIGTERM.
     """
-    d = _setup_dist(cfg.device)
+    d = distributed.setup(cfg.device)
     try:
-        return _train(cfg, d)
+        with _claim_out(Path(cfg.out), d):
+            return _train(cfg, d)
     finally:
-        _teardown_dist(d)
+        distributed.teardown(d)
 
 
-def _train(cfg: TrainConfig, d: _Dist) -> TrainResult:
+class OutInUse(RuntimeError):
+    """Another training process holds the lock on the output directory."""
+
+
+@contextlib.contextmanager
+def _claim_out(out: Path, d: Dist) -> Iterator[None]:
+    """Create OUT if needed and hold an exclusive lock on it while the run lasts (rank 0 takes it).
+
+    Two runs writing one OUT would interleave their checkpoints and metrics; the second gets
+    OutInUse naming the holder instead. The lock is an flock on OUT/.lock, so the kernel releases it
+    when the holder exits, however it exits. A run that fails before writing anything removes the
+    directories it created.
+    """
+    created = []
+    if d.master:
+        p = out
+        while not p.exists() and p != p.parent:
+            created.append(p)
+            p = p.parent
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(f"--out {out} is a file, not a directory")
+    lock, error = None, None
+    if d.master:
+        out.mkdir(parents=True, exist_ok=True)
+        lock, error = _lock(out / LOCK_NAME)
+    error = d.broadcast(error)
+    if error is not None:
+        raise OutInUse(error)
+    if d.master:
+        _remove_stale_temporaries(out)
+    try:
+        yield
+    except BaseException:
+        if d.master and created and {p.name for p in out.iterdir()} <= {LOCK_NAME}:
+            (out / LOCK_NAME).unlink(missing_ok=True)
+            for p in created:  # the leaf first
+                with contextlib.suppress(OSError):
+                    p.rmdir()
+        raise
+    finally:
+        if lock is not None:
+            lock.close()  # closing the file releases the flock
+
+
+# atomic_write's temporaries: mkstemp(prefix=".NAME.", suffix=".tmp") adds 8 characters.
+_TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """Delete half-written files a killed run left in OUT. Safe: we hold OUT's lock, so no live writer
+    owns them."""
+    for p in out.iterdir():
+        if _TEMPORARY.fullmatch(p.name) and p.is_file():
+            p.unlink(missing_ok=True)
+
+
+def _lock(path: Path) -> tuple[Any, str | None]:
+    """(open lock file, None) with an exclusive flock held, or (None, a message naming the holder)."""
+    import fcntl
+    import socket
+
+    f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open while the run lasts
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        return None, (f"{path.parent} is in use by another training run ({holder}); wait for it to finish, "
+                      f"or choose another --out")
+    except OSError as e:  # a filesystem without locks (some network mounts): run, but say so
+        f.close()
+        warnings.warn(f"{path.parent}: cannot lock the output directory ({e.strerror}); make sure no other "
+                      f"run writes to it", stacklevel=4)
+        return None, None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f, None
+
+
+def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
     out = Path(cfg.out)
-    log = _print_fn(d.master)
+    log = d.print0
     ckpt = _read_checkpoint(out / CHECKPOINT_NAME) if cfg.resume else None
     if ckpt is not None:
         saved = TrainConfig(**ckpt["config"])
@@ -539,20 +635,21 @@ def _train(cfg: TrainConfig, d: _Dist) -> TrainResult:
     if ckpt is None and (out / CHECKPOINT_NAME).exists():
         raise FileExistsError(f"{out / CHECKPOINT_NAME} exists: pass --resume to continue that run, "
                               f"or choose another --out (or delete it) to start a new one")
-    if d.master:
-        out.mkdir(parents=True, exist_ok=True)
     find_shards(cfg.data, "train")  # fail early, with the data module's message, if there are none
 
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     if ckpt is None:
-        raw = _build_model(cfg, log)
+        raw = _build_model(cfg, log, d.device)
     else:
-        raw = GPT2(GPT2Config(**ckpt["model_config"]))
+        model_config = GPT2Config(**ckpt["model_config"])
+        check_memory(model_config, d.device, f"the model in {out / CHECKPOINT_NAME}")
+        raw = GPT2(model_config)
         raw.load_state_dict(ckpt["model"])
     cfg, accum = _resolve(cfg, raw, d.world_size)
     raw.to(d.device)
+    _make_contiguous(raw)
     torch.manual_seed(cfg.seed + d.rank)  # ranks draw different dropout masks
     if d.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # as nanoGPT/llm.c: TF32 matmuls for float32 on GPUs
@@ -568,12 +665,19 @@ def _train(cfg: TrainConfig, d: _Dist) -> TrainResult:
     B, T, W = cfg.batch_size, cfg.seq_len, d.world_size
     train_loader = ShardLoader(cfg.data, "train", batch_size=B, seq_len=T, rank=d.rank, world_size=W)
     val_loader, eval_batches = _val_loader(cfg, d)
+    for loader in (train_loader, val_loader):
+        if loader is not None:
+            loader.check_vocab(raw.config.n_vocab)
     run = _Run(cfg, d, raw, model, fwd, optimizer, train_loader, val_loader, eval_batches, accum,
                _autocast(cfg, d.device), out)
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
+        _match_param_layout(optimizer)
         train_loader.load_state_dict(ckpt["loader"])
         run.step = int(ckpt["step"])
+        if cfg.max_steps < run.step:
+            raise ValueError(f"--max-steps {cfg.max_steps} is below the step {out / CHECKPOINT_NAME} is at "
+                             f"({run.step}); a run cannot go back: pass --max-steps above {run.step} to extend it")
         rngs = ckpt["rng"]
         if len(rngs) == W:
             _set_rng_state(rngs[d.rank], d.device)
@@ -587,14 +691,7 @@ def _train(cfg: TrainConfig, d: _Dist) -> TrainResult:
     return _loop(run, fresh=run.step == 0 and not cfg.resume)
 
 
-def _print_fn(enabled: bool) -> Callable[[str], None]:
-    def log(text: str) -> None:
-        if enabled:
-            print(text, file=sys.stderr, flush=True)
-    return log
-
-
-def _val_loader(cfg: TrainConfig, d: _Dist) -> tuple[ShardLoader | None, int]:
+def _val_loader(cfg: TrainConfig, d: Dist) -> tuple[ShardLoader | None, int]:
     try:
         find_shards(cfg.data, "val")
     except ValueError:
@@ -614,8 +711,8 @@ def _val_loader(cfg: TrainConfig, d: _Dist) -> tuple[ShardLoader | None, int]:
 
 def _loop(run: _Run, *, fresh: bool) -> TrainResult:
     cfg, d = run.cfg, run.dist
-    metrics = _Metrics(run.out, None if fresh else run.step) if d.master else None
-    reporter = _Reporter(d.master, run.step, cfg.max_steps, cfg.log_every)
+    metrics = Metrics(run.out, None if fresh else run.step) if d.master else None
+    reporter = Reporter(d.master, run.step, cfg.max_steps, cfg.log_every)
     last_loss = val_loss = None
     tokens, seconds = 0, 0.0
     end = cfg.max_steps if cfg.stop_at is None else min(cfg.max_steps, cfg.stop_at)
@@ -625,8 +722,11 @@ def _loop(run: _Run, *, fresh: bool) -> TrainResult:
                 val_loss = _evaluate(run, metrics, reporter)
             while run.step < end:
                 t0 = time.perf_counter()
-                loss, grad_norm, lr, stop_now = _train_step(run, stop.requested)
+                loss, grad_norm, lr, stop_now = _train_step(run, lambda: stop.requested)
                 dt = time.perf_counter() - t0
+                if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                    raise NonFiniteLoss(_non_finite_message(run, loss, grad_norm))
+                stop_now = stop_now or (stop.requested and not d.enabled)  # a signal during the update
                 run.step += 1
                 tokens += cfg.total_batch_tokens
                 seconds += dt
@@ -635,7 +735,7 @@ def _loop(run: _Run, *, fresh: bool) -> TrainResult:
                        "tokens_per_s": cfg.total_batch_tokens / dt}
                 if metrics is not None:
                     metrics.log(rec)
-                reporter.step(rec)
+                reporter.step(rec, dt)
                 if stop_now:
                     _save(run, metrics, model_too=True)
                     reporter.line(f"stopped at step {run.step}: saved {run.out / CHECKPOINT_NAME} and the model; "
@@ -650,8 +750,12 @@ def _loop(run: _Run, *, fresh: bool) -> TrainResult:
         reporter.close()
         if metrics is not None:
             metrics.close()
-    if run.step >= end and tokens == 0:  # nothing to do (e.g. resumed at max_steps): still export
-        _save(run, metrics, model_too=True)
+    if run.step >= end and tokens == 0:  # nothing to do (e.g. resumed at max_steps)
+        if not (run.out / "config.json").exists():  # the previous invocation died before exporting
+            _save(run, metrics, model_too=True)
+        reporter.line(f"nothing to do: {run.out} is already at step {run.step} (--max-steps {cfg.max_steps}"
+                      + (f", --stop-at {cfg.stop_at}" if cfg.stop_at is not None else "")
+                      + "); pass a larger --max-steps to extend the run")
     if d.master and tokens:
         reporter.line(f"done: step {run.step}, loss {last_loss:.4f}"
                       + (f", val loss {val_loss:.4f}" if val_loss is not None else "")
@@ -666,7 +770,26 @@ def _batches(run: _Run) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         yield x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
 
 
-def _train_step(run: _Run, stop_requested: bool) -> tuple[float, float, float, bool]:
+class NonFiniteLoss(FloatingPointError):
+    """The loss or the gradient norm became NaN or infinite; nothing was saved after it."""
+
+
+def _non_finite_message(run: _Run, loss: float, grad_norm: float) -> str:
+    what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
+    ckpt = run.out / CHECKPOINT_NAME
+    kept = f"{ckpt} (step {_saved_step(ckpt)})" if ckpt.exists() else "no checkpoint (none was written yet)"
+    return (f"step {run.step + 1}: {what}: training diverged or the weights hold non-finite values; stopped "
+            f"without saving: the last good checkpoint is {kept}; a lower --lr may help")
+
+
+def _saved_step(path: Path) -> str:
+    try:
+        return str(_read_checkpoint(path, mmap=True, verify=False)["step"])
+    except (OSError, ValueError, KeyError):
+        return "unreadable"
+
+
+def _train_step(run: _Run, stop_requested: Callable[[], bool]) -> tuple[float, float, float, bool]:
     """One optimizer step. Returns (mean loss over all ranks, grad norm, lr, whether any rank asked to stop)."""
     cfg, d, model = run.cfg, run.dist, run.model
     model.train()
@@ -680,7 +803,8 @@ def _train_step(run: _Run, stop_requested: bool) -> tuple[float, float, float, b
             loss.backward()
         loss_sum += loss.detach()
     # One all-reduce carries the loss and the stop flag, so every rank stops after the same step.
-    stats = d.sum(torch.stack([loss_sum, torch.tensor(float(stop_requested), device=d.device)]))
+    # The stop flag is read after the backward pass, so a signal during it stops after this step.
+    stats = d.sum(torch.stack([loss_sum, torch.tensor(float(stop_requested()), device=d.device)]))
     clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # inf: the norm, with no clipping (x1.0)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.raw.parameters(), clip)
     lr = learning_rate(run.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
@@ -694,27 +818,30 @@ def _train_step(run: _Run, stop_requested: bool) -> tuple[float, float, float, b
 
 
 @torch.no_grad()
-def _evaluate(run: _Run, metrics: _Metrics | None, reporter: _Reporter) -> float:
+def _evaluate(run: _Run, metrics: Metrics | None, reporter: Reporter) -> float:
     """Mean loss over the first eval_batches batches of the validation split (the same ones every time)."""
     assert run.val_loader is not None
     model, d = run.eval_model, run.dist
     model.eval()
     run.val_loader.reset()
     total = torch.zeros((), device=d.device)
-    for _ in range(run.eval_batches):
-        x, y = run.val_loader.next_batch()  # (B, T), (B, T)
-        with run.autocast():
-            total += model(x.to(d.device), targets=y.to(d.device)).loss.float()
+    with reporter.evaluating(run.eval_batches) as advance:
+        for _ in range(run.eval_batches):
+            x, y = run.val_loader.next_batch()  # (B, T), (B, T)
+            with run.autocast():
+                total += model(x.to(d.device), targets=y.to(d.device)).loss.float()
+            advance()
     model.train()
     val_loss = d.sum(total).item() / (run.eval_batches * d.world_size)
-    reporter.line(f"step {run.step}: val loss {val_loss:.4f}")
+    reporter.line(f"step {run.step}: val loss {val_loss:.4f} ({run.eval_batches} batches, "
+                  f"{reporter.eval_seconds:.1f} s)")
     if metrics is not None:
         metrics.log({"step": run.step, "val_loss": val_loss})
         metrics.plot(run.out / PLOT_NAME, f"{run.cfg.model} on {Path(run.cfg.data).name}")
     return val_loss
 
 
-def _save(run: _Run, metrics: _Metrics | None, *, model_too: bool) -> None:
+def _save(run: _Run, metrics: Metrics | None, *, model_too: bool) -> None:
     """checkpoint.pt (all ranks gather their RNG states, rank 0 writes) and, if model_too, the HF model."""
     rngs = run.dist.gather(_rng_state(run.dist.device))
     if run.dist.master:
@@ -729,11 +856,17 @@ def _save(run: _Run, metrics: _Metrics | None, *, model_too: bool) -> None:
             "loader": run.train_loader.state_dict(),
             "world_size": run.dist.world_size,
         }
-        atomic_write(run.out / CHECKPOINT_NAME, lambda f: torch.save(state, f))
+        _write_checkpoint(run.out / CHECKPOINT_NAME, state)
         if model_too:
             from gpt2kit.checkpoint import save_model
 
-            save_model(run.raw, run.out)
+            try:
+                save_model(run.raw, run.out)
+            except (OSError, RuntimeError) as e:
+                if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or _no_space(run.out):
+                    raise OSError(errno.ENOSPC, f"no space left on {run.out} while saving the model; "
+                                                f"{CHECKPOINT_NAME} (step {run.step}) was saved") from e
+                raise
             if metrics is not None and metrics.train:
                 metrics.plot(run.out / PLOT_NAME, f"{run.cfg.model} on {Path(run.cfg.data).name}")
     run.dist.barrier()

@@ -28,6 +28,11 @@ def hub_cache_dir() -> str:
     return os.path.join(home, "hub")
 
 
+def is_cached(repo_id: str) -> bool:
+    """Whether the local cache holds a snapshot of `repo_id` (no network)."""
+    return (Path(hub_cache_dir()) / ("models--" + repo_id.replace("/", "--")) / "snapshots").is_dir()
+
+
 def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 

@@ -8,6 +8,12 @@ the Conv1D matrices, stored (in, out) where nn.Linear holds (out, in). OpenAI's 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from gpt2kit.config import GPT2Config
 
 # The four Conv1D weights: stored transposed in HF and TF checkpoints.
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -29,6 +35,48 @@ def hf_to_ours(key: str) -> str:
 def ours_to_hf(name: str) -> str:
     """The key transformers' GPT2LMHeadModel.save_pretrained writes for our parameter name."""
     return "transformer." + name
+
+
+def expected_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of GPT2(config).state_dict() and its shape, by arithmetic (no model is built).
+
+    The strict check compares a checkpoint against this; tests prove it equals the model's own."""
+    C = config.n_embd
+    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (config.embedding_rows, C), "wpe.weight": (config.n_ctx, C)}
+    for i in range(config.n_layer):
+        h = f"h.{i}."
+        shapes |= {h + "ln_1.weight": (C,), h + "ln_1.bias": (C,),
+                   h + "attn.c_attn.weight": (3 * C, C), h + "attn.c_attn.bias": (3 * C,),
+                   h + "attn.c_proj.weight": (C, C), h + "attn.c_proj.bias": (C,),
+                   h + "ln_2.weight": (C,), h + "ln_2.bias": (C,),
+                   h + "mlp.c_fc.weight": (4 * C, C), h + "mlp.c_fc.bias": (4 * C,),
+                   h + "mlp.c_proj.weight": (C, 4 * C), h + "mlp.c_proj.bias": (C,)}
+    shapes |= {"ln_f.weight": (C,), "ln_f.bias": (C,)}
+    return shapes
+
+
+def layer_count(names: list[str] | set[str] | dict) -> int:
+    """Blocks present in a set of our names (highest h.{i} + 1; 0 when there are none)."""
+    layers = [int(m.group(1)) for n in names if (m := _OUR_LAYER.match(n))]
+    return max(layers) + 1 if layers else 0
+
+
+_OUR_LAYER = re.compile(r"^h\.(\d+)\.")
+
+
+def to_hf_state(state: dict[str, torch.Tensor], config: GPT2Config) -> dict[str, torch.Tensor]:
+    """Our state dict -> the one transformers' GPT2LMHeadModel holds (and save_pretrained writes).
+
+    The one conversion in that direction: `transformer.` prefix, Conv1D matrices transposed to
+    (in, out), padded embedding rows dropped. CPU, contiguous, dtype kept."""
+    out = {}
+    for name, t in state.items():
+        if name == "wte.weight":
+            t = t[: config.n_vocab]  # drop rows padded for speed
+        if is_transposed(name):
+            t = t.t()
+        out[ours_to_hf(name)] = t.detach().to("cpu").contiguous()
+    return out
 
 
 _TF_LAYER = re.compile(r"^model/h(\d+)/(.+)$")

@@ -319,17 +319,31 @@ def _resolve_prefix(prefix: str | os.PathLike) -> Path:
         return p.with_name(p.name[: -len(".index")])
     if not p.is_dir():
         return p
-    state = p / "checkpoint"
-    if state.is_file():
-        m = re.search(r'^model_checkpoint_path:\s*"(.*)"\s*$', state.read_text(), re.MULTILINE)
-        if m:
-            named = Path(m.group(1))
-            # an absolute path is where the writer saved it; prefer the copy inside this directory
-            candidates = (p / named.name, named) if named.is_absolute() else (p / named,)
-            for candidate in candidates:
-                if Path(f"{candidate}.index").is_file():
-                    return candidate
-    return p / "model.ckpt"
+    return checkpoint_prefix(p)
+
+
+def checkpoint_prefix(directory: Path) -> Path:
+    """The prefix the directory's ``checkpoint`` file names, taken inside the directory; else model.ckpt.
+
+    TensorFlow writes the path the checkpoint was saved under, often absolute and from another
+    machine; the files are read from beside the ``checkpoint`` file, never from elsewhere.
+    """
+    state = directory / "checkpoint"
+    if not state.is_file():
+        return directory / "model.ckpt"
+    text = state.read_bytes().decode("utf-8", errors="replace")
+    m = re.search(r'^model_checkpoint_path:\s*"(.*)"\s*$', text, re.MULTILINE)
+    if not m:
+        return directory / "model.ckpt"
+    named = Path(m.group(1))
+    if named.is_absolute() or ".." in named.parts:
+        candidate = directory / named.name  # written elsewhere; the copy beside the checkpoint file
+    else:
+        candidate = directory / named
+    if not Path(f"{candidate}.index").is_file():
+        raise CheckpointError(f"{state} names {m.group(1)!r}, but there is no {candidate.name}.index "
+                              f"in {directory}")
+    return candidate
 
 
 def _read_index(prefix: Path, verify: bool) -> tuple[dict, dict[str, dict]]:

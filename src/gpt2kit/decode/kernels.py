@@ -15,6 +15,7 @@ module swapped in) is called as the module it is.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -64,17 +65,35 @@ def choose_half_kernels(weight: torch.Tensor, trials: int = 5) -> None:
         bias = torch.zeros(weight.shape[0], dtype=weight.dtype)
         cands = {"linear": lambda x=x, b=bias: F.linear(x, weight, b),
                  "mv": lambda x=x, b=bias, r=rows: _w_times_xt(x, weight, b, r)}
-        best = {}
         with torch.inference_mode():
-            for name, fn in cands.items():
-                fn()  # warm-up
-                times = []
-                for _ in range(trials):
-                    t0 = time.perf_counter()
-                    fn()
-                    times.append(time.perf_counter() - t0)
-                best[name] = sorted(times)[len(times) // 2]  # the median: robust to a busy neighbour
+            best = {name: _median_time(fn, trials) for name, fn in cands.items()}
         _HALF_CHOICE[key] = min(best, key=best.get)
+
+
+def _median_time(fn, trials: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]  # the median: robust to a busy neighbour
+
+
+@functools.lru_cache(maxsize=1)
+def bfloat16_decodes_faster(trials: int = 7) -> bool:
+    """Whether a one-row product with a GPT-2-sized (3072, 768) matrix runs faster in bfloat16 (by the
+    kernel choose_half_kernels picks) than in float32 (MKL on the column-major layout) on this CPU:
+    what --dtype auto decides by. Measured once per process (a few milliseconds)."""
+    w32 = torch.randn(768, 3072).t()  # (3072, 768), stored column-major as use_decode_layout keeps it
+    w16 = w32.to(torch.bfloat16).contiguous()
+    choose_half_kernels(w16)
+    x32, b32 = torch.randn(1, 768), torch.randn(3072)
+    x16, b16 = x32.to(torch.bfloat16), b32.to(torch.bfloat16)
+    with torch.inference_mode():
+        t32 = _median_time(lambda: matmul_t(x32, w32, b32), trials)
+        t16 = _median_time(lambda: matmul_t(x16, w16, b16), trials)
+    return t16 < t32
 
 
 def half_kernel_choice() -> dict[str, str]:

@@ -3,8 +3,8 @@
 A decode step pushes a handful of rows through every matrix, so the matrices' bytes are its whole
 cost, and how fast a kernel streams them depends on their memory layout. oneDNN can reorder a
 weight once into the blocked layout its kernels read best ("prepacking", what inductor's
-freezing and IPEX do); on a 2-core Xeon that makes a float32 step of 2-16 rows ~15% faster than
-MKL on the plain matrix and a bfloat16 step ~7% faster (docs/benchmarks.md). A float32 single row
+freezing and IPEX do); that makes float32 steps of 2-16 rows and bfloat16 steps faster than the
+plain kernels (figures in docs/benchmarks.md). A float32 single row
 is faster without it (MKL's mat-vec), so it keeps the plain path.
 
 The price is a second copy of the matrices (the embedding/LM head included) while packed copies

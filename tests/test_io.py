@@ -1,0 +1,48 @@
+"""gpt2kit._io: the one atomic writer."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections import namedtuple
+
+import pytest
+
+from gpt2kit._io import atomic_write, atomic_write_text
+
+
+def test_atomic_write_replaces_whole_with_the_umask_mode(tmp_path):
+    old = os.umask(0o077)
+    try:
+        atomic_write_text(tmp_path / "a.json", "new\n")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").read_text() == "new\n"
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o600
+    assert os.listdir(tmp_path) == ["a.json"]
+
+
+def test_full_disk_is_named_as_such_and_the_old_file_survives(tmp_path, monkeypatch):
+    f = tmp_path / "checkpoint.pt"
+    f.write_bytes(b"old")
+
+    def enospc(fh):
+        fh.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="no space left on the device holding .* while writing checkpoint.pt"):
+        atomic_write(f, enospc)
+    assert f.read_bytes() == b"old" and os.listdir(tmp_path) == ["checkpoint.pt"]
+
+    def torch_like(fh):  # torch.save on a full disk raises RuntimeError with no errno
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, 10 << 30, 4096))
+    with pytest.raises(OSError, match="no space left"):
+        atomic_write(f, torch_like)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 30, 1 << 30, 9 << 30))
+    with pytest.raises(RuntimeError, match="enforce fail"):  # plenty of space: the real error, unchanged
+        atomic_write(f, torch_like)
+    assert f.read_bytes() == b"old"
