@@ -21,7 +21,8 @@ tokens) would exceed n_ctx, its context is cut to its most recent ``window`` tok
 n_ctx // 2) and the row re-joins the batch with one prefill of that window. With ``strict=True``, a
 prompt + max_new_tokens that would not fit raises ValueError before anything runs.
 
-Settings, warpers and the draw live in gpt2kit.sampling (re-exported here).
+Settings, warpers and the draw live in gpt2kit.sampling (re-exported here); the model steps
+(prefill, the one-token decode step and its kernels) in gpt2kit.decode.
 
 Legend: B rows in the batch, T (padded) context length, P cached length, M cache size, V vocab,
 L layers, nh heads, hs head size.
@@ -37,8 +38,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gpt2kit.decode import Kernels, decode_step, kernels_for, prefill
 from gpt2kit.kv_cache import KVCache
-from gpt2kit.packed import PackedWeights, packed_weights
 from gpt2kit.sampling import (  # noqa: F401 - re-exported: generate's names before the split (#9)
     EOT_ID,
     TOP_P_MODES,
@@ -61,53 +62,7 @@ if TYPE_CHECKING:
     from gpt2kit.tokenizer import Tokenizer
 
 
-# --- the model steps --------------------------------------------------------------------------
-
-
-def decode_layout(model: GPT2) -> GPT2:
-    """Store a CPU model's weight matrices in the layout its decode kernels read fastest, in place.
-
-    Decoding streams every matrix once per step, and on CPU the GEMM kernels for a handful of rows
-    stream some layouts much faster than others (docs/benchmarks.md): float32 matrices go
-    column-major, i.e. stored (in, out) as transformers' Conv1D (MKL then runs the products of a
-    batch-8 step 1.4x faster, the tied LM head's 1.9x; the embedding lookup of a few rows barely
-    notices);
-    bfloat16/float16 ones row-major (their mat-vec kernels read rows). Values, shapes and names do
-    not change, so nothing else notices; a no-op when the layout is already right (HF checkpoints
-    load the four block matrices column-major already). Returns the model.
-    """
-    if model.wte.weight.device.type != "cpu":
-        return model
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() != 2 or name == "wpe.weight":
-                continue
-            if p.dtype == torch.float32 and p.stride() != (1, p.shape[0]):
-                p.data = p.data.t().contiguous().t()  # (out, in) view of an (in, out) tensor
-            elif p.dtype != torch.float32 and not p.is_contiguous():
-                p.data = p.data.contiguous()
-    return model
-
-
-@torch.inference_mode()
-def prefill(model: GPT2, idx: torch.Tensor, attention_mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
-    """Encode idx (B, T) into an empty cache; logits of the last position (B, V)."""
-    assert cache.length == 0
-    out = model._forward(idx, past=None, attention_mask=attention_mask, targets=None, use_cache=False,
-                         cache=cache, last_logits_only=True, ignore_index=-100, P=0)
-    return out.logits[:, -1]  # (B, V)
-
-
-@torch.inference_mode()
-def decode_one_token(model: GPT2, tok: torch.Tensor, attention_mask: torch.Tensor | None,
-                     cache: KVCache, packed: PackedWeights | None = None) -> torch.Tensor:
-    """Feed tok (B, 1) at position cache.length; attention_mask (B, P + 1) or None; logits (B, V).
-    packed: prepacked matrices for the step (gpt2kit.packed.packed_weights), or None."""
-    if not model.training:
-        return model.decode_step(tok, cache, attention_mask, packed)  # the same logits, less overhead
-    out = model._forward(tok, past=None, attention_mask=attention_mask, targets=None, use_cache=False,
-                         cache=cache, last_logits_only=True, ignore_index=-100, P=cache.length)
-    return out.logits[:, -1]  # (B, V)
+# --- sampling a step ------------------------------------------------------------------------
 
 
 def next_tokens(logits: torch.Tensor, samplers: Sequence[RowSampler]) -> torch.Tensor:
@@ -220,9 +175,8 @@ class Engine:
         self._cache: KVCache | None = None
         self._mask: torch.Tensor | None = None  # (B, M) long: 1 real, 0 padding; columns >= P preset to 1
         self._logits: torch.Tensor | None = None  # (B, V): each running row's next-token logits
-        self._packed: PackedWeights | None = None
-        self._packed_for: int | None = None  # the batch size _packed was looked up for
-        decode_layout(model)
+        self._kernels: Kernels | None = None  # the decode kernel set (gpt2kit.decode.kernels_for)
+        self._kernels_for: int | None = None  # the batch size _kernels was chosen for
 
     # -- rows in and out (any thread) --
 
@@ -421,9 +375,9 @@ class Engine:
         P, B = self._cache.length, len(self.rows)
         padded = any(row.ctx_len < P for row in self.rows)
         mask = self._mask[:, : P + 1] if padded else None  # (B, P + 1)
-        if self._packed_for != B:
-            self._packed, self._packed_for = packed_weights(self.model, B, self.pack_weights), B
-        self._logits = decode_one_token(self.model, tok[:, None], mask, self._cache, self._packed)
+        if self._kernels_for != B:
+            self._kernels, self._kernels_for = kernels_for(self.model, B, self.pack_weights), B
+        self._logits = decode_step(self.model, tok[:, None], self._cache, mask, self._kernels)
         for row in self.rows:
             row.ctx_len += 1
 
