@@ -46,7 +46,10 @@ _ERRORS = {s: {"model": S.ErrorResponse, "description": d} for s, d in (
     (400, "bad request (param names the field)"), (401, "missing or wrong API key"),
     (404, "unknown model"), (413, "body too large"), (429, "overloaded (see Retry-After)"),
     (503, "the model is loading"))}
-_STREAM_200 = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+# Each server-sent event: `data: {chunk JSON}`, the last one `data: [DONE]`.
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+_STREAM_200 = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}},
                      "description": "the completion, or with stream: server-sent events"}}
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
               "/detokenize")
