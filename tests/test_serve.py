@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from helpers_generate import SMALL, varied_model  # noqa: E402
 from serve_helpers import live_server  # noqa: E402
 
-from gpt2kit.checkpoint import load_model, load_tokenizer  # noqa: E402
+from gpt2kit.checkpoint import load_model, load_tokenizer, save_model  # noqa: E402
 from gpt2kit.generate import generate  # noqa: E402
 from gpt2kit.sampling import SamplingSettings  # noqa: E402
 from gpt2kit.score import score_text, score_tokens  # noqa: E402
@@ -31,7 +31,7 @@ NAME = "tiny"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
-    varied_model(SMALL, seed=0).save_pretrained(d)
+    save_model(varied_model(SMALL, seed=0), d)
     return str(d)
 
 
@@ -100,7 +100,7 @@ def gpt2_init_dir(tmp_path_factory):
     from conftest import random_model
 
     d = tmp_path_factory.mktemp("gpt2init")
-    random_model(SMALL, seed=2).save_pretrained(d)
+    save_model(random_model(SMALL, seed=2), d)
     return str(d)
 
 

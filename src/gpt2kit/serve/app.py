@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from gpt2kit.serve import schemas as S
+import gpt2kit.serve.schemas as S
 from gpt2kit.serve.errors import APIError, error_body, install
 from gpt2kit.serve.metrics import Metrics
 
