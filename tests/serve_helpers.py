@@ -25,7 +25,7 @@ def live_server(loader, opts=None, *, wait_ready: bool = True):
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
     if wait_ready:
