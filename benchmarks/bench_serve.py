@@ -32,14 +32,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(model_dir: str, max_batch: int, clients: int) -> tuple[subprocess.Popen, str]:
+def _start(model_dir: str, max_batch: int, clients: int, threads: int | None) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gpt2kit", "serve", "--model", model_dir, "--port", str(port),
                              "--served-model-name", "bench", "--max-batch", str(max_batch),
                              "--max-queue", str(4 * clients)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=16.0, help="Poisson arrival rate, requests/s (default 16)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default 32)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the two servers (default 2)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads in the servers (OMP_NUM_THREADS)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
 
@@ -142,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
 
             model_dir = os.path.join(tmp, args.preset)
             save_model(GPT2.from_name(args.preset), model_dir)
-        servers = {"continuous batching": _start(model_dir, args.clients, args.clients),
-                   "one at a time": _start(model_dir, 1, args.clients)}
+        servers = {"continuous batching": _start(model_dir, args.clients, args.clients, args.threads),
+                   "one at a time": _start(model_dir, 1, args.clients, args.threads)}
         runs: dict[str, list[dict]] = {k: [] for k in servers}
         try:
             for _, url in servers.values():  # warm-up (first-use allocations, packing)
@@ -160,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"# bench_serve: {args.model or args.preset + ' (random weights)'}, {args.clients} clients, "
           f"{args.requests} requests x {args.max_tokens} tokens, Poisson {args.rate}/s, {args.rounds} rounds")
-    print(f"# CPU: {_cpu()}; torch threads: default")
+    print(f"# CPU: {_cpu()}; torch threads: {args.threads or 'default'}; "
+          f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     print("| server | req/s | tok/s | TTFT mean / median / p99 (ms) | TPOT mean / median / p99 (ms) | "
           "ITL mean / median / p99 (ms) | failed |")
     print("|---|---|---|---|---|---|---|")
