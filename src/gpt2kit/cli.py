@@ -533,9 +533,49 @@ def _register_trace(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_trace)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise CLIError("gpt2kit serve needs FastAPI and uvicorn: pip install 'gpt2kit[serve]'") from None
+    from gpt2kit.serve import ServeOptions, serve
+
+    for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue)):
+        if value < (1 if flag == "--max-batch" else 0):
+            raise CLIError(f"{flag} must be >= {1 if flag == '--max-batch' else 0}, got {value}")
+    if args.max_tokens_per_request is not None and args.max_tokens_per_request < 1:
+        raise CLIError(f"--max-tokens-per-request must be >= 1, got {args.max_tokens_per_request}")
+    template = _read_text(args.chat_template) if args.chat_template is not None else None
+    opts = ServeOptions(served_model_name=args.served_model_name or args.model, max_batch=args.max_batch,
+                        max_queue=args.max_queue, max_tokens_per_request=args.max_tokens_per_request,
+                        api_key=args.api_key, chat_template=template,
+                        pack_weights=False if args.no_pack_weights else None)
+    print(f"gpt2kit serve: loading {args.model} as {opts.served_model_name!r} on http://{args.host}:{args.port}"
+          f" (/health answers 503 until it is ready)", file=sys.stderr, flush=True)
+    serve(args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device, opts=opts)
+    return 0
+
+
+def _register_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (needs gpt2kit[serve])")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most (default 8)")
+    p.add_argument("--max-queue", type=int, default=64, help="rows waiting at most; beyond: 429 (default 64)")
+    p.add_argument("--max-tokens-per-request", type=int, default=None, help="cap on max_tokens (default: n_ctx)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja2 template over `messages`: enables /v1/chat/completions")
+    p.add_argument("--no-pack-weights", action="store_true", help="CPU: no prepacked second copy of the weights")
+    p.set_defaults(func=cmd_serve)
+
+
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_tokenize, _register_detokenize, _register_score, _register_convert, _register_info,
-    _register_prepare, _register_train, _register_generate, _register_bench, _register_trace,
+    _register_prepare, _register_train, _register_generate, _register_bench, _register_trace, _register_serve,
 ]
 
 

@@ -1,238 +1,78 @@
-"""Text generation: sampling warpers, the batch scheduler and the generator API (the model steps: gpt2kit.decode).
+"""Text generation: the scheduler (an engine that batches rows step by step) and the generator API.
 
-One iterator, :func:`generate_stream`, serves the CLI, the server and notebooks: token-id prompts
-in (one or a batch), one :class:`Step` out per decode step with each live row's new token, its new
-text (when a tokenizer is given) and the rows that finished. :func:`generate` collects the steps
-into :class:`Completion` objects; :func:`stream_text` yields the text pieces of one prompt.
+One engine, :class:`Engine`, runs every generation: the CLI's, notebooks' (through
+:func:`generate_stream` / :func:`generate` / :func:`stream_text`) and the server's (gpt2kit.serve,
+through :class:`EngineLoop`, which drives it from a worker thread). Scheduling is per iteration, as
+Orca and vLLM do it: a row (one sample of one prompt) joins the running batch at the next decode
+step, after a prefill of its own, and leaves it the step it finishes, so short rows never wait for
+long ones and new requests never wait for a batch to drain. :func:`generate_stream` submits all its
+rows at step 0 (batch_size of them running at once) and yields one :class:`Step` per iteration.
 
-A run, as gpt-fast does it: rows = prompts x num_samples, left-padded into one batch (positions
-come from the attention mask, so a padded row computes what it would alone); one KVCache,
-preallocated for prompt + new tokens and written in place; :func:`~gpt2kit.decode.prefill` encodes the prompts
-(logits of the last position only); then :func:`~gpt2kit.decode.decode_step` feeds one token per row per
-step. Rows that finish are dropped from the batch (``KVCache.select``) and stop costing work.
-
-Sampling follows OpenAI's sample.py order: repetition penalty (CTRL's, as transformers applies it)
--> temperature -> top-k -> top-p -> one draw per row. temperature 0 is greedy (argmax, after the
-repetition penalty). Each row draws from its own ``torch.Generator`` seeded from
-(seed, sample index), so a row's tokens do not depend on which other rows share its batch.
+Each row computes what it would alone: rows are right-aligned in one left-padded KV cache and their
+positions come from the attention mask (so padding shifts nothing); each row samples with its own
+:class:`gpt2kit.sampling.RowSampler` (its settings, its ``torch.Generator`` seeded from (seed,
+sample index), its penalties' token sets), so what it draws does not depend on its neighbours.
+The cache is rebuilt (rows concatenated, columns that are padding in every row trimmed, room for
+the next tokens added) when rows join or it fills; finished and cancelled rows are dropped from it.
 
 Past the context (GPT-2 has learned positions 0..n_ctx-1, so the cache cannot simply slide): the
 model sees at most n_ctx tokens of a row. When a row's sequence (a prompt, or prompt + generated
 tokens) would exceed n_ctx, its context is cut to its most recent ``window`` tokens (default
-n_ctx // 2) and re-encoded in one prefill; decoding then goes on with the cache until the context
-fills again. With ``strict=True``, a prompt + max_new_tokens that would not fit raises ValueError
-before anything runs.
+n_ctx // 2) and the row re-joins the batch with one prefill of that window. With ``strict=True``, a
+prompt + max_new_tokens that would not fit raises ValueError before anything runs.
 
-Legend: B rows in the batch, T (padded) context length, P cached length, M cache size, V vocab.
+Settings, warpers and the draw live in gpt2kit.sampling (re-exported here); the model steps
+(prefill, the one-token decode step and its kernels) in gpt2kit.decode.
+
+Legend: B rows in the batch, T (padded) context length, P cached length, M cache size, V vocab,
+L layers, nh heads, hs head size.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Sequence
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from gpt2kit.decode import decode_step, kernels_for, prefill
+from gpt2kit.decode import Kernels, decode_step, kernels_for, prefill
 from gpt2kit.kv_cache import KVCache
+from gpt2kit.sampling import (  # noqa: F401 - re-exported: generate's names before the split (#9)
+    EOT_ID,
+    TOP_P_MODES,
+    RowSampler,
+    SamplingSettings,
+    _check_int,
+    apply_presence_frequency,
+    apply_repetition_penalty,
+    apply_temperature,
+    resolve_seed,
+    row_generator,
+    sample,
+    top_k_filter,
+    top_p_filter,
+    warp,
+)
 
 if TYPE_CHECKING:
     from gpt2kit.model import GPT2
     from gpt2kit.tokenizer import Tokenizer
 
-EOT_ID = 50256  # <|endoftext|>: the default stop token and the start of unconditional samples
-TOP_P_MODES = ("openai", "hf")
-
-
-# --- settings ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """What to generate and how. Invalid values raise ValueError naming the value and the limit."""
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    # "openai": keep the tokens whose cumulative probability stays <= top_p (at least one), as
-    # OpenAI's sample.py; "hf": also keep the token that crosses top_p, as transformers.
-    top_p_mode: str = "openai"
-    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages tokens already in the row
-    seed: int | None = None  # None: drawn from torch's global RNG (so torch.manual_seed applies)
-    stop_token_ids: tuple[int, ...] = (EOT_ID,)
-    stop_strings: tuple[str, ...] = ()  # need a tokenizer; the text is cut before the stop string
-    num_samples: int = 1  # rows per prompt
-    strict: bool = False  # past n_ctx: raise up front instead of re-encoding a window
-    window: int | None = None  # tokens kept when re-encoding past n_ctx; None = n_ctx // 2
-    # CPU decode steps with oneDNN-prepacked copies of the weight matrices (gpt2kit.decode.packed: faster,
-    # a second copy of them in memory); None = where it is faster and the copy fits, True/False.
-    pack_weights: bool | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
-        _check_int("max_new_tokens", self.max_new_tokens, ">= 1", lambda v: v >= 1)
-        _check_float("temperature", self.temperature, ">= 0 (0 = greedy)", lambda v: v >= 0)
-        _check_int("top_k", self.top_k, ">= 0 (0 = off)", lambda v: v >= 0)
-        _check_float("top_p", self.top_p, "in (0, 1] (1 = off)", lambda v: 0 < v <= 1)
-        if self.top_p_mode not in TOP_P_MODES:
-            raise ValueError(f"top_p_mode must be one of {', '.join(TOP_P_MODES)}, got {self.top_p_mode!r}")
-        _check_float("repetition_penalty", self.repetition_penalty, "> 0 (1 = off)", lambda v: v > 0)
-        if self.seed is not None:
-            _check_int("seed", self.seed, ">= 0", lambda v: v >= 0)
-        for t in self.stop_token_ids:
-            _check_int("stop_token_ids entry", t, ">= 0", lambda v: v >= 0)
-        for s in self.stop_strings:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop_strings entries must be non-empty strings, got {s!r}")
-        _check_int("num_samples", self.num_samples, ">= 1", lambda v: v >= 1)
-        if self.window is not None:
-            _check_int("window", self.window, ">= 1", lambda v: v >= 1)
-        if self.pack_weights not in (None, True, False):
-            raise ValueError(f"pack_weights must be None (auto), True or False, got {self.pack_weights!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def _check_int(name: str, value: object, limit: str, ok) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
-        raise ValueError(f"{name} must be an integer {limit}, got {value!r}")
-
-
-def _check_float(name: str, value: object, limit: str, ok) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not ok(value):
-        raise ValueError(f"{name} must be a number {limit}, got {value!r}")
-
-
-# --- warpers and sampling (logits (B, V), float32) --------------------------------------------
-
-
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL's penalty, as transformers' RepetitionPenaltyLogitsProcessor: the logit of every token
-    already in the row (seen (B, V) bool) is divided by penalty when positive, multiplied when not."""
-    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
-    return torch.where(seen, penalized, logits)
-
-
-def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return logits / temperature
-
-
-def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest logits of each row (and any tied with the k-th); the rest become -inf."""
-    k = min(k, logits.size(-1))
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (B, 1)
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def top_p_filter(logits: torch.Tensor, p: float, mode: str = "openai") -> torch.Tensor:
-    """Nucleus filtering; the tokens outside the nucleus become -inf.
-
-    mode "openai" (sample.py's top_p_logits): keep the most probable tokens while their cumulative
-    probability is <= p, at least one (ties with the last kept logit are kept too).
-    mode "hf" (transformers' TopPLogitsWarper): keep the smallest set whose probability reaches p,
-    i.e. also the token that crosses p.
-    """
-    if mode == "openai":
-        sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # (B, V)
-        cum = sorted_logits.softmax(-1).cumsum(-1)  # (B, V)
-        n_keep = (cum <= p).sum(-1, keepdim=True).clamp_(min=1)  # (B, 1)
-        threshold = sorted_logits.gather(-1, n_keep - 1)  # (B, 1)
-        return logits.masked_fill(logits < threshold, float("-inf"))
-    if mode == "hf":
-        # transformers' own formulation (ascending sort), so the two agree to the last bit.
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)  # (B, V)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        remove_sorted = cum <= (1 - p)
-        remove_sorted[..., -1] = False  # the most probable token always stays
-        remove = remove_sorted.scatter(-1, order, remove_sorted)  # back to vocab order
-        return logits.masked_fill(remove, float("-inf"))
-    raise ValueError(f"top_p mode must be one of {', '.join(TOP_P_MODES)}, got {mode!r}")
-
-
-def warp(logits: torch.Tensor, settings: SamplingSettings, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits (B, V) after the repetition penalty, temperature, top-k and top-p, in that order."""
-    logits = logits.float()
-    if seen is not None and settings.repetition_penalty != 1.0:
-        logits = apply_repetition_penalty(logits, seen, settings.repetition_penalty)
-    if settings.greedy:
-        return logits  # temperature 0: argmax; top-k and top-p never remove the argmax
-    if settings.temperature != 1.0:
-        logits = apply_temperature(logits, settings.temperature)
-    if settings.top_k > 0:
-        logits = top_k_filter(logits, settings.top_k)
-    if settings.top_p < 1.0:
-        logits = top_p_filter(logits, settings.top_p, settings.top_p_mode)
-    return logits
-
-
-def sample(logits: torch.Tensor, generators: Sequence[torch.Generator] | None) -> torch.Tensor:
-    """One token per row (B,) from softmax(logits (B, V)); row r draws from generators[r].
-
-    generators None means greedy: the argmax (the first one on ties, as torch and transformers).
-    """
-    if generators is None:
-        return logits.argmax(dim=-1)
-    probs = logits.softmax(dim=-1)  # (B, V)
-    return torch.cat([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generators)])
-
-
-def row_generator(seed: int, sample_index: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The RNG of a row: seeded from (seed, sample index) only, so a row samples the same tokens
-    whatever else is in its batch (two rows with the same prompt and sample index agree)."""
-    g = torch.Generator(device=device)
-    g.manual_seed(_splitmix64((seed + 0x9E3779B97F4A7C15 * (sample_index + 1)) % 2**64))
-    return g
-
-
-def _splitmix64(x: int) -> int:
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB % 2**64
-    return x ^ (x >> 31)
-
 
 # --- sampling a step ------------------------------------------------------------------------
 
 
-@torch.inference_mode()
-def next_tokens(logits: torch.Tensor, settings: SamplingSettings, seen: torch.Tensor | None,
-                generators: Sequence[torch.Generator] | None) -> torch.Tensor:
-    """Warp and sample: logits (B, V) -> token ids (B,)."""
-    if settings.greedy and settings.repetition_penalty == 1.0:
-        return logits.argmax(dim=-1)  # no float32 copy: the conversion is exact, the argmax the same
-    return sample(warp(logits, settings, seen), None if settings.greedy else generators)
+def next_tokens(logits: torch.Tensor, samplers: Sequence[RowSampler]) -> torch.Tensor:
+    """Each row's next token (B,): row r chooses from logits[r] (B, V) with samplers[r]."""
+    if all(s.settings.plain_greedy for s in samplers):
+        return logits.argmax(dim=-1)  # one batched argmax: the same as row by row
+    return torch.cat([s.choose(logits[r:r + 1]) for r, s in enumerate(samplers)])
 
 
-# --- the generator API ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Step:
-    """One decode step. Keys are sequence indices: prompt_index * num_samples + sample_index."""
-
-    tokens: dict[int, int]  # every live row's new token id
-    text: dict[int, str]  # with a tokenizer: the text each row's token completed ('' when none)
-    finished: dict[int, str]  # rows that ended at this step -> "stop" | "length"
-
-
-@dataclass
-class Completion:
-    """A finished sample. tokens holds every sampled id, a stop token included; text (with a
-    tokenizer) is their text up to, not including, the stop token or stop string."""
-
-    index: int
-    prompt_index: int
-    sample_index: int
-    prompt_tokens: list[int]
-    tokens: list[int] = field(default_factory=list)
-    text: str | None = None
-    finish_reason: str | None = None
+# --- rows and their text ----------------------------------------------------------------------
 
 
 class _RowText:
@@ -272,14 +112,21 @@ def _prefix_overlap(s: str, stops: tuple[str, ...]) -> int:
     return best
 
 
-@dataclass
-class _Row:
-    index: int
+@dataclass(eq=False)
+class Row:
+    """One sequence being generated (one sample of one prompt). Made by :meth:`Engine.new_row`."""
+
     prompt: list[int]
-    generator: torch.Generator | None
-    text: _RowText | None
+    settings: SamplingSettings
+    sampler: RowSampler
+    text: _RowText | None = None  # with a tokenizer
+    logprobs: int | None = None  # report each token's log-prob and the top N alternatives; None: no
+    key: object = None  # the caller's label (generate_stream: the sequence index)
     tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled", once finished
+    cancelled: bool = False
     start: int = 0  # the context is (prompt + tokens)[start:]
+    ctx_len: int = 0  # tokens of this row in the engine's cache (its real, unpadded columns)
 
     def context(self, n_ctx: int, window: int) -> list[int]:
         seq = self.prompt + self.tokens
@@ -288,14 +135,353 @@ class _Row:
         return seq[self.start:]
 
 
+@dataclass(frozen=True)
+class RowEvent:
+    """What one row did in one step: the token it added, the text that token made safe to emit
+    ('' without a tokenizer), and with Row.logprobs its log-prob and the top N (id, log-prob)
+    alternatives, all under the model's raw distribution (log_softmax of the logits, before any
+    warper). finish_reason is set on the row's last event."""
+
+    row: Row
+    token: int
+    text: str
+    finish_reason: str | None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+# --- the engine -------------------------------------------------------------------------------
+
+
+class Engine:
+    """The iteration-level scheduler: rows wait, join the running batch at the next :meth:`step`
+    (at most max_batch run at once), and leave it when they finish or are cancelled.
+
+    Not thread-safe except :meth:`submit` and :meth:`cancel`; :class:`EngineLoop` runs one in a
+    worker thread.
+    """
+
+    def __init__(self, model: GPT2, tokenizer: Tokenizer | None = None, *, max_batch: int | None = None,
+                 pack_weights: bool | None = None) -> None:
+        if max_batch is not None:
+            _check_int("max_batch", max_batch, ">= 1", lambda v: v >= 1)
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch = max_batch
+        self.pack_weights = pack_weights
+        self.device = model.wte.weight.device
+        self.rows: list[Row] = []  # running, in cache order
+        self._waiting: deque[Row] = deque()
+        self._lock = threading.Lock()
+        self._cache: KVCache | None = None
+        self._mask: torch.Tensor | None = None  # (B, M) long: 1 real, 0 padding; columns >= P preset to 1
+        self._logits: torch.Tensor | None = None  # (B, V): each running row's next-token logits
+        self._kernels: Kernels | None = None  # the decode kernel set (gpt2kit.decode.kernels_for)
+        self._kernels_for: int | None = None  # the batch size _kernels was chosen for
+
+    # -- rows in and out (any thread) --
+
+    def new_row(self, prompt: Sequence[int], settings: SamplingSettings, *, seed: int | None = None,
+                sample_index: int = 0, logprobs: int | None = None, key: object = None) -> Row:
+        """A row for a prompt of valid token ids. seed: the run's seed (resolve_seed(settings) for
+        one call); rows with equal (seed, sample_index) draw the same random numbers."""
+        if settings.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: pass tokenizer=...")
+        if not settings.greedy and seed is None:
+            raise ValueError("a sampled row needs a seed (gpt2kit.sampling.resolve_seed)")
+        sampler = RowSampler(settings, prompt, self.model.config.n_vocab, seed, sample_index, self.device)
+        text = _RowText(self.tokenizer, settings.stop_strings) if self.tokenizer is not None else None
+        return Row(list(prompt), settings, sampler, text, logprobs, key)
+
+    def submit(self, rows: Sequence[Row]) -> None:
+        """Queue rows; they join the batch at the next step, in order, as room allows."""
+        with self._lock:
+            self._waiting.extend(rows)
+
+    def cancel(self, row: Row) -> None:
+        """Drop a row: waiting, it never runs; running, it leaves the batch at the next step."""
+        row.cancelled = True
+
+    @property
+    def n_running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.rows or self._waiting)
+
+    def reset(self) -> list[Row]:
+        """Drop every row, running and waiting; returns them (after an error, to fail them)."""
+        with self._lock:
+            dropped = self.rows + list(self._waiting)
+            self._waiting.clear()
+        self.rows = []
+        self._cache = self._mask = self._logits = None
+        return dropped
+
+    # -- one iteration --
+
+    @torch.inference_mode()
+    def step(self) -> list[RowEvent]:
+        """Admit waiting rows, then give every running row its next token; one event per row."""
+        self._keep([r for r, row in enumerate(self.rows) if not row.cancelled])
+        self._admit()
+        if not self.rows:
+            return []
+        rows = self.rows
+        tok = next_tokens(self._logits, [row.sampler for row in rows])  # (B,)
+        scores = self._logprobs(tok)
+        events, keep = [], []
+        for r, (row, t) in enumerate(zip(rows, tok.tolist(), strict=True)):
+            row.tokens.append(t)
+            row.sampler.observe(t)
+            piece, reason = self._advance(row, t)
+            row.finish_reason = reason
+            lp, top = scores.get(r, (None, None))
+            events.append(RowEvent(row, t, piece, reason, lp, top))
+            if reason is None:
+                keep.append(r)
+        self._keep(keep)
+        tok = tok[keep] if len(keep) < len(rows) else tok
+        # A row whose context is full re-joins with a window of its sequence (module doc).
+        n_ctx = self.model.config.n_ctx
+        full = [r for r, row in enumerate(self.rows) if row.ctx_len >= n_ctx]
+        if full:
+            with self._lock:
+                self._waiting.extendleft(reversed([self.rows[r] for r in full]))
+            keep = [r for r in range(len(self.rows)) if r not in set(full)]
+            self._keep(keep)
+            tok = tok[keep]
+        if self.rows:
+            self._feed(tok)
+        return events
+
+    def _advance(self, row: Row, t: int) -> tuple[str, str | None]:
+        """The text token t makes safe to emit, and the row's finish reason (None: it goes on)."""
+        reason = "stop" if t in row.settings.stop_token_ids else None  # not in the row's text
+        piece, hit = "", False
+        if row.text is not None and reason is None:
+            piece, hit = row.text.feed(t)
+            reason = "stop" if hit else None
+        if reason is None and len(row.tokens) >= row.settings.max_new_tokens:
+            reason = "length"
+        if row.text is not None and reason is not None and not hit:
+            piece += row.text.finish()  # after a stop string the rest is dropped; else release it
+        return piece, reason
+
+    def _logprobs(self, tok: torch.Tensor) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
+        """Batch row -> (log-prob of its token, top N (id, log-prob)) for rows that asked."""
+        want = [r for r, row in enumerate(self.rows) if row.logprobs is not None]
+        if not want:
+            return {}
+        sel = torch.tensor(want, device=self.device)
+        logp = torch.log_softmax(self._logits[sel].float(), dim=-1)  # (R, V)
+        chosen = logp.gather(1, tok[sel][:, None])[:, 0].tolist()
+        n = max(self.rows[r].logprobs for r in want)
+        ids = vals = [[] for _ in want]
+        if n:
+            top = logp.topk(min(n, logp.shape[-1]), dim=-1)
+            ids, vals = top.indices.tolist(), top.values.tolist()
+        out = {}
+        for i, r in enumerate(want):
+            k = self.rows[r].logprobs
+            out[r] = (chosen[i], tuple(zip(ids[i][:k], vals[i][:k], strict=True)))
+        return out
+
+    # -- the batch tensors --
+
+    def _admit(self) -> None:
+        with self._lock:
+            room = len(self._waiting) if self.max_batch is None else self.max_batch - len(self.rows)
+            join = []
+            while self._waiting and len(join) < room:
+                row = self._waiting.popleft()
+                if not row.cancelled:
+                    join.append(row)
+        if join:
+            self._join(join)
+
+    def _window(self, row: Row) -> int:
+        return row.settings.window or max(self.model.config.n_ctx // 2, 1)
+
+    def _join(self, rows: list[Row]) -> None:
+        """Prefill the joining rows (left-padded among themselves) and add them to the batch."""
+        n_ctx, n_vocab = self.model.config.n_ctx, self.model.config.n_vocab
+        contexts = [row.context(n_ctx, self._window(row)) for row in rows]
+        B, T = len(rows), max(map(len, contexts))
+        idx = torch.full((B, T), EOT_ID % n_vocab, dtype=torch.long)  # (B, T)
+        mask = torch.ones(B, T, dtype=torch.long)  # (B, T)
+        for r, ctx in enumerate(contexts):
+            idx[r, T - len(ctx):] = torch.tensor(ctx)
+            mask[r, : T - len(ctx)] = 0
+            rows[r].ctx_len = len(ctx)
+        idx, mask = idx.to(self.device), mask.to(self.device)
+        padded = any(len(c) < T for c in contexts)
+        cache = KVCache.for_model(self.model, B, T)
+        logits = prefill(self.model, idx, mask if padded else None, cache)  # (B, V)
+        parts = [(cache.kv, mask)]
+        if self.rows:
+            parts.insert(0, self._used())
+            logits = torch.cat([self._logits, logits])
+        self.rows = self.rows + rows
+        self._logits = logits
+        self._rebuild(parts)
+
+    def _used(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache and mask columns some row still uses: [c0, P), leading all-padding cut off."""
+        P = self._cache.length
+        c0 = P - max(row.ctx_len for row in self.rows)
+        return self._cache.kv[:, :, :, :, c0:P], self._mask[:, c0:P]
+
+    def _rebuild(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One cache from parts (kv (L, b, 2, nh, w, hs), mask (b, w)), right-aligned, with room
+        for the next tokens; padding is zeros (finite: masked keys get weight 0, never 0 * NaN)."""
+        W = max(m.shape[1] for _, m in parts)
+        to_feed = max(row.settings.max_new_tokens - len(row.tokens) for row in self.rows)
+        M = W + max(1, min(to_feed, 256))  # rebuilt again if it fills (rows that go on past it)
+        L, _, _, nh, _, hs = parts[0][0].shape
+        cache = KVCache(L, len(self.rows), nh, M, hs, device=self.device, dtype=parts[0][0].dtype)
+        cache.kv.zero_()
+        mask = torch.ones(len(self.rows), M, dtype=torch.long, device=self.device)  # (B, M)
+        b = 0
+        for kv, m in parts:
+            n, w = m.shape
+            cache.kv[:, b:b + n, :, :, W - w:W] = kv
+            mask[b:b + n, : W - w] = 0
+            mask[b:b + n, W - w:W] = m
+            b += n
+        cache.length = W
+        self._cache, self._mask = cache, mask
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keep only batch rows `keep` (the others finished, were cancelled or re-join)."""
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[r] for r in keep]
+        if not keep:
+            self._cache = self._mask = self._logits = None
+            return
+        sel = torch.tensor(keep, device=self.device)
+        self._cache.select(sel)
+        self._mask, self._logits = self._mask[sel], self._logits[sel]
+
+    def _feed(self, tok: torch.Tensor) -> None:
+        """Feed each running row's newest token tok (B,); their next logits become pending."""
+        if self._cache.length == self._cache.max_len:
+            self._rebuild([self._used()])
+        P, B = self._cache.length, len(self.rows)
+        padded = any(row.ctx_len < P for row in self.rows)
+        mask = self._mask[:, : P + 1] if padded else None  # (B, P + 1)
+        if self._kernels_for != B:
+            self._kernels, self._kernels_for = kernels_for(self.model, B, self.pack_weights), B
+        self._logits = decode_step(self.model, tok[:, None], self._cache, mask, self._kernels)
+        for row in self.rows:
+            row.ctx_len += 1
+
+
+class EngineLoop:
+    """Runs an :class:`Engine` in a worker thread, so that the caller's thread (an event loop) never
+    waits on the model. on_events(events) is called from the worker after every step; on_error(rows,
+    exc) when a step raises (the rows are dropped, the loop goes on). :meth:`call` runs a function
+    in the worker between steps (e.g. scoring a prompt) and returns a concurrent Future."""
+
+    def __init__(self, engine: Engine, on_events: Callable[[list[RowEvent]], None],
+                 on_error: Callable[[list[Row], BaseException], None]) -> None:
+        import concurrent.futures
+
+        self._futures = concurrent.futures
+        self.engine, self.on_events, self.on_error = engine, on_events, on_error
+        self._cond = threading.Condition()
+        self._jobs: deque = deque()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="gpt2kit-engine", daemon=True)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def submit(self, rows: Sequence[Row]) -> None:
+        self.engine.submit(rows)
+        with self._cond:
+            self._cond.notify()
+
+    def cancel(self, row: Row) -> None:
+        self.engine.cancel(row)
+
+    def call(self, fn: Callable, *args, **kwargs):
+        fut = self._futures.Future()
+        with self._cond:
+            self._jobs.append((fut, fn, args, kwargs))
+            self._cond.notify()
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stop or self._jobs or self.engine.has_work):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                jobs, self._jobs = list(self._jobs), deque()
+            for fut, fn, args, kwargs in jobs:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(*args, **kwargs))
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(e)
+            if self.engine.has_work:
+                try:
+                    events = self.engine.step()
+                except Exception as e:  # noqa: BLE001 - fail the rows, keep serving
+                    self.on_error(self.engine.reset(), e)
+                    continue
+                self.on_events(events)
+
+
+# --- the generator API ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    """One decode step. Keys are sequence indices: prompt_index * num_samples + sample_index."""
+
+    tokens: dict[int, int]  # every live row's new token id
+    text: dict[int, str]  # with a tokenizer: the text each row's token completed ('' when none)
+    finished: dict[int, str]  # rows that ended at this step -> "stop" | "length"
+
+
+@dataclass
+class Completion:
+    """A finished sample. tokens holds every sampled id, a stop token included; text (with a
+    tokenizer) is their text up to, not including, the stop token or stop string."""
+
+    index: int
+    prompt_index: int
+    sample_index: int
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+
+
 def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSettings | None = None,
                     *, tokenizer: Tokenizer | None = None, batch_size: int | None = None) -> Iterator[Step]:
     """Generate for token-id prompts, yielding one :class:`Step` per decode step.
 
     Rows are the prompts x settings.num_samples (sequence index prompt_index * num_samples +
-    sample_index), run batch_size rows at a time (default: all at once). With a tokenizer, each
-    step also carries the new text of each row and stop_strings apply. Bad arguments raise
-    ValueError here, before the first step.
+    sample_index), at most batch_size running at once (default: all); a row that finishes makes
+    room for the next at the following step. With a tokenizer, each step also carries the new
+    text of each row and stop_strings apply. Bad arguments raise ValueError here, before the
+    first step.
     """
     settings = settings or SamplingSettings()
     cfg = model.config
@@ -313,26 +499,23 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
     if batch_size is not None:
         _check_int("batch_size", batch_size, ">= 1", lambda v: v >= 1)
 
-    device = model.wte.weight.device
-    seed = settings.seed
-    if seed is None and not settings.greedy:
-        seed = int(torch.randint(0, 2**62, ()).item())
-    rows = []
-    for i, prompt in enumerate(prompts):
-        for j in range(settings.num_samples):
-            gen = None if settings.greedy else row_generator(seed, j, device)
-            text = _RowText(tokenizer, settings.stop_strings) if tokenizer is not None else None
-            rows.append(_Row(i * settings.num_samples + j, list(prompt), gen, text))
-    return _stream(model, rows, settings, window, batch_size or len(rows))
+    engine = Engine(model, tokenizer, max_batch=batch_size, pack_weights=settings.pack_weights)
+    seed = resolve_seed(settings)
+    n = settings.num_samples
+    engine.submit([engine.new_row(p, settings, seed=seed, sample_index=j, key=i * n + j)
+                   for i, p in enumerate(prompts) for j in range(n)])
+    return _stream(model, engine)
 
 
-def _stream(model: GPT2, rows: list[_Row], settings: SamplingSettings, window: int,
-            batch_size: int) -> Iterator[Step]:
+def _stream(model: GPT2, engine: Engine) -> Iterator[Step]:
     was_training = model.training
     model.eval()  # dropout off while generating; restored when the iterator ends or is closed
     try:
-        for start in range(0, len(rows), batch_size):
-            yield from _run_batch(model, rows[start:start + batch_size], settings, window)
+        while engine.has_work:
+            events = engine.step()
+            yield Step({e.row.key: e.token for e in events},
+                       {e.row.key: e.text for e in events if e.row.text is not None},
+                       {e.row.key: e.finish_reason for e in events if e.finish_reason})
     finally:
         model.train(was_training)
 
@@ -361,95 +544,6 @@ def _check_fits(prompts: list[list[int]], max_new_tokens: int, n_ctx: int) -> No
             raise ValueError(
                 f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
                 f"{len(p) + max_new_tokens - 1} positions, more than the context n_ctx={n_ctx} (strict mode)")
-
-
-class _Batch:
-    """The tensors of the rows in flight: the cache, the padding mask, the seen-token mask."""
-
-    def __init__(self, model: GPT2, rows: list[_Row], settings: SamplingSettings, window: int) -> None:
-        self.model, self.settings, self.window = model, settings, window
-        self.device = model.wte.weight.device
-        self.seen = None  # (B, V) bool: the tokens in each row so far, for the repetition penalty
-        if settings.repetition_penalty != 1.0:
-            with torch.inference_mode():
-                self.seen = torch.zeros(len(rows), model.config.n_vocab, dtype=torch.bool, device=self.device)
-                for r, row in enumerate(rows):
-                    self.seen[r, row.prompt + row.tokens] = True
-
-    @torch.inference_mode()
-    def encode(self, rows: list[_Row]) -> torch.Tensor:
-        """(Re)build the cache from each row's context, left-padded; logits (B, V) of its last token."""
-        n_ctx = self.model.config.n_ctx
-        contexts = [row.context(n_ctx, self.window) for row in rows]
-        B, T = len(rows), max(map(len, contexts))
-        to_sample = max(self.settings.max_new_tokens - len(row.tokens) for row in rows)
-        M = min(n_ctx, T + to_sample - 1)  # the last sampled token is never fed
-        idx = torch.full((B, T), EOT_ID % self.model.config.n_vocab, dtype=torch.long)  # (B, T)
-        self.mask = torch.ones(B, M, dtype=torch.long)  # (B, M): 1 real, 0 padding
-        for r, ctx in enumerate(contexts):
-            idx[r, T - len(ctx):] = torch.tensor(ctx)
-            self.mask[r, : T - len(ctx)] = 0
-        idx, self.mask = idx.to(self.device), self.mask.to(self.device)
-        self.padded = any(len(c) < T for c in contexts)
-        self.cache = KVCache.for_model(self.model, B, M)
-        self.kernels = kernels_for(self.model, B, self.settings.pack_weights)
-        return prefill(self.model, idx, self.mask[:, :T] if self.padded else None, self.cache)
-
-    @torch.inference_mode()
-    def step(self, rows: list[_Row], tok: torch.Tensor) -> torch.Tensor:
-        """Feed the rows' newest tokens tok (B,); logits (B, V) for the next ones."""
-        if self.seen is not None:
-            self.seen.scatter_(1, tok[:, None], True)
-        if self.cache.length == self.cache.max_len:
-            return self.encode(rows)  # context full: re-encode the recent window (module doc)
-        P = self.cache.length
-        mask = self.mask[:, : P + 1] if self.padded else None  # (B, P + 1)
-        return decode_step(self.model, tok[:, None], self.cache, mask, self.kernels)
-
-    @torch.inference_mode()
-    def keep(self, keep: list[int]) -> None:
-        """Drop the finished rows: keep only batch rows `keep`."""
-        rows = torch.tensor(keep, device=self.device)
-        self.cache.select(rows)
-        self.mask = self.mask[rows]
-        self.padded = bool((self.mask[:, : self.cache.length] == 0).any())
-        if self.seen is not None:
-            self.seen = self.seen[rows]
-
-
-def _run_batch(model: GPT2, rows: list[_Row], settings: SamplingSettings, window: int) -> Iterator[Step]:
-    batch = _Batch(model, rows, settings, window)
-    logits = batch.encode(rows)
-    stops = frozenset(settings.stop_token_ids)
-    while True:
-        generators = None if settings.greedy else [row.generator for row in rows]
-        tok = next_tokens(logits, settings, batch.seen, generators)  # (B,)
-        tokens, texts, finished, keep = {}, {}, {}, []
-        for r, (row, t) in enumerate(zip(rows, tok.tolist(), strict=True)):
-            row.tokens.append(t)
-            tokens[row.index] = t
-            reason = "stop" if t in stops else None  # a stop token ends the row; not in its text
-            piece, hit = "", False
-            if row.text is not None and reason is None:
-                piece, hit = row.text.feed(t)
-                reason = "stop" if hit else None
-            if reason is None and len(row.tokens) == settings.max_new_tokens:
-                reason = "length"
-            if row.text is not None:
-                # After a stop string the rest is dropped; otherwise emit what was held back.
-                texts[row.index] = piece + (row.text.finish() if reason and not hit else "")
-            if reason is None:
-                keep.append(r)
-            else:
-                finished[row.index] = reason
-        yield Step(tokens, texts, finished)
-        if not keep:
-            return
-        if len(keep) < len(rows):
-            rows = [rows[r] for r in keep]
-            batch.keep(keep)
-            tok = tok[keep]
-        logits = batch.step(rows, tok)
 
 
 def encode_prompts(tokenizer: Tokenizer, texts: str | Sequence[str]) -> list[list[int]]:

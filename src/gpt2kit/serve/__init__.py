@@ -1,0 +1,42 @@
+"""gpt2kit serve: an OpenAI-compatible HTTP server (FastAPI + uvicorn, the `gpt2kit[serve]` extra).
+
+    from gpt2kit.serve import create_app, ServeOptions
+    app = create_app(lambda: (model, tokenizer), ServeOptions(served_model_name="gpt2"))
+
+The HTTP layer only: generation is gpt2kit.generate's engine, scoring gpt2kit.score. See
+docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from gpt2kit.serve.app import ServeOptions, create_app
+
+__all__ = ["ServeOptions", "create_app", "serve"]
+
+
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
+          device: str | None = None, opts: ServeOptions | None = None, log_level: str = "info",
+          sock: socket.socket | None = None) -> None:
+    """Load checkpoint `model` (in the background: /health answers 503 until it is ready) and serve
+    it until interrupted. A model that fails to load stops the server and raises here."""
+    import uvicorn
+
+    from gpt2kit.checkpoint import load_model, load_tokenizer
+
+    def loader():
+        return load_model(model, dtype=dtype, device=device), load_tokenizer(model)
+
+    app = create_app(loader, opts)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+
+    def failed(exc: BaseException) -> None:
+        server.should_exit = True
+
+    app.state.server.on_load_error = failed
+    server.run(sockets=[sock] if sock is not None else None)
+    err = app.state.server.load_error
+    if err is not None:
+        raise err

@@ -1,0 +1,29 @@
+"""Prometheus metrics of one server (its own registry, so several apps in a process never clash)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("gpt2kit_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("gpt2kit_prompt_tokens", "prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("gpt2kit_generation_tokens", "tokens generated", registry=r)
+        self.batch_size = Gauge("gpt2kit_batch_size", "rows in the running batch", registry=r)
+        self.queue_length = Gauge("gpt2kit_queue_length", "rows waiting to join the batch", registry=r)
+        self.batch_size.set_function(running)
+        self.queue_length.set_function(waiting)
+        self.ttft = Histogram("gpt2kit_time_to_first_token_seconds", "request arrival to its first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("gpt2kit_time_per_output_token_seconds", "time between a row's tokens",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

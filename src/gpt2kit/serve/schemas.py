@@ -1,0 +1,186 @@
+"""The request and response bodies, as OpenAI's API reference lays them out (pydantic models; the
+app's OpenAPI document is generated from them, and schemathesis fuzzes the server against it).
+
+Extensions beyond OpenAI's spec are named in their descriptions: top_k, repetition_penalty,
+top_p_mode on completions; the `pieces` of /tokenize and /detokenize.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Prompt = str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+Stop = str | Annotated[list[str], Field(max_length=4)] | None
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool | None = Field(None, description="send a last chunk with usage and no choices")
+
+
+class CompletionRequest(BaseModel):
+    """POST /v1/completions (the legacy completions API)."""
+
+    model_config = _STRICT
+    model: str
+    prompt: Prompt = Field("<|endoftext|>", description="a string, strings, token ids, or lists of token ids")
+    suffix: str | None = Field(None, description="not supported by GPT-2 (must be null)")
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo; null: up to the context")
+    temperature: float | None = Field(1.0, ge=0, le=2, description="0 = greedy")
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    n: int | None = Field(1, ge=1, le=128)
+    best_of: int | None = Field(None, ge=1, le=128, description="server-side candidates; n best by mean log-prob")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = False
+    stop: Stop = None
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    user: str | None = None
+    # extensions
+    top_k: int | None = Field(None, ge=0, description="extension: keep the k most likely tokens (0 = off)")
+    repetition_penalty: float | None = Field(None, gt=0, le=100, description="extension: CTRL's penalty (1 = off)")
+    top_p_mode: Literal["openai", "hf"] | None = Field(
+        None, description="extension: openai keeps tokens with cumulative prob <= top_p; hf also the one crossing it")
+
+
+class Logprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: Logprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: str | None = None
+
+
+class ChatRequest(BaseModel):
+    """POST /v1/chat/completions (only with --chat-template)."""
+
+    model_config = _STRICT
+    model: str
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(1.0, ge=0, le=2)
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    n: int | None = Field(1, ge=1, le=128)
+    stop: Stop = None
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    user: str | None = None
+    stream: bool | None = False
+
+
+class ChatChoiceMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatChoiceMessage
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "gpt2kit"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+# A token's text, or its bytes (a list of 0-255) when they are not valid UTF-8 on their own.
+Piece = str | list[int]
+
+
+class TokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = Field(True, description="<|endoftext|> in the text is the special token")
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    pieces: list[Piece] = Field(description="extension: each token's text, or its bytes when not valid UTF-8 alone")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str = Field(description="the text; bytes that are not valid UTF-8 become U+FFFD")
+    pieces: list[Piece] = Field(description="extension: each token's text, or its bytes when not valid UTF-8 alone")
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,90 @@
+"""The engine under the server: rows that join a running batch mid-way, or run squeezed by
+max_batch, get exactly the tokens they get alone; cancelled rows leave at the next step; the
+log-probs it reports are the model's (full forward, float32, within 1e-5)."""
+
+from __future__ import annotations
+
+import torch
+from conftest import random_model
+from helpers_generate import SMALL, varied_model
+
+from gpt2kit.generate import Engine, generate
+from gpt2kit.sampling import SamplingSettings
+
+PROMPTS = [[464, 2068, 7586, 21831], [15496], [40, 588, 257, 922, 1110, 13, 383], [11, 12, 13]]
+SETTINGS = [SamplingSettings(temperature=0, max_new_tokens=12, stop_token_ids=()),
+            SamplingSettings(max_new_tokens=9, seed=3, top_k=50, stop_token_ids=()),
+            SamplingSettings(max_new_tokens=15, seed=4, temperature=0.7, presence_penalty=1.0, stop_token_ids=()),
+            SamplingSettings(temperature=0, max_new_tokens=7, frequency_penalty=0.5, logit_bias={13: 3.0},
+                             stop_token_ids=())]
+
+
+def _alone(model, prompt, s):
+    return generate(model, [prompt], s)[0].tokens
+
+
+def _run(engine, joins: dict[int, list]):
+    """Step the engine; at step k submit joins[k]; returns each row's tokens and the batch sizes."""
+    sizes, k = [], 0
+    while engine.has_work or any(j >= k for j in joins):
+        engine.submit(joins.get(k, []))
+        engine.step()
+        sizes.append(engine.n_running)
+        k += 1
+    return sizes
+
+
+def test_rows_joining_mid_run_get_what_they_get_alone():
+    model = varied_model(SMALL, seed=0)
+    engine = Engine(model)
+    rows = [engine.new_row(p, s, seed=s.seed) for p, s in zip(PROMPTS, SETTINGS, strict=True)]
+    _run(engine, {0: rows[:1], 3: rows[1:3], 5: rows[3:]})  # joins at steps 0, 3 and 5
+    for row, p, s in zip(rows, PROMPTS, SETTINGS, strict=True):
+        assert row.tokens == _alone(model, p, s)
+        assert row.finish_reason == "length"
+
+
+def test_max_batch_bounds_the_running_rows():
+    model = varied_model(SMALL, seed=0)
+    engine = Engine(model, max_batch=2)
+    rows = [engine.new_row(p, s, seed=s.seed) for p, s in zip(PROMPTS, SETTINGS, strict=True)]
+    sizes = _run(engine, {0: rows})
+    assert max(sizes) == 2 and engine.n_running == 0
+    assert [r.tokens for r in rows] == [_alone(model, p, s) for p, s in zip(PROMPTS, SETTINGS, strict=True)]
+
+
+def test_a_cancelled_row_leaves_at_the_next_step():
+    model = varied_model(SMALL, seed=0)
+    engine = Engine(model)
+    s = SamplingSettings(temperature=0, max_new_tokens=20, stop_token_ids=())
+    a, b = engine.new_row(PROMPTS[0], s), engine.new_row(PROMPTS[1], s)
+    engine.submit([a, b])
+    engine.step()
+    engine.step()
+    engine.cancel(a)
+    events = engine.step()
+    assert [e.row for e in events] == [b] and engine.n_running == 1 and len(a.tokens) == 2
+    while engine.has_work:
+        engine.step()
+    assert b.tokens == _alone(model, PROMPTS[1], s)
+
+
+def test_reported_logprobs_are_the_models():
+    model = random_model(SMALL, seed=2)  # GPT-2's init: log-probs of order 1-10
+    engine = Engine(model)
+    s = SamplingSettings(max_new_tokens=6, seed=1, temperature=1.3, stop_token_ids=())
+    row = engine.new_row(PROMPTS[2], s, seed=1, logprobs=3)
+    engine.submit([row])
+    events = []
+    while engine.has_work:
+        events += engine.step()
+    seq = torch.tensor([PROMPTS[2] + row.tokens])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(seq).logits[0, len(PROMPTS[2]) - 1:-1].float(), -1)  # (6, V)
+    got = torch.tensor([e.logprob for e in events])
+    want = logp.gather(1, torch.tensor(row.tokens)[:, None])[:, 0]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for e, lp in zip(events, logp, strict=True):
+        top = lp.topk(3)
+        assert [t for t, _ in e.top_logprobs] == top.indices.tolist()
+        torch.testing.assert_close(torch.tensor([v for _, v in e.top_logprobs]), top.values, rtol=0, atol=1e-5)
