@@ -357,7 +357,8 @@ def _no_tensor_data(monkeypatch) -> None:
 
 @pytest.mark.parametrize("n_layer,needle", [
     (1000, r"config.json says n_layer=1000, but the weights hold 2 layer\(s\) \(h.0 .. h.1\)"),
-    (1000000, r"config.json: n_layer=1000000 is beyond the limit 1,024"),
+    (1000000, r"config.json says n_layer=1000000, but the weights hold 2 layer"),
+    (10**7, r"config.json: n_layer=10000000 is beyond the limit 1,048,576"),
     (1, r"config.json says n_layer=1, but the weights hold 2 layer"),
 ])
 def test_config_that_does_not_match_the_weights_fails_before_reading_them(tmp_path, monkeypatch, n_layer, needle):

@@ -16,9 +16,10 @@ from typing import Any
 
 EOT_ID = 50256  # <|endoftext|> in GPT-2's vocabulary: the document separator, stop token and scoring context
 
-# Beyond these a config is a typo or an attack, not a model (GPT-2 XL: 48 layers, 1600 wide, 25 heads);
-# checked before anything is allocated, so a config.json saying n_layer=1000000 fails at once.
-LIMITS = {"n_vocab": 1 << 24, "n_ctx": 1 << 20, "n_embd": 1 << 16, "n_head": 1 << 10, "n_layer": 1 << 10}
+# Beyond these a config is a typo or an attack, not a model (GPT-2 XL: 48 layers, 1600 wide, 25 heads).
+# Checked before anything is allocated. A loader compares the layer count with the checkpoint before
+# it builds anything, and train sizes a new model against memory, so n_layer's own bound can stay loose.
+LIMITS = {"n_vocab": 1 << 24, "n_ctx": 1 << 20, "n_embd": 1 << 16, "n_head": 1 << 10, "n_layer": 1 << 20}
 MAX_PARAMETERS = 10**12
 
 
