@@ -611,3 +611,28 @@ def test_cli_bench_bad_device_one_line(capsys, device, needle):
     assert main(["bench", "--device", device, "--no-memory"]) != 0
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and needle in err
+
+
+def test_seeds_are_bounded_and_prompts_draw_their_own_numbers(model):
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+        SamplingSettings(seed=2**64)
+    s = SamplingSettings(max_new_tokens=12, top_k=0, seed=0, stop_token_ids=())
+    a, b = (c.tokens for c in generate(model, [[464], [1212]], s))
+    assert generate(model, [[1212]], s)[0].tokens == b  # where a prompt sits in the list does not matter
+    from gpt2kit.sampling import row_generator
+
+    draws = [torch.rand(4, generator=row_generator(0, 0, prompt=p)) for p in ([464], [1212], [464])]
+    assert not torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
+
+
+def test_too_many_rows_are_refused_before_any_work(model):
+    with pytest.raises(ValueError, match="1000000000 rows; at most 65536"):
+        generate_stream(model, [[1]], SamplingSettings(num_samples=10**9))
+
+
+def test_cli_generate_requires_a_model(capsys):
+    from gpt2kit.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "hello"])
+    assert "--model" in capsys.readouterr().err

@@ -19,8 +19,8 @@ class CLIError(Exception):
     """A user-facing error raised by a subcommand (printed as one line)."""
 
 
-def _add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
-    p.add_argument("--model", "-m", required=required, default=None if required else "gpt2",
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", required=True,
                    help="hub id (gpt2, gpt2-medium, ...), HF directory, or OpenAI TF release directory")
     _add_device_args(p)
 
@@ -437,7 +437,7 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="sample text from a model (KV-cached, batched, streamed)")
     p.add_argument("prompt", nargs="?", default=None,
                    help="prompt text (default: unconditional samples starting from <|endoftext|>)")
-    _add_model_args(p, required=False)
+    _add_model_args(p)
     p.add_argument("--max-new-tokens", "-n", type=int, default=128, help="tokens to generate per sample")
     p.add_argument("--temperature", "-t", type=float, default=1.0, help="0 = greedy (default 1)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")

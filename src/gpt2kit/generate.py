@@ -473,6 +473,9 @@ class Completion:
     finish_reason: str | None = None
 
 
+MAX_ROWS = 65536  # rows (prompts x samples) of one generate call
+
+
 def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSettings | None = None,
                     *, tokenizer: Tokenizer | None = None, batch_size: int | None = None) -> Iterator[Step]:
     """Generate for token-id prompts, yielding one :class:`Step` per decode step.
@@ -499,9 +502,12 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
     if batch_size is not None:
         _check_int("batch_size", batch_size, ">= 1", lambda v: v >= 1)
 
+    n = settings.num_samples
+    if len(prompts) * n > MAX_ROWS:
+        raise ValueError(f"{len(prompts)} prompt(s) x num_samples={n} = {len(prompts) * n} rows; at most "
+                         f"{MAX_ROWS} per call (each row's state is made up front): call again for more")
     engine = Engine(model, tokenizer, max_batch=batch_size, pack_weights=settings.pack_weights)
     seed = resolve_seed(settings)
-    n = settings.num_samples
     engine.submit([engine.new_row(p, settings, seed=seed, sample_index=j, key=i * n + j)
                    for i, p in enumerate(prompts) for j in range(n)])
     return _stream(model, engine)

@@ -4,7 +4,7 @@ Order, as OpenAI's API and sample.py apply them: logit_bias -> repetition penalt
 transformers) -> presence/frequency penalties (OpenAI's, over the tokens generated so far) ->
 temperature -> top-k -> top-p -> one draw per row. temperature 0 is greedy (argmax after the
 bias and the penalties). Each row draws from its own ``torch.Generator`` seeded from
-(seed, sample index), so a row's tokens do not depend on which other rows share its batch.
+(seed, prompt ids, sample index), so a row's tokens do not depend on which other rows share its batch.
 
 :class:`RowSampler` holds one row's state (its generator, the tokens it has seen and generated)
 and chooses its next token from the row's logits; the generation scheduler (gpt2kit.generate)
@@ -73,7 +73,7 @@ class SamplingSettings:
             _check_int("logit_bias token id", t, ">= 0", lambda v: v >= 0)
             _check_float(f"logit_bias[{t}]", b, "(finite)", lambda v: True)
         if self.seed is not None:
-            _check_int("seed", self.seed, ">= 0", lambda v: v >= 0)
+            _check_int("seed", self.seed, "in [0, 2**64)", lambda v: 0 <= v < 2**64)
         for t in self.stop_token_ids:
             _check_int("stop_token_ids entry", t, ">= 0", lambda v: v >= 0)
         for s in self.stop_strings:
@@ -198,11 +198,16 @@ def sample(logits: torch.Tensor, generators: Sequence[torch.Generator] | None) -
     return torch.cat([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generators)])
 
 
-def row_generator(seed: int, sample_index: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The RNG of a row: seeded from (seed, sample index) only, so a row samples the same tokens
-    whatever else is in its batch (two rows with the same prompt and sample index agree)."""
+def row_generator(seed: int, sample_index: int, device: torch.device | str = "cpu",
+                  prompt: Sequence[int] = ()) -> torch.Generator:
+    """The RNG of a row: seeded from (seed, the prompt's ids, sample index) only, so a row samples the
+    same tokens whatever else is in its batch and wherever its prompt sits in a list (two rows with
+    the same prompt and sample index agree), while different prompts draw different numbers."""
+    x = (seed + 0x9E3779B97F4A7C15 * (sample_index + 1)) % 2**64
+    for t in prompt:  # fold the prompt in, so "def " and "import " do not share one stream
+        x = _splitmix64((x ^ t) % 2**64)
     g = torch.Generator(device=device)
-    g.manual_seed(_splitmix64((seed + 0x9E3779B97F4A7C15 * (sample_index + 1)) % 2**64))
+    g.manual_seed(_splitmix64(x))
     return g
 
 
@@ -228,7 +233,7 @@ class RowSampler:
     def __init__(self, settings: SamplingSettings, prompt: Sequence[int], n_vocab: int,
                  seed: int | None, sample_index: int = 0, device: torch.device | str = "cpu") -> None:
         self.settings = settings
-        self.generator = None if settings.greedy else row_generator(seed, sample_index, device)
+        self.generator = None if settings.greedy else row_generator(seed, sample_index, device, prompt)
         self.seen = self.counts = None
         if settings.repetition_penalty != 1.0:
             self.seen = torch.zeros(1, n_vocab, dtype=torch.bool, device=device)  # (1, V)
