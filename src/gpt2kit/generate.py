@@ -37,6 +37,8 @@ import torch
 
 from gpt2kit.kv_cache import KVCache
 from gpt2kit.packed import PackedWeights, packed_weights
+from gpt2kit.quant import is_quantized
+from gpt2kit.quant_decode import forward as quant_forward
 
 if TYPE_CHECKING:
     from gpt2kit.model import GPT2
@@ -229,6 +231,8 @@ def decode_layout(model: GPT2) -> GPT2:
 def prefill(model: GPT2, idx: torch.Tensor, attention_mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
     """Encode idx (B, T) into an empty cache; logits of the last position (B, V)."""
     assert cache.length == 0
+    if is_quantized(model):  # int8 modules: the module-calling forward (gpt2kit.quant_decode)
+        return quant_forward(model, idx, cache=cache, attention_mask=attention_mask, last_logits_only=True)[:, -1]
     out = model._forward(idx, past=None, attention_mask=attention_mask, targets=None, use_cache=False,
                          cache=cache, last_logits_only=True, ignore_index=-100, P=0)
     return out.logits[:, -1]  # (B, V)
@@ -239,6 +243,8 @@ def decode_one_token(model: GPT2, tok: torch.Tensor, attention_mask: torch.Tenso
                      cache: KVCache, packed: PackedWeights | None = None) -> torch.Tensor:
     """Feed tok (B, 1) at position cache.length; attention_mask (B, P + 1) or None; logits (B, V).
     packed: prepacked matrices for the step (gpt2kit.packed.packed_weights), or None."""
+    if is_quantized(model):
+        return quant_forward(model, tok, cache=cache, attention_mask=attention_mask)[:, -1]
     if not model.training:
         return model.decode_step(tok, cache, attention_mask, packed)  # the same logits, less overhead
     out = model._forward(tok, past=None, attention_mask=attention_mask, targets=None, use_cache=False,
@@ -439,7 +445,7 @@ class _Batch:
         idx, self.mask = idx.to(self.device), self.mask.to(self.device)
         self.padded = any(len(c) < T for c in contexts)
         self.cache = KVCache.for_model(self.model, B, M)
-        self.packed = packed_weights(self.model, B, self.settings.pack_weights)
+        self.packed = None if is_quantized(self.model) else packed_weights(self.model, B, self.settings.pack_weights)
         return prefill(self.model, idx, self.mask[:, :T] if self.padded else None, self.cache)
 
     @torch.inference_mode()
