@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from gpt2kit.checkpoint import quantized
 from gpt2kit.checkpoint.errors import CheckpointError
 from gpt2kit.config import GPT2Config
 
@@ -70,6 +71,7 @@ def load_state(name_or_path: str | os.PathLike[str]) -> tuple[GPT2Config, dict[s
     from gpt2kit.model import GPT2
 
     kind, path = resolve_source(name_or_path)
+    _refuse_quantized(kind, path)
     if kind == "hf":
         config, raw = hf.read_hf_dir(path)
     else:
@@ -105,7 +107,10 @@ def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str
 
     dtype = resolve_dtype(dtype) or torch.float32
     device = torch.device(device) if device is not None else torch.device("cpu")
-    config, state, _ = load_state(name_or_path)
+    kind, path = resolve_source(name_or_path)
+    if kind == "hf" and quantized.read_scheme(path) is not None:
+        return quantized.load(path, dtype, device)  # int8 weights (gpt2kit quantize)
+    config, state, _ = load_state(path)
     with torch.device("meta"):
         model = GPT2(config)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
@@ -126,14 +131,21 @@ def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None):
 def save_model(model, directory: str | os.PathLike[str], *, tokenizer=None) -> Path:
     """Write an HF-format directory that transformers and the HF ecosystem load unchanged."""
     from gpt2kit.checkpoint.hf import save_hf_dir
+    from gpt2kit.quant import is_quantized
 
+    if is_quantized(model):
+        return quantized.save(model, directory, tokenizer=tokenizer)
     return save_hf_dir(model, directory, tokenizer=tokenizer)
 
 
 def describe(name_or_path: str | os.PathLike[str]) -> dict:
     """What `gpt2kit info` prints: source kind, directory, config, parameter count, dtypes, files."""
     kind, path = resolve_source(name_or_path)
-    config, state, _ = load_state(path)
+    scheme = quantized.read_scheme(path) if kind == "hf" else None
+    if scheme is not None:
+        config, _, state = quantized.read_state(path)
+    else:
+        config, state, _ = load_state(path)
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values()})
     files = sorted(f.name for f in path.iterdir() if f.is_file() and not f.name.startswith("."))
     return {
@@ -143,4 +155,12 @@ def describe(name_or_path: str | os.PathLike[str]) -> dict:
         "parameters": sum(t.numel() for t in state.values()),
         "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
         "files": {f: (path / f).stat().st_size for f in files},
+        "quantization": scheme,
     }
+
+
+def _refuse_quantized(kind: str, path: Path) -> None:
+    """Float state dicts (training, conversion) cannot come from int8 codes: say so, in one line."""
+    if kind == "hf" and quantized.read_scheme(path) is not None:
+        raise CheckpointError(f"{path}: holds an int8-quantized model (gpt2kit quantize), which is for inference "
+                              "only; training and conversion need the float checkpoint it was made from")
