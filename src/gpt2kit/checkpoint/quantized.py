@@ -84,9 +84,10 @@ def read_state(path: Path) -> tuple[GPT2Config, dict, dict[str, torch.Tensor]]:
     for k, want in expected.items():
         t = state[k]
         if t.shape != want.shape:
-            raise CheckpointError(f"{file}: tensor {k} has shape {tuple(t.shape)}, the config needs {tuple(want.shape)}")
+            raise CheckpointError(
+                f"{file}: tensor {k} has shape {tuple(t.shape)}, the config needs {tuple(want.shape)}")
         if want.dtype == torch.int8 and t.dtype != torch.int8:
-            raise CheckpointError(f"{file}: tensor {k} has dtype {t.dtype}, the int8 scheme needs torch.int8")
+            raise CheckpointError(f"{file}: tensor {k} has dtype {t.dtype}, the int8 scheme needs int8")
         if want.dtype != torch.int8 and not t.dtype.is_floating_point:
             raise CheckpointError(f"{file}: tensor {k} has dtype {t.dtype}, expected a floating-point tensor")
         if k.endswith(".scale") and not bool(torch.isfinite(t).all() and (t > 0).all()):
@@ -126,7 +127,8 @@ def save(model, directory: str | os.PathLike[str], tokenizer=None) -> Path:
         state[k] = v.detach().to("cpu").contiguous()
     floats = sorted({str(v.dtype).removeprefix("torch.") for k, v in state.items()
                      if v.dtype.is_floating_point and not k.endswith(".scale")})
-    atomic_write(d / WEIGHTS, lambda f: f.write(safetensors_bytes(state, metadata={"format": "pt", KEY: scheme["scheme"]})))
+    blob = safetensors_bytes(state, metadata={"format": "pt", KEY: scheme["scheme"]})
+    atomic_write(d / WEIGHTS, lambda f: f.write(blob))
     for stale in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                   "pytorch_model.bin.index.json"):
         (d / stale).unlink(missing_ok=True)  # a float leftover would contradict the quantized weights
