@@ -55,7 +55,7 @@ def quantize_weight(w: torch.Tensor, scale_dtype: str | torch.dtype = "float32")
     w = w.detach().float()
     amax = w.abs().amax(dim=1)  # (out,)
     s = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(_scale_dtype(scale_dtype))
-    q = torch.round(w / s.float()[:, None]).clamp_(-127, 127).to(torch.int8)  # (out, in)
+    q = torch.round(w / s.float()[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()  # (out, in) row-major
     return q, s
 
 

@@ -39,7 +39,8 @@ def _bucket(rows: int) -> str:
 
 
 def _i8pack_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
-    return weight.shape[1] % 8 == 0 and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    return (weight.shape[1] % 8 == 0 and weight.is_contiguous() and x2.dim() == 2
+            and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
 
 
 def run_kernel(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
