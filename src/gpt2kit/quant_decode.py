@@ -15,6 +15,8 @@ Legend: B batch, T new tokens, P cached tokens, S = P + T, C n_embd, nh heads, h
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -74,3 +76,26 @@ def forward(model, idx: torch.Tensor, *, cache: KVCache | None = None, attention
     if last_logits_only:
         x = x[:, -1:]
     return lm_head_logits(model, model.ln_f(x))  # (B, T, V)
+
+
+@torch.inference_mode()
+def quality(float_model, quant_model, windows: torch.Tensor) -> dict[str, float]:
+    """How much quantization changes the model on held-out text windows (N, T) of token ids:
+    perplexity of each model (next-token, every position of every window), its relative rise, the
+    share of positions whose greedy next token (argmax) is the same, and the mean per-position
+    KL(float || quantized) in nats."""
+    nll = {"float": 0.0, "int8": 0.0}
+    agree = kl = n = 0
+    for w in windows:
+        ids = w[None]  # (1, T)
+        lp_f = torch.log_softmax(float_model(ids).logits.float(), -1)[0, :-1]  # (T - 1, V)
+        lp_q = torch.log_softmax(forward(quant_model, ids).float(), -1)[0, :-1]
+        targets = w[1:, None]
+        nll["float"] -= lp_f.gather(-1, targets).sum().item()
+        nll["int8"] -= lp_q.gather(-1, targets).sum().item()
+        agree += (lp_f.argmax(-1) == lp_q.argmax(-1)).sum().item()
+        kl += (lp_f.exp() * (lp_f - lp_q)).sum().item()
+        n += len(targets)
+    ppl_f, ppl_q = math.exp(nll["float"] / n), math.exp(nll["int8"] / n)
+    return {"ppl_float": ppl_f, "ppl_int8": ppl_q, "ppl_rise": ppl_q / ppl_f - 1, "agree": agree / n,
+            "kl_mean": kl / n, "positions": n}
