@@ -12,23 +12,22 @@ import pytest
 import torch
 from conftest import random_model
 
-from gpt2kit import quant_kernels
 from gpt2kit.checkpoint import CheckpointError, describe, load_model, load_state, save_model
 from gpt2kit.cli import main as cli_main
 from gpt2kit.config import GPT2Config
+from gpt2kit.decode import int8 as quant_kernels
 from gpt2kit.generate import SamplingSettings, generate
 from gpt2kit.model import GPT2
 from gpt2kit.quant import (
     QuantEmbedding,
     QuantLinear,
     is_quantized,
+    quality,
     quantization,
     quantize_model,
     quantize_weight,
     weight_bytes,
 )
-from gpt2kit.quant_decode import forward as quant_forward
-from gpt2kit.quant_decode import quality
 
 # in_features a multiple of 8 (the int8-pack kernel's contract), vocab large enough to matter.
 CFG = GPT2Config(n_vocab=1000, n_ctx=64, n_embd=64, n_head=4, n_layer=2)
@@ -42,6 +41,11 @@ def dequantized_copy(float_model: GPT2, q: GPT2) -> GPT2:
             if isinstance(mod, (QuantLinear, QuantEmbedding)):
                 d.get_submodule(name).weight.copy_(mod.dequantize())
     return d
+
+
+def logits(model: GPT2, ids: torch.Tensor, **kw) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(ids, **kw).logits
 
 
 @pytest.fixture
@@ -120,7 +124,7 @@ def test_quantized_model_computes_its_dequantized_weights(model, lm_head, monkey
     mask[1, :5] = 0  # a left-padded row
     with torch.no_grad():
         want = ref(ids, attention_mask=mask).logits
-    got = quant_forward(q, ids, attention_mask=mask)
+    got = logits(q, ids, attention_mask=mask)
     assert (got - want).abs().max() < 1e-5
 
 
@@ -129,7 +133,7 @@ def test_hooks_fire_on_swapped_modules(model):
     seen = []
     q.h[0].attn.c_attn.register_forward_hook(lambda m, i, o: seen.append(("c_attn", tuple(o.shape))))
     q.wte.register_forward_hook(lambda m, i, o: seen.append(("wte", tuple(o.shape))))
-    quant_forward(q, torch.randint(0, CFG.n_vocab, (1, 6)))
+    logits(q, torch.randint(0, CFG.n_vocab, (1, 6)))
     assert seen == [("wte", (1, 6, 64)), ("c_attn", (1, 6, 192))]
 
 
@@ -140,8 +144,28 @@ def test_generation_with_cache_equals_full_forwards(model):
     out = generate(q, [prompt], SamplingSettings(temperature=0, max_new_tokens=8, stop_token_ids=()))[0].tokens
     seq = list(prompt)
     for _ in range(8):
-        seq.append(int(quant_forward(q, torch.tensor([seq]))[0, -1].argmax()))
+        seq.append(int(logits(q, torch.tensor([seq]))[0, -1].argmax()))
     assert out == seq[len(prompt):]
+
+
+@pytest.mark.parametrize("lm_head", [True, False])
+def test_flat_decode_step_equals_the_forward(model, lm_head, monkeypatch):
+    # The CPU decode step (gpt2kit.decode) calls a swapped module as the module: the forward's logits.
+    # One kernel for every row count (the measured choice may differ between 3 and 27 rows, and
+    # bfloat16 activations round differently), so float32 rounding is the tolerance.
+    from gpt2kit.decode import decode_step, kernels_for
+    from gpt2kit.kv_cache import KVCache
+
+    monkeypatch.setenv(quant_kernels.ENV, "dequant")
+    q = quantize_model(model, lm_head=lm_head)
+    ids = torch.randint(0, CFG.n_vocab, (3, 9))
+    kernels = kernels_for(q, 3)
+    assert kernels is not None
+    cache = KVCache.for_model(q, 3, 9)
+    with torch.inference_mode():
+        q(ids[:, :8], cache=cache)
+        step = decode_step(q, ids[:, 8:], cache, None, kernels)
+    assert (step - logits(q, ids)[:, -1]).abs().max() < 1e-5
 
 
 def test_weight_memory_is_about_a_quarter(model):
@@ -181,7 +205,7 @@ def test_save_and_reload_is_bit_exact(model, tmp_path, lm_head, scale_dtype, dty
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
     ids = torch.randint(0, CFG.n_vocab, (1, 12))
-    assert torch.equal(quant_forward(q, ids), quant_forward(r, ids))
+    assert torch.equal(logits(q, ids), logits(r, ids))
     assert describe(tmp_path)["quantization"]["lm_head"] is lm_head
 
 

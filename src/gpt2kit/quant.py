@@ -13,7 +13,7 @@ Biases, LayerNorms and the position embedding stay as they are.
 
 It is a module swap: each nn.Linear becomes a QuantLinear (an int8 `weight` buffer, a `scale`
 buffer, the float `bias`) and wte a QuantEmbedding, so the model's code stays the spec and
-forward hooks still fire. Products run through gpt2kit.quant_kernels (the kernel measured fastest
+forward hooks still fire. Products run through gpt2kit.decode.int8 (the kernel measured fastest
 on the machine). A quantized model is for inference: putting it in training mode raises.
 
 Legend: R rows, in/out the matrix's features, V embedding rows, C n_embd.
@@ -21,11 +21,14 @@ Legend: R rows, in/out the matrix's features, V embedding rows, C n_embd.
 
 from __future__ import annotations
 
+import math
+import types
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpt2kit.quant_kernels import int8_linear
+from gpt2kit.decode.int8 import int8_linear
 
 SCHEMES = ("int8",)
 SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -169,6 +172,11 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules())
 
 
+def _quantized_lm_head(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """GPT2.lm_head for a model whose wte is a QuantEmbedding: x (..., C) -> logits (..., V)."""
+    return model.wte.lm_head(x, model.config.n_vocab)
+
+
 def _swap(model: nn.Module, lm_head: bool, make_linear, make_embedding) -> None:
     for block in model.h:
         block.attn.c_attn = make_linear(block.attn.c_attn)
@@ -177,6 +185,10 @@ def _swap(model: nn.Module, lm_head: bool, make_linear, make_embedding) -> None:
         block.mlp.c_proj = make_linear(block.mlp.c_proj)
     if lm_head:
         model.wte = make_embedding(model.wte)
+        # GPT2.lm_head multiplies by wte.weight (float kernels); with int8 rows the product is the
+        # embedding module's own. Bound on the instance because model.py's head does not (yet) defer
+        # to a swapped wte; deepcopy and pickling carry the bound method along with the model.
+        model.lm_head = types.MethodType(_quantized_lm_head, model)
 
 
 def quantize_model(model: nn.Module, scheme: str = "int8", *, lm_head: bool = True,
@@ -210,14 +222,28 @@ def quantized_skeleton(model: nn.Module, lm_head: bool, scale_dtype: str = "floa
     return model
 
 
-def lm_head_logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The tied head's logits x (..., C) -> (..., n_vocab), for a float or a quantized wte."""
-    n = model.config.n_vocab
-    if isinstance(model.wte, QuantEmbedding):
-        return model.wte.lm_head(x, n)
-    return F.linear(x, model.wte.weight[:n])
-
-
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers (int8 weights, scales, float tensors)."""
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+@torch.inference_mode()
+def quality(float_model: nn.Module, quant_model: nn.Module, windows: torch.Tensor) -> dict[str, float]:
+    """How much quantization changes a model on held-out text windows (N, T) of token ids:
+    perplexity of each model (next-token, every position of every window), its relative rise, the
+    share of positions whose greedy next token (argmax) is the same, and the mean per-position
+    KL(float || quantized) in nats."""
+    nll_f = nll_q = agree = kl = n = 0.0
+    for w in windows:
+        ids = w[None]  # (1, T)
+        lp_f = torch.log_softmax(float_model(ids).logits.float(), -1)[0, :-1]  # (T - 1, V)
+        lp_q = torch.log_softmax(quant_model(ids).logits.float(), -1)[0, :-1]
+        targets = w[1:, None]  # (T - 1, 1)
+        nll_f -= lp_f.gather(-1, targets).sum().item()
+        nll_q -= lp_q.gather(-1, targets).sum().item()
+        agree += (lp_f.argmax(-1) == lp_q.argmax(-1)).sum().item()
+        kl += (lp_f.exp() * (lp_f - lp_q)).sum().item()
+        n += len(targets)
+    ppl_f, ppl_q = math.exp(nll_f / n), math.exp(nll_q / n)
+    return {"ppl_float": ppl_f, "ppl_int8": ppl_q, "ppl_rise": ppl_q / ppl_f - 1, "agree": agree / n,
+            "kl_mean": kl / n, "positions": int(n)}

@@ -13,9 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from gpt2kit.quant import is_quantized
-from gpt2kit.quant_decode import forward as quant_forward
-
 
 @dataclass(frozen=True)
 class ScoreResult:
@@ -60,8 +57,7 @@ def score_tokens(model, tokens: list[int], *, eot_token: int = 50256, stride: in
     while scored_to < len(seq):
         end = min(begin + n_ctx, len(seq))
         window = seq[begin:end]
-        logits = (quant_forward(model, window[None]) if is_quantized(model) else model(window[None]).logits)
-        logits = logits[0].float()  # (W, V); row k predicts seq[begin + k + 1]
+        logits = model(window[None]).logits[0].float()  # (W, V); row k predicts seq[begin + k + 1]
         logp = torch.log_softmax(logits[:-1], dim=-1)  # (W - 1, V)
         targets = window[1:]
         first = scored_to - begin - 1  # the row that predicts the first unscored position

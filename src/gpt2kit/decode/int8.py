@@ -18,6 +18,9 @@ names one. `_weight_int8pack_mm` is used only where its contract holds (2-D cont
 in_features a multiple of 8: other sizes crash or return wrong values in torch 2.13's CPU kernel).
 On CUDA the candidates are the same ops (untested: no GPU was lent to the session that wrote this).
 
+This lives with the decode fast path (gpt2kit/decode/) because the choice is about CPU speed; the
+scheme and the modules that call it are gpt2kit.quant.
+
 Legend: R rows (batch x tokens), in/out the matrix's features.
 """
 
