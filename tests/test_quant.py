@@ -346,3 +346,30 @@ def test_quality_gate_on_a_trained_model(trained, lm_head):
     assert r["ppl_rise"] <= 0.01, r
     assert r["agree"] >= 0.99, r
     assert r["kl_mean"] < 0.01, r
+
+
+# --- the benchmark -------------------------------------------------------------------------------
+
+
+def test_bench_int8_column_on_a_tiny_model():
+    from gpt2kit.bench import core as bench
+
+    cfg = GPT2Config(n_vocab=50257, n_ctx=64, n_embd=64, n_head=4, n_layer=2)
+    r = bench.run(quick=True, memory=False, config=cfg, log=lambda s: None, device="cpu", quantize="int8")
+    assert all(r["tok_s"][wl]["gpt2kit/int8"] > 0 for wl in ("prefill", "decode_b1", "decode_b8"))
+    assert r["weight_MB"]["int8"] <= 0.30 * r["weight_MB"]["float32"]
+    assert r["bytes_per_token"]["int8"] < 0.3 * r["bytes_per_token"]["float32"]
+    table = bench.format_table(r)
+    assert "| gpt2kit int8 | ratio | quiet trials |" in table and "decode_b1 int8" in table
+    assert "physical limit" in table and "weight memory" in table
+    with pytest.raises(ValueError, match="unknown quantization scheme 'int2'"):
+        bench.run(quick=True, memory=False, config=cfg, quantize="int2")
+
+
+def test_bench_int8_memory_worker_builds_no_float_copy():
+    from gpt2kit.bench import core as bench
+
+    model = bench._int8_model(CFG, torch.device("cpu"))
+    assert quantization(model) == {"scheme": "int8", "lm_head": True, "scale_dtype": "float32"}
+    assert weight_bytes(model) <= 0.30 * weight_bytes(GPT2(CFG))
+    assert torch.isfinite(logits(model, torch.randint(0, CFG.n_vocab, (1, 5)))).all()
