@@ -38,6 +38,20 @@ def _warn(message: str) -> None:
     print(f"{_PROG}: warning: {message}", file=sys.stderr)
 
 
+def _add_quantize_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", default=None, metavar="SCHEME",
+                   help="quantize the weights at load time: int8 (weight-only; see docs/quantization.md)")
+
+
+def _quantize_loaded(model, args: argparse.Namespace):
+    """Apply --quantize to a loaded model (no-op without it); the LM head is quantized too."""
+    if getattr(args, "quantize", None) is None:
+        return model
+    from gpt2kit.quant import quantize_model
+
+    return quantize_model(model, args.quantize)
+
+
 def _read_text(path: str | None) -> str:
     """A text file (or stdin for None / "-") as str; bytes that are not UTF-8 become U+FFFD, with a warning."""
     name = "stdin" if path is None or path == "-" else path
@@ -146,7 +160,11 @@ def cmd_score(args: argparse.Namespace) -> int:
     from gpt2kit.score import score_text
 
     text = _read_text(args.file)
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.quantize is not None:
+        from gpt2kit.quant import check_scheme
+
+        check_scheme(args.quantize)  # before reading the text and loading the model
+    model = _quantize_loaded(load_model(args.model, dtype=args.dtype, device=args.device), args)
     result = score_text(model, load_tokenizer(args.model), text, stride=args.stride)
     if args.json:
         print(json.dumps(result.to_json()))
@@ -162,6 +180,7 @@ def _register_score(sub: argparse._SubParsersAction) -> None:
     _add_model_args(p)
     p.add_argument("--stride", type=int, default=None, help="sliding-window stride for long texts (default n_ctx/2)")
     p.add_argument("--json", action="store_true", help='print {"tokens", "logprobs", "nll", "ppl"}')
+    _add_quantize_arg(p)
     p.set_defaults(func=cmd_score)
 
 
@@ -192,6 +211,34 @@ def _register_convert(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_convert)
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from gpt2kit.checkpoint import load_model, load_tokenizer, save_model
+    from gpt2kit.quant import check_scheme, quantize_model, weight_bytes
+
+    scheme = check_scheme("int8" if args.int8 else args.scheme or "")  # before the model loads
+    model = load_model(args.src)
+    before = weight_bytes(model)
+    quantize_model(model, scheme, lm_head=args.lm_head, scale_dtype=args.scale_dtype)
+    out = save_model(model, args.dst, tokenizer=load_tokenizer(args.src))
+    after = weight_bytes(model)
+    print(f"wrote {out} ({scheme}, LM head {'quantized' if args.lm_head else 'float32'}, {args.scale_dtype} "
+          f"scales): weights {after / 1e6:.1f} MB, {after / before:.0%} of float32's {before / 1e6:.1f} MB")
+    return 0
+
+
+def _register_quantize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quantize", help="write an int8 weight-only copy of a checkpoint (docs/quantization.md)")
+    p.add_argument("src", help="hub id, HF directory or OpenAI TF release directory (float weights)")
+    p.add_argument("dst", help="output directory")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--int8", action="store_true", help="symmetric per-output-channel int8 weights")
+    g.add_argument("--scheme", default=None, help="the scheme by name (int8)")
+    p.add_argument("--lm-head", action=argparse.BooleanOptionalAction, default=True,
+                   help="also quantize the tied embedding / LM head (default: yes)")
+    p.add_argument("--scale-dtype", default="float32", help="float32 (default) or bfloat16 scales")
+    p.set_defaults(func=cmd_quantize)
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from gpt2kit.checkpoint import describe
 
@@ -205,6 +252,10 @@ def cmd_info(args: argparse.Namespace) -> int:
           f"n_ctx {cfg['n_ctx']}, n_vocab {cfg['n_vocab']}")
     print(f"parameters: {info['parameters']:,}")
     print(f"dtype:      {info['dtype']}")
+    q = info.get("quantization")
+    if q:
+        print(f"quantized:  {q['scheme']} weight-only, per output channel, {q['scale_dtype']} scales, "
+              f"LM head {'quantized' if q['lm_head'] else 'not quantized'}")
     for name, size in info["files"].items():
         print(f"file:       {name} ({size:,} bytes)")
     return 0
@@ -263,6 +314,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from gpt2kit.train import TrainConfig, resume_config, train
 
+    if args.quantize is not None:
+        raise CLIError(f"--quantize {args.quantize}: training needs float weights; train, then run "
+                       "`gpt2kit quantize` on the result (or pass --quantize to generate/score/bench)")
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     if not args.resume and args.model and args.out and Path(args.model).expanduser().exists():
@@ -329,6 +383,7 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
     a("--resume", action="store_true", help="continue the run saved in --out/checkpoint.pt")
     a("--stop-at", type=int, help="end this invocation after this step, saving a checkpoint "
                                   "(the schedule still runs to --max-steps; continue with --resume)")
+    a("--quantize", help=argparse.SUPPRESS)  # accepted only to refuse it in one clear line
     p.set_defaults(func=cmd_train)
 
 
@@ -417,8 +472,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError("--interactive reads its prompts from stdin; drop PROMPT / --prompts-file")
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.quantize is not None:
+        from gpt2kit.quant import check_scheme
+
+        check_scheme(args.quantize)  # before the model loads
     texts = _read_prompts(args.prompts_file) if args.prompts_file is not None else [args.prompt or ""]
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    model = _quantize_loaded(load_model(args.model, dtype=args.dtype, device=args.device), args)
     tok = load_tokenizer(args.model)
     if not args.interactive:  # no prompt: unconditional samples from <|endoftext|>
         _generate_and_print(model, tok, texts, settings, args)
@@ -462,6 +521,7 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
                    help="tokens kept when re-encoding past the context (default n_ctx/2)")
     p.add_argument("--no-pack-weights", action="store_true",
                    help="CPU: no prepacked second copy of the weights (slower decode, less memory)")
+    _add_quantize_arg(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -576,6 +636,7 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_tokenize, _register_detokenize, _register_score, _register_convert, _register_info,
     _register_prepare, _register_train, _register_generate, _register_bench, _register_trace, _register_serve,
+    _register_quantize,
 ]
 
 

@@ -19,6 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="before each trial, wait up to S seconds for other processes to leave the CPU")
+    p.add_argument("--quantize", default=None, metavar="SCHEME",
+                   help="add a gpt2kit column with int8 weights (weight-only, LM head included)")
     p.add_argument("--_memory-worker", nargs=6, default=None, help=argparse.SUPPRESS)
 
 

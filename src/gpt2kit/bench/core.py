@@ -43,6 +43,7 @@ from gpt2kit.model import GPT2
 TARGETS = {  # gpt2kit / transformers float32, from the generation issue
     ("decode_b1", "float32"): 1.1, ("decode_b1", "bfloat16"): 1.8, ("decode_b8", "float32"): 1.6,
     ("prefill", "float32"): 1.0, ("prefill", "bfloat16"): 1.6,
+    ("decode_b1", "int8"): 2.5, ("decode_b8", "int8"): 2.0,  # the int8 issue (with --quantize int8)
 }
 TEXT = (
     "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
@@ -199,8 +200,9 @@ def hf_decode(hf, prompts: torch.Tensor, n: int, out: list | None = None) -> Cal
 
 def weight_bytes_per_token(model: GPT2) -> int:
     """Bytes of weights one batch-1 decode step reads: every matrix once (wte as the LM head), and
-    one row of wpe."""
-    total = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "wpe.weight")
+    one row of wpe. Buffers count too: an int8 model's codes and scales are buffers (gpt2kit.quant)."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    total = sum(p.numel() * p.element_size() for name, p in tensors if name != "wpe.weight")
     return total + model.wpe.weight[0].numel() * model.wpe.weight.element_size()
 
 
@@ -262,7 +264,10 @@ def _memory_worker(engine: str, dtype: str, T: int, n: int, threads: int, device
     baseline = _status_bytes("VmRSS") if dev.type == "cpu" else torch.cuda.memory_allocated(dev)
     torch.manual_seed(0)
     ids = torch.randint(0, 50257, (1, T), device=dev), torch.randint(0, 50257, (8, 16), device=dev)
-    if engine == "gpt2kit":
+    if engine == "gpt2kit" and dtype == "int8":
+        model = _int8_model(GPT2Config(), dev)
+        runs = [ours_prefill(model, ids[0]), ours_decode(model, ids[1], n)]
+    elif engine == "gpt2kit":
         torch.set_default_dtype(getattr(torch, dtype))  # built in its dtype: no float32 copy on the way
         with dev:
             model = use_decode_layout(GPT2(GPT2Config()).eval())
@@ -279,6 +284,27 @@ def _memory_worker(engine: str, dtype: str, T: int, n: int, threads: int, device
         synced(run, dev)()
     peak = _status_bytes("VmHWM") if dev.type == "cpu" else torch.cuda.max_memory_allocated(dev)
     print(json.dumps({"peak_above_baseline": peak - baseline}))
+
+
+def _int8_model(config: GPT2Config, device: torch.device) -> GPT2:
+    """A random int8 model built as loading a quantized checkpoint builds it (int8 modules on the meta
+    device, then filled), so no float32 copy ever exists: the memory a user of `gpt2kit quantize` sees."""
+    from gpt2kit.quant import quantized_skeleton
+
+    with torch.device("meta"):
+        model = quantized_skeleton(GPT2(config), lm_head=True)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if t.dtype == torch.int8:
+                t.random_(-127, 128)
+            elif name.endswith(".scale"):
+                t.fill_(0.02 * 3 / 127)  # N(0, 0.02) weights reach ~3 sigma
+            elif ".ln_" in name or name.startswith("ln_f"):
+                t.fill_(1.0 if name.endswith("weight") else 0.0)
+            else:
+                t.normal_(0, 0.01 if name.startswith("wpe") else 0.02)
+    return model.eval()
 
 
 def peak_memory(engine: str, dtype: str, T: int, n: int, threads: int,
@@ -321,11 +347,16 @@ def machine(device: torch.device | str = "cpu") -> dict[str, object]:
 
 def run(quick: bool = False, threads: int | None = None, memory: bool = True, wait: float = 0.0,
         log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
-        device: str | torch.device = "cpu", config: GPT2Config | None = None) -> dict:
+        device: str | torch.device = "cpu", config: GPT2Config | None = None, quantize: str | None = None) -> dict:
     """Run the benchmark; returns the results (also what `format_table` prints). wait: seconds to
     wait, before each trial, for other processes to leave the CPU (for shared machines). device:
     cpu or cuda (on cuda each trial ends with a synchronize; memory is the peak allocated).
-    config: another model than gpt2 124M (the tests run a tiny one)."""
+    config: another model than gpt2 124M (the tests run a tiny one). quantize: "int8" adds gpt2kit
+    with int8 weights (gpt2kit.quant, LM head included) as a third column."""
+    if quantize is not None:
+        from gpt2kit.quant import check_scheme
+
+        check_scheme(quantize)
     device = resolve_device(device)
     config = config or GPT2Config()
     if threads is not None:
@@ -341,11 +372,20 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
     ours16 = GPT2(config).eval()
     ours16.load_state_dict(ours32.state_dict())
     ours32, ours16 = ours32.to(device), ours16.to(device, torch.bfloat16)
+    ours8 = None
+    if quantize is not None:
+        from gpt2kit.quant import quantize_model
+
+        ours8 = GPT2(config).eval()
+        ours8.load_state_dict(ours32.state_dict())
+        ours8 = quantize_model(ours8.to(device), quantize, lm_head=True)
     for model in (ours32, ours16):  # what generate does first; here so that prefill has it too
         use_decode_layout(model)
     engines = {"transformers/float32": (hf, hf_prefill, hf_decode),
                "gpt2kit/float32": (ours32, ours_prefill, ours_decode),
                "gpt2kit/bfloat16": (ours16, ours_prefill, ours_decode)}
+    if ours8 is not None:
+        engines["gpt2kit/int8"] = (ours8, ours_prefill, ours_decode)
     g = torch.Generator().manual_seed(1)
     V = config.n_vocab
     long_prompt = torch.randint(0, V, (1, T), generator=g).to(device)
@@ -381,6 +421,15 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
                               "bfloat16": bw / weight_bytes_per_token(ours16)}
     results["bytes_per_token"] = {"float32": weight_bytes_per_token(ours32),
                                   "bfloat16": weight_bytes_per_token(ours16)}
+    if ours8 is not None:
+        from gpt2kit.decode.int8 import chosen
+        from gpt2kit.quant import weight_bytes
+
+        results["limit_tok_s"]["int8"] = bw / weight_bytes_per_token(ours8)
+        results["bytes_per_token"]["int8"] = weight_bytes_per_token(ours8)
+        results["weight_MB"] = {"float32": weight_bytes(ours32) / 1e6, "int8": weight_bytes(ours8) / 1e6}
+        results["dlogprob_int8_next"], results["dlogprob_int8_vocab"] = logprob_drift(ours32, ours8, ids)
+        results["int8_kernels"] = chosen()
     if memory:
         log("  peak memory (fresh processes) ...")
         results["peak_MiB"] = {
@@ -388,6 +437,8 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
             "gpt2kit/float32": peak_memory("gpt2kit", "float32", T, n, threads, device),
             "gpt2kit/bfloat16": peak_memory("gpt2kit", "bfloat16", T, n, threads, device),
         }
+        if ours8 is not None:
+            results["peak_MiB"]["gpt2kit/int8"] = peak_memory("gpt2kit", "int8", T, n, threads, device)
     return results
 
 
@@ -407,16 +458,27 @@ def format_table(r: dict) -> str:
     ]
     names = {"prefill": f"prefill tok/s (T={r['T']})", "decode_b1": f"decode tok/s, batch 1 ({r['new_tokens']} new)",
              "decode_b8": f"decode tok/s, batch 8 ({r['new_tokens']} new)"}
+    i8 = "gpt2kit/int8" if "gpt2kit/int8" in r["tok_s"]["prefill"] else None
+    if i8:  # the int8 column goes in before the quiet-trials one
+        lines[-2] = lines[-2].replace(" | quiet trials |", " | gpt2kit int8 | ratio | quiet trials |")
+        lines[-1] = lines[-1].replace("--:|---|", "--:|--:|--:|---|")
     for wl, label in names.items():
         v = r["tok_s"][wl]
         q = r["quiet"][wl]
+        extra = f"{v[i8]:.1f} | {v[i8] / v[ref]:.2f}x | " if i8 else ""
         lines.append(f"| {label} | {v[ref]:.1f} | {v[cols[0]]:.1f} | {v[cols[0]] / v[ref]:.2f}x | "
-                     f"{v[cols[1]]:.1f} | {v[cols[1]] / v[ref]:.2f}x | {q[ref]}, {q[cols[0]]}, {q[cols[1]]} |")
+                     f"{v[cols[1]]:.1f} | {v[cols[1]] / v[ref]:.2f}x | {extra}{q[ref]}, {q[cols[0]]}, {q[cols[1]]}"
+                     f"{', ' + q[i8] if i8 else ''} |")
     if r.get("peak_MiB"):
         p = r["peak_MiB"]
         what = "peak GPU memory allocated" if on_gpu else "peak RSS above baseline"
+        extra = f"{p[i8]:.0f} | {p[i8] / p[ref]:.2f}x | " if i8 and p.get(i8) is not None else ""
         lines.append(f"| {what}, MiB (lower is better) | {p[ref]:.0f} | {p[cols[0]]:.0f} | "
-                     f"{p[cols[0]] / p[ref]:.2f}x | {p[cols[1]]:.0f} | {p[cols[1]] / p[ref]:.2f}x | |")
+                     f"{p[cols[0]] / p[ref]:.2f}x | {p[cols[1]]:.0f} | {p[cols[1]] / p[ref]:.2f}x | {extra}|")
+    if i8:
+        w = r["weight_MB"]
+        lines.append(f"| weight memory, MB (lower is better) | {w['float32']:.0f} | {w['float32']:.0f} | 1.00x | "
+                     f"{w['float32'] / 2:.0f} | 0.50x | {w['int8']:.0f} | {w['int8'] / w['float32']:.2f}x | |")
     lim, bpt = r["limit_tok_s"], r["bytes_per_token"]
     b1 = r["tok_s"]["decode_b1"]
     lines += [
@@ -433,8 +495,19 @@ def format_table(r: dict) -> str:
         "targets (gpt2kit / transformers fp32): " + ", ".join(
             f"{wl} {dt} {r['tok_s'][wl][f'gpt2kit/{dt}'] / r['tok_s'][wl][ref]:.2f}x "
             f"{'>=' if r['tok_s'][wl][f'gpt2kit/{dt}'] / r['tok_s'][wl][ref] >= goal else '<'} {goal}"
-            for (wl, dt), goal in TARGETS.items()),
+            for (wl, dt), goal in TARGETS.items() if f"gpt2kit/{dt}" in r["tok_s"][wl]),
     ]
+    if i8:
+        w = r["weight_MB"]
+        lines += [
+            f"int8 (weight-only, LM head included): physical limit {bpt['int8'] / 1e6:.0f} MB per token -> "
+            f"{lim['int8']:.1f} tok/s (gpt2kit int8 at {b1[i8] / lim['int8']:.0%}); weight memory "
+            f"{w['int8'] / w['float32']:.0%} of float32 ({'<=' if w['int8'] <= 0.30 * w['float32'] else '>'} 30%); "
+            f"kernels {r['int8_kernels']}",
+            f"int8 vs float32 on the same text (random weights): mean |Δ logprob| {r['dlogprob_int8_next']:.2e} "
+            f"(next tokens), {r['dlogprob_int8_vocab']:.2e} (whole vocabulary); the quality gate on a trained "
+            "model is in docs/quantization.md",
+        ]
     return "\n".join(lines)
 
 
@@ -446,7 +519,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     results = run(quick=args.quick, threads=args.threads, memory=not args.no_memory, wait=args.wait,
-                  device=getattr(args, "device", "cpu"))
+                  device=getattr(args, "device", "cpu"), quantize=getattr(args, "quantize", None))
     print(format_table(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -23,6 +23,7 @@ import torch
 import gpt2kit.checkpoint.hf as hf
 import gpt2kit.checkpoint.hub as hub
 import gpt2kit.checkpoint.openai_tf as openai_tf
+from gpt2kit.checkpoint import quantized
 from gpt2kit.checkpoint.contract import TensorInfo, check
 from gpt2kit.checkpoint.errors import CheckpointError
 from gpt2kit.config import PRESETS, GPT2Config
@@ -118,8 +119,13 @@ def read_checked_header(name_or_path: str | os.PathLike[str]
 
 
 def load_state(name_or_path: str | os.PathLike[str]) -> tuple[GPT2Config, dict[str, torch.Tensor], Path]:
-    """The config and our full, checked state dict of any loadable checkpoint (CPU tensors)."""
-    kind, path, config, infos = read_checked_header(name_or_path)
+    """The config and our full, checked state dict of any loadable float checkpoint (CPU tensors)."""
+    kind, path = resolve_source(name_or_path)
+    if kind == "hf" and quantized.read_scheme(path) is not None:
+        # Float state dicts (training, conversion) cannot come from int8 codes: say so, in one line.
+        raise CheckpointError(f"{path}: holds an int8-quantized model (gpt2kit quantize), which is for inference "
+                              "only; training and conversion need the float checkpoint it was made from")
+    kind, path, config, infos = read_checked_header(path)
     reader, config_file = _reader(kind)
     state = reader.read_tensors(path)
     loaded = {k: TensorInfo(tuple(t.shape), str(t.dtype).removeprefix("torch."), infos[k].file if k in infos
@@ -134,7 +140,10 @@ def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str
     fastest within bfloat16's accuracy on this device, see devices.resolve_dtype)."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device) or torch.float32
-    config, state, _ = load_state(name_or_path)
+    kind, path = resolve_source(name_or_path)
+    if kind == "hf" and quantized.read_scheme(path) is not None:
+        return quantized.load(path, dtype, device)  # int8 weights (gpt2kit quantize)
+    config, state, _ = load_state(path)
     with torch.device("meta"):
         model = GPT2(config)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
@@ -154,7 +163,12 @@ def save_model(model: GPT2, directory: str | os.PathLike[str], *, tokenizer: Tok
     """Write an HF-format directory that transformers and the HF ecosystem load unchanged.
 
     The directory is replaced atomically (built beside it, then swapped in): an existing model
-    there is replaced whole or, on any failure, left as it was. Other files in it are kept."""
+    there is replaced whole or, on any failure, left as it was. Other files in it are kept. An
+    int8-quantized model is written in gpt2kit's own int8 format (checkpoint/quantized.py)."""
+    from gpt2kit.quant import is_quantized
+
+    if is_quantized(model):
+        return quantized.save(model, directory, tokenizer=tokenizer)
     return hf.save_hf_dir(model, directory, tokenizer=tokenizer)
 
 
@@ -168,8 +182,15 @@ def holds_model(path: str | os.PathLike[str]) -> bool:
 def describe(name_or_path: str | os.PathLike[str]) -> dict:
     """What `gpt2kit info` prints: source kind, directory, config, parameter count, dtypes, files.
 
-    Read from the checkpoint's headers (safetensors headers, the TF index) — no tensor data."""
-    kind, path, config, infos = read_checked_header(name_or_path)
+    Read from the checkpoint's headers (safetensors headers, the TF index) — no tensor data; an
+    int8 checkpoint's tensors are read to count them."""
+    kind, path = resolve_source(name_or_path)
+    scheme = quantized.read_scheme(path) if kind == "hf" else None
+    if scheme is not None:
+        config, _, state = quantized.read_state(path)
+        infos = {k: TensorInfo(tuple(t.shape), str(t.dtype).removeprefix("torch."), "") for k, t in state.items()}
+    else:
+        kind, path, config, infos = read_checked_header(path)
     dtypes = sorted({i.dtype for i in infos.values()})
     files = sorted(f.name for f in path.iterdir() if f.is_file() and not f.name.startswith("."))
     return {
@@ -179,4 +200,5 @@ def describe(name_or_path: str | os.PathLike[str]) -> dict:
         "parameters": sum(i.numel for i in infos.values()),
         "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
         "files": {f: (path / f).stat().st_size for f in files},
+        "quantization": scheme,
     }

@@ -40,7 +40,9 @@ def kernels_for(model: GPT2, batch_size: int, pack: bool | None = None) -> Kerne
     where it is faster and the copy fits; gpt2kit.decode.packed), else the plain kernels."""
     if model.training or _has_hooks(model):
         return None
-    choose_half_kernels(_largest_matrix(model))
+    largest = _largest_matrix(model)
+    if largest is not None:
+        choose_half_kernels(largest)
     return packed_weights(model, batch_size, pack) or PLAIN
 
 
@@ -65,7 +67,9 @@ def decode_step(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask: 
         pos = (attention_mask.sum(-1) - 1).clamp_(min=0)  # (B,): real tokens before this one
         mask = attention_mask.bool()[:, None, None, :].clone()  # (B, 1, 1, P + 1)
         mask[..., P] = True  # the query sees itself even when its slot is padding (no NaN)
-    x = F.embedding(idx[:, 0], model.wte.weight) + model.wpe.weight[pos]  # (B, C)
+    plain_wte = type(model.wte) is nn.Embedding  # else a swapped module (int8 rows) looks its rows up
+    tok = F.embedding(idx[:, 0], model.wte.weight) if plain_wte else model.wte(idx[:, 0])
+    x = tok + model.wpe.weight[pos]  # (B, C)
     k_set = kernels if kernels.covers(B, x.dtype) else PLAIN
     for i, block in enumerate(model.h):
         attn, mlp = block.attn, block.mlp
@@ -78,6 +82,8 @@ def decode_step(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask: 
         x = k_set.linear_add(k_set.linear_gelu(h, mlp.c_fc), mlp.c_proj, x)  # (B, C)
     cache.length = P + 1
     x = F.layer_norm(x, (C,), model.ln_f.weight, model.ln_f.bias, eps)
+    if not plain_wte:
+        return model.lm_head(x)  # (B, V): the swapped embedding's own product (gpt2kit.quant)
     return k_set.lm_head(x, model.wte.weight, cfg.n_vocab)  # (B, V): tied LM head
 
 
@@ -88,6 +94,9 @@ def _has_hooks(model: nn.Module) -> bool:
     return any(mod._forward_hooks or mod._forward_pre_hooks for mod in model.modules())
 
 
-def _largest_matrix(model: GPT2) -> torch.Tensor:
+def _largest_matrix(model: GPT2) -> torch.Tensor | None:
+    """A float matrix to measure the half-precision kernels on (None when all are swapped, e.g. int8)."""
     fc = model.h[0].mlp.c_fc
-    return fc.weight if type(fc) is nn.Linear else model.wte.weight
+    if type(fc) is nn.Linear:
+        return fc.weight
+    return model.wte.weight if type(model.wte) is nn.Embedding else None

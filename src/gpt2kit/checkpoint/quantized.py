@@ -1,0 +1,140 @@
+"""int8-quantized checkpoints: an HF-style directory whose config.json records the scheme.
+
+Layout: config.json (the HF GPT-2 config plus ``"gpt2kit_quantization": {"scheme": "int8",
+"lm_head": bool, "scale_dtype": ...}``), model.int8.safetensors (our own tensor names: each
+quantized matrix as ``<name>.weight`` int8 (out, in) and ``<name>.scale`` (out,); the float tensors
+as in the model), generation_config.json and the tokenizer files. The weights file is not named
+model.safetensors on purpose: transformers and other HF readers then report a missing weights file
+instead of loading int8 codes as if they were float weights.
+
+Loading is as strict as every other format: every tensor is read and checked (names, shapes,
+dtypes: int8 where the scheme puts int8, finite positive scales) against a quantized skeleton of
+the config on the meta device before the model is built, so nothing half-loaded is ever returned.
+Saving then loading gives the same tensors bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from gpt2kit._io import atomic_write
+from gpt2kit.checkpoint.errors import CheckpointError
+from gpt2kit.config import GPT2Config
+
+WEIGHTS = "model.int8.safetensors"
+KEY = "gpt2kit_quantization"
+
+
+def read_scheme(path: Path) -> dict | None:
+    """The quantization config.json records for an HF-style directory, or None for a float one."""
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None  # the float reader reports unreadable configs
+    q = raw.get(KEY) if isinstance(raw, dict) else None
+    if q is None:
+        return None
+    from gpt2kit.quant import SCALE_DTYPES, check_scheme
+
+    if not isinstance(q, dict):
+        raise CheckpointError(f"{path / 'config.json'}: {KEY} must be an object, got {q!r}")
+    try:
+        check_scheme(q.get("scheme"))
+    except ValueError as e:
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+    if not isinstance(q.get("lm_head"), bool) or q.get("scale_dtype") not in SCALE_DTYPES:
+        raise CheckpointError(f"{path / 'config.json'}: {KEY} needs lm_head (true/false) and scale_dtype "
+                              f"({', '.join(SCALE_DTYPES)}), got {q!r}")
+    return q
+
+
+def _skeleton(config: GPT2Config, scheme: dict):
+    from gpt2kit.model import GPT2
+    from gpt2kit.quant import quantized_skeleton
+
+    with torch.device("meta"):
+        return quantized_skeleton(GPT2(config), scheme["lm_head"], scheme["scale_dtype"])
+
+
+def read_state(path: Path) -> tuple[GPT2Config, dict, dict[str, torch.Tensor]]:
+    """(config, scheme, state dict) of a quantized directory, every tensor checked."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    scheme = read_scheme(path)
+    config = GPT2Config.from_hf(path / "config.json")
+    file = path / WEIGHTS
+    if not file.is_file():
+        raise CheckpointError(f"{path}: config.json records {scheme['scheme']} quantization but {WEIGHTS} is missing")
+    try:
+        state = load_file(file)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{file}: cannot read safetensors file ({e}); is it truncated or corrupt?") from None
+    expected = _skeleton(config, scheme).state_dict()
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise CheckpointError(f"{file}: missing tensor(s): {', '.join(missing)}")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{file}: unexpected tensor(s): {', '.join(unexpected)}")
+    for k, want in expected.items():
+        t = state[k]
+        if t.shape != want.shape:
+            raise CheckpointError(
+                f"{file}: tensor {k} has shape {tuple(t.shape)}, the config needs {tuple(want.shape)}")
+        if want.dtype == torch.int8 and t.dtype != torch.int8:
+            raise CheckpointError(f"{file}: tensor {k} has dtype {t.dtype}, the int8 scheme needs int8")
+        if want.dtype != torch.int8 and not t.dtype.is_floating_point:
+            raise CheckpointError(f"{file}: tensor {k} has dtype {t.dtype}, expected a floating-point tensor")
+        if k.endswith(".scale") and not bool(torch.isfinite(t).all() and (t > 0).all()):
+            raise CheckpointError(f"{file}: tensor {k} has scales that are not finite and positive")
+    return config, scheme, state
+
+
+def load(path: Path, dtype: torch.dtype, device: torch.device):
+    """The quantized GPT2 in eval mode: int8 weights as stored, scales in their stored dtype, the
+    float tensors (biases, LayerNorms, wpe, an unquantized wte) in dtype, all on device."""
+    config, scheme, state = read_state(path)
+    model = _skeleton(config, scheme)
+    state = {k: v.to(device) if v.dtype == torch.int8 or k.endswith(".scale") else v.to(device=device, dtype=dtype)
+             for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    if scheme["lm_head"]:
+        model.wte.dtype = dtype
+    return model.eval()
+
+
+def save(model, directory: str | os.PathLike[str], tokenizer=None) -> Path:
+    """Write a quantized model (gpt2kit.quant) as described in the module doc; config.json last."""
+    from safetensors.torch import save as safetensors_bytes
+
+    from gpt2kit.quant import quantization
+    from gpt2kit.tokenizer import Tokenizer
+
+    scheme = quantization(model)
+    assert scheme is not None, "save() is for quantized models"
+    cfg: GPT2Config = model.config
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for k, v in model.state_dict().items():
+        if k in ("wte.weight", "wte.scale"):
+            v = v[: cfg.n_vocab]  # drop rows padded for speed (config.json has no padded size)
+        state[k] = v.detach().to("cpu").contiguous()
+    floats = sorted({str(v.dtype).removeprefix("torch.") for k, v in state.items()
+                     if v.dtype.is_floating_point and not k.endswith(".scale")})
+    blob = safetensors_bytes(state, metadata={"format": "pt", KEY: scheme["scheme"]})
+    atomic_write(d / WEIGHTS, lambda f: f.write(blob))
+    for stale in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                  "pytorch_model.bin.index.json"):
+        (d / stale).unlink(missing_ok=True)  # a float leftover would contradict the quantized weights
+    hf_config = cfg.to_hf() | {"torch_dtype": floats[0] if len(floats) == 1 else "float32", KEY: scheme}
+    generation = {"bos_token_id": cfg.eot_id, "eos_token_id": cfg.eot_id}
+    atomic_write(d / "generation_config.json", lambda f: f.write((json.dumps(generation, indent=2) + "\n").encode()))
+    (tokenizer or Tokenizer.default()).save(d)
+    atomic_write(d / "config.json", lambda f: f.write((json.dumps(hf_config, indent=2) + "\n").encode()))
+    return d

@@ -1,0 +1,125 @@
+"""Products with int8 weights: x (R, in) @ (W (out, in) * s (out,))^T, by the kernel that is fastest here.
+
+Weight-only int8 keeps activations in floating point; only the weight is stored as int8 with one
+scale per output channel, so y = (x @ W^T) * s exactly, and a kernel may apply s before or after
+the product. The formulations this module can run (docs/quantization.md has the measurements):
+
+  i8pack-bf16  torch.ops.aten._weight_int8pack_mm on bfloat16 activations (cast in, cast back):
+               ATen's vectorised int8-weight kernel; the fastest on an AVX2 CPU for a few rows
+  i8pack       the same op on the activations' own dtype; on CPU in float32 it is a scalar loop
+               (3-4x slower than bfloat16 activations), in bfloat16 it is i8pack-bf16 without casts
+  dequant      F.linear(x, W.to(x.dtype)) * s: converts the whole matrix each call, then the
+               dtype's GEMM; slow for a few rows, the best for many (prefill) where the GEMM
+               dominates, and the portable path (any device, any shape)
+
+Which one runs is decided per (device type, activation dtype, row bucket) by timing the
+candidates once per process on a matrix of the model's size (`choose`), unless GPT2KIT_INT8_KERNEL
+names one. `_weight_int8pack_mm` is used only where its contract holds (2-D contiguous input,
+in_features a multiple of 8: other sizes crash or return wrong values in torch 2.13's CPU kernel).
+On CUDA the candidates are the same ops (untested: no GPU was lent to the session that wrote this).
+
+This lives with the decode fast path (gpt2kit/decode/) because the choice is about CPU speed; the
+scheme and the modules that call it are gpt2kit.quant.
+
+Legend: R rows (batch x tokens), in/out the matrix's features.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+KERNELS = ("i8pack-bf16", "i8pack", "dequant")
+ENV = "GPT2KIT_INT8_KERNEL"
+_CHOICE: dict[tuple[str, torch.dtype, str], str] = {}  # (device type, activation dtype, rows bucket) -> kernel
+
+
+def _bucket(rows: int) -> str:
+    return "1" if rows == 1 else "few" if rows <= 16 else "many"
+
+
+def _i8pack_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (weight.shape[1] % 8 == 0 and weight.is_contiguous() and x2.dim() == 2
+            and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
+
+
+def run_kernel(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x2 (R, in) float, weight (out, in) int8, scale (out,) -> (R, out) in x2's dtype."""
+    if kernel == "dequant" or not _i8pack_ok(x2, weight):
+        return F.linear(x2, weight.to(x2.dtype)) * scale.to(x2.dtype)
+    if kernel == "i8pack-bf16" and x2.dtype != torch.bfloat16:
+        y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), weight,
+                                               scale.to(torch.bfloat16))
+        return y.to(x2.dtype)
+    return torch.ops.aten._weight_int8pack_mm(x2.contiguous(), weight, scale.to(x2.dtype))
+
+
+def _time(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@torch.inference_mode()
+def measure(device: torch.device, dtype: torch.dtype, rows: int, in_features: int = 768,
+            out_features: int = 3072, reps: int = 3) -> dict[str, float]:
+    """Seconds per product of each candidate on a random (out, in) int8 matrix and `rows` rows
+    (alternating the candidates, best of `reps`). GPT-2 124M's c_fc size by default: big enough to
+    stream from memory like the real matrices, small enough to time in milliseconds."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=g).to(device)
+    s = (torch.rand(out_features, generator=g) / 127).to(device)
+    x = torch.randn(rows, in_features, generator=g).to(device, dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fns = {}
+    for k in KERNELS:
+        if k == "i8pack-bf16" and dtype == torch.bfloat16:
+            continue  # the same as i8pack
+        def fn(k=k):
+            run_kernel(k, x, w, s)
+            sync()
+        fn()  # warm-up
+        fns[k] = fn
+    times = {k: float("inf") for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            times[k] = min(times[k], _time(fn, 1))
+    return times
+
+
+def choose(device: torch.device, dtype: torch.dtype, rows: int) -> str:
+    """The kernel for products of `rows` rows of `dtype` activations on `device`: GPT2KIT_INT8_KERNEL
+    when set, else the fastest in a short measurement, taken once per process and rows bucket
+    (1, 2-16, more), at 1, 8 and 64 rows."""
+    forced = os.environ.get(ENV)
+    if forced:
+        if forced not in KERNELS:
+            raise ValueError(f"{ENV}={forced!r} is not a kernel; valid choices: {', '.join(KERNELS)}")
+        return forced
+    key = (device.type, dtype, _bucket(rows))
+    kernel = _CHOICE.get(key)
+    if kernel is None:
+        times = measure(device, dtype, {"1": 1, "few": 8, "many": 64}[key[2]])
+        kernel = _CHOICE[key] = min(times, key=times.get)
+    return kernel
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) @ (weight (out, in) int8 * scale (out,))^T + bias -> (..., out), in x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1])  # (R, in)
+    y = run_kernel(choose(x.device, x.dtype, x2.shape[0]), x2, weight, scale)  # (R, out)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def chosen() -> dict[str, str]:
+    """The kernels chosen so far in this process, e.g. {'cpu float32 1': 'i8pack-bf16'} (for bench)."""
+    return {f"{d} {str(t).removeprefix('torch.')} {b}": k for (d, t, b), k in _CHOICE.items()}

@@ -1,0 +1,382 @@
+"""int8 weight-only quantization: the scheme, the kernels, the module swap, checkpoints, the CLI and
+the quality gate on a model trained on real text."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_model
+
+from gpt2kit.checkpoint import CheckpointError, describe, load_model, load_state, save_model
+from gpt2kit.cli import main as cli_main
+from gpt2kit.config import GPT2Config
+from gpt2kit.decode import int8 as quant_kernels
+from gpt2kit.generate import SamplingSettings, generate
+from gpt2kit.model import GPT2
+from gpt2kit.quant import (
+    QuantEmbedding,
+    QuantLinear,
+    is_quantized,
+    quality,
+    quantization,
+    quantize_model,
+    quantize_weight,
+    weight_bytes,
+)
+
+# in_features a multiple of 8 (the int8-pack kernel's contract), vocab large enough to matter.
+CFG = GPT2Config(n_vocab=1000, n_ctx=64, n_embd=64, n_head=4, n_layer=2)
+
+
+def dequantized_copy(float_model: GPT2, q: GPT2) -> GPT2:
+    """The float model with every quantized matrix replaced by what its int8 codes and scales stand for."""
+    d = copy.deepcopy(float_model)
+    with torch.no_grad():
+        for name, mod in q.named_modules():
+            if isinstance(mod, (QuantLinear, QuantEmbedding)):
+                d.get_submodule(name).weight.copy_(mod.dequantize())
+    return d
+
+
+def logits(model: GPT2, ids: torch.Tensor, **kw) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(ids, **kw).logits
+
+
+@pytest.fixture
+def model() -> GPT2:
+    return random_model(CFG)
+
+
+# --- the scheme ----------------------------------------------------------------------------------
+
+
+def test_quantize_weight_is_symmetric_per_row_within_half_a_step():
+    w = torch.randn(48, 40) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different ranges
+    w[5] = 0
+    q, s = quantize_weight(w)
+    assert q.dtype == torch.int8 and s.shape == (48,) and q.is_contiguous()
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127  # symmetric: -128 never used
+    err = (q.float() * s[:, None] - w).abs()
+    assert bool((err <= s[:, None] / 2 + 1e-6 * s[:, None]).all())  # round to nearest: half a step at most
+    assert s[5] == 1 and not q[5].any()  # an all-zero row: zeros, a harmless scale
+
+
+def test_bfloat16_scales_are_the_stored_ones():
+    w = torch.randn(16, 24)
+    q, s = quantize_weight(w, "bfloat16")
+    assert s.dtype == torch.bfloat16
+    # q is the best code for the rounded scale: within half a step of it
+    assert bool(((q.float() * s.float()[:, None] - w).abs() <= s.float()[:, None] / 2 + 1e-6).all())
+
+
+# --- kernels -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", quant_kernels.KERNELS)
+@pytest.mark.parametrize("shape", [(1, 64, 192), (3, 64, 7), (8, 3072, 768), (5, 40, 33), (2, 13, 9)])
+def test_every_kernel_computes_the_dequantized_product(kernel, shape):
+    # tolerance: float32 activations agree to float rounding; bfloat16 activations to bf16's 2^-8
+    R, K, N = shape
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    s = torch.rand(N, generator=g) / 100
+    x = torch.randn(R, K, generator=g)
+    ref = x @ (w.float() * s[:, None]).t()
+    y = quant_kernels.run_kernel(kernel, x, w, s)
+    assert y.dtype == torch.float32 and y.shape == (R, N)
+    tol = 2e-2 if kernel == "i8pack-bf16" and K % 8 == 0 else 1e-5
+    assert (y - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_the_choice_is_measured_and_can_be_forced(monkeypatch):
+    monkeypatch.delenv(quant_kernels.ENV, raising=False)
+    k = quant_kernels.choose(torch.device("cpu"), torch.float32, 1)
+    assert k in quant_kernels.KERNELS and quant_kernels.chosen()["cpu float32 1"] == k
+    times = quant_kernels.measure(torch.device("cpu"), torch.float32, 1, 64, 64, reps=1)
+    assert set(times) == set(quant_kernels.KERNELS) and all(t > 0 for t in times.values())
+    monkeypatch.setenv(quant_kernels.ENV, "dequant")
+    assert quant_kernels.choose(torch.device("cpu"), torch.float32, 1) == "dequant"
+    monkeypatch.setenv(quant_kernels.ENV, "int3")
+    with pytest.raises(ValueError, match="int3.*valid choices: i8pack-bf16"):
+        quant_kernels.choose(torch.device("cpu"), torch.float32, 1)
+
+
+# --- the module swap -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lm_head", [True, False])
+def test_quantized_model_computes_its_dequantized_weights(model, lm_head, monkeypatch):
+    # With float32 activations (the dequant kernel) the int8 model is the float model whose matrices
+    # are the dequantized codes, to float32 rounding: the module swap changes only the weights.
+    monkeypatch.setenv(quant_kernels.ENV, "dequant")
+    q = quantize_model(copy.deepcopy(model), lm_head=lm_head)
+    assert isinstance(q.h[1].mlp.c_fc, QuantLinear) and isinstance(q.wte, QuantEmbedding) == lm_head
+    assert quantization(q) == {"scheme": "int8", "lm_head": lm_head, "scale_dtype": "float32"}
+    ref = dequantized_copy(model, q)
+    ids = torch.randint(0, CFG.n_vocab, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :5] = 0  # a left-padded row
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits
+    got = logits(q, ids, attention_mask=mask)
+    assert (got - want).abs().max() < 1e-5
+
+
+def test_hooks_fire_on_swapped_modules(model):
+    q = quantize_model(model)
+    seen = []
+    q.h[0].attn.c_attn.register_forward_hook(lambda m, i, o: seen.append(("c_attn", tuple(o.shape))))
+    q.wte.register_forward_hook(lambda m, i, o: seen.append(("wte", tuple(o.shape))))
+    logits(q, torch.randint(0, CFG.n_vocab, (1, 6)))
+    assert seen == [("wte", (1, 6, 64)), ("c_attn", (1, 6, 192))]
+
+
+def test_generation_with_cache_equals_full_forwards(model):
+    # Greedy tokens of the KV-cached generator equal argmaxes of full forward passes of the same model.
+    q = quantize_model(model)
+    prompt = [5, 17, 300, 2]
+    out = generate(q, [prompt], SamplingSettings(temperature=0, max_new_tokens=8, stop_token_ids=()))[0].tokens
+    seq = list(prompt)
+    for _ in range(8):
+        seq.append(int(logits(q, torch.tensor([seq]))[0, -1].argmax()))
+    assert out == seq[len(prompt):]
+
+
+@pytest.mark.parametrize("lm_head", [True, False])
+def test_flat_decode_step_equals_the_forward(model, lm_head, monkeypatch):
+    # The CPU decode step (gpt2kit.decode) calls a swapped module as the module: the forward's logits.
+    # One kernel for every row count (the measured choice may differ between 3 and 27 rows, and
+    # bfloat16 activations round differently), so float32 rounding is the tolerance.
+    from gpt2kit.decode import decode_step, kernels_for
+    from gpt2kit.kv_cache import KVCache
+
+    monkeypatch.setenv(quant_kernels.ENV, "dequant")
+    q = quantize_model(model, lm_head=lm_head)
+    ids = torch.randint(0, CFG.n_vocab, (3, 9))
+    kernels = kernels_for(q, 3)
+    assert kernels is not None
+    cache = KVCache.for_model(q, 3, 9)
+    with torch.inference_mode():
+        q(ids[:, :8], cache=cache)
+        step = decode_step(q, ids[:, 8:], cache, None, kernels)
+    assert (step - logits(q, ids)[:, -1]).abs().max() < 1e-5
+
+
+def test_weight_memory_is_about_a_quarter(model):
+    before = weight_bytes(model)
+    q = quantize_model(model)
+    assert weight_bytes(q) <= 0.30 * before
+    assert all(b.dtype == torch.int8 for n, b in q.named_buffers() if n.endswith("weight"))
+
+
+def test_bad_input_is_one_clear_error(model):
+    with pytest.raises(ValueError, match="unknown quantization scheme 'int4'; valid choices: int8"):
+        quantize_model(model, "int4")
+    with pytest.raises(ValueError, match="unknown scale dtype 'float8'"):
+        quantize_model(model, scale_dtype="float8")
+    assert not is_quantized(model)  # nothing was swapped by the failed calls
+    quantize_model(model)
+    with pytest.raises(ValueError, match="already int8-quantized"):
+        quantize_model(model)
+    with pytest.raises(ValueError, match="for inference only"):
+        model.train()
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lm_head,scale_dtype,dtype", [(True, "float32", "float32"), (False, "bfloat16", "float32"),
+                                                       (True, "float32", "bfloat16")])
+def test_save_and_reload_is_bit_exact(model, tmp_path, lm_head, scale_dtype, dtype):
+    q = quantize_model(model.to(getattr(torch, dtype)), lm_head=lm_head, scale_dtype=scale_dtype)
+    save_model(q, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["gpt2kit_quantization"] == {"scheme": "int8", "lm_head": lm_head, "scale_dtype": scale_dtype}
+    assert not (tmp_path / "model.safetensors").exists()  # float readers must not misread int8 codes
+    r = load_model(tmp_path, dtype=dtype)
+    a, b = q.state_dict(), r.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    ids = torch.randint(0, CFG.n_vocab, (1, 12))
+    assert torch.equal(logits(q, ids), logits(r, ids))
+    assert describe(tmp_path)["quantization"]["lm_head"] is lm_head
+
+
+def _saved(model, tmp_path) -> Path:
+    save_model(quantize_model(model), tmp_path)
+    return tmp_path
+
+
+def _rewrite(path: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(path / "model.int8.safetensors")
+    edit(state)
+    save_file(state, path / "model.int8.safetensors")
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda s: s.pop("h.1.mlp.c_fc.scale"), "missing tensor.*h.1.mlp.c_fc.scale"),
+    (lambda s: s.__setitem__("h.0.attn.c_attn.scale", torch.ones(5)), "h.0.attn.c_attn.scale has shape \\(5,\\)"),
+    (lambda s: s.__setitem__("h.0.attn.c_proj.weight", s["h.0.attn.c_proj.weight"].float()),
+     "h.0.attn.c_proj.weight has dtype torch.float32, the int8 scheme needs int8"),
+    (lambda s: s.__setitem__("wte.scale", torch.full_like(s["wte.scale"], float("nan"))), "not finite and positive"),
+    (lambda s: s.__setitem__("extra.scale", torch.ones(3)), "unexpected tensor.*extra.scale"),
+])
+def test_a_broken_quantized_checkpoint_fails_to_load_naming_the_tensor(model, tmp_path, edit, words):
+    path = _saved(model, tmp_path)
+    _rewrite(path, edit)
+    with pytest.raises(CheckpointError, match=words):
+        load_model(path)
+
+
+def test_unknown_scheme_in_config_and_training_from_int8_are_refused(model, tmp_path):
+    path = _saved(model, tmp_path)
+    with pytest.raises(CheckpointError, match="for inference only"):
+        load_state(path)  # what training and conversion read
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["gpt2kit_quantization"]["scheme"] = "nf4"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="unknown quantization scheme 'nf4'"):
+        load_model(path)
+
+
+# --- the CLI -------------------------------------------------------------------------------------
+
+
+def test_cli_quantize_info_generate_score(tmp_path, capsys):
+    model = random_model(CFG.replace(n_vocab=50257))  # GPT-2's vocabulary: score needs <|endoftext|>
+    src, dst = tmp_path / "f", tmp_path / "q"
+    save_model(model, src)
+    assert cli_main(["quantize", str(src), str(dst), "--int8"]) == 0
+    assert "int8, LM head quantized" in capsys.readouterr().out
+    assert cli_main(["info", str(dst)]) == 0
+    assert "int8 weight-only" in capsys.readouterr().out
+    prompt = str(tmp_path / "p.txt")
+    Path(prompt).write_text("hello")
+    assert cli_main(["generate", "-m", str(dst), "--prompts-file", prompt, "-n", "3", "--greedy", "--json"]) == 0
+    from_file = json.loads(capsys.readouterr().out)["tokens"]
+    assert cli_main(["generate", "-m", str(src), "--prompts-file", prompt, "-n", "3", "--greedy", "--json",
+                     "--quantize", "int8"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == from_file  # load-time = file, same codes
+    assert cli_main(["score", prompt, "-m", str(src), "--quantize", "int8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["nll"] > 0
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["quantize", "{q}", "{o}", "--int8"], "already int8-quantized"),
+    (["quantize", "{f}", "{o}", "--scheme", "int4"], "unknown quantization scheme 'int4'"),
+    (["generate", "-m", "{q}", "--quantize", "int8", "-n", "2"], "already int8-quantized"),
+    (["generate", "-m", "{f}", "--quantize", "fp4", "-n", "2"], "unknown quantization scheme 'fp4'"),
+    (["train", "--out", "{o}", "--data", "{f}", "--quantize", "int8"], "training needs float weights"),
+    (["convert", "{q}", "{o}"], None),
+])
+def test_cli_bad_input_is_one_line_and_nonzero(model, tmp_path, capsys, argv, words):
+    f, q = tmp_path / "f", tmp_path / "q"
+    save_model(model, f)
+    save_model(quantize_model(copy.deepcopy(model)), q)
+    argv = [a.format(f=f, q=q, o=tmp_path / "o") for a in argv]
+    rc = cli_main(argv)
+    err = capsys.readouterr().err
+    if words is None:  # converting an int8 checkpoint copies it (still int8), it does not fail
+        assert rc == 0 and is_quantized(load_model(tmp_path / "o"))
+        return
+    assert rc != 0 and len(err.strip().splitlines()) == 1 and words in err, err
+
+
+# --- the quality gate on a trained model ---------------------------------------------------------
+
+
+def _stdlib_text(held_out: bool) -> str:
+    files = sorted(Path(os.__file__).parent.glob("*.py"))
+    files = files[-8:] if held_out else files[:40]
+    return "".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A small GPT-2 trained on the standard library's Python source (real text, GPT-2's BPE) to a
+    loss far below uniform; the vocabulary is the 2,048 most frequent BPE tokens (the rest map to one
+    id) so that training takes seconds, not minutes."""
+    from gpt2kit.tokenizer import Tokenizer
+
+    tok = Tokenizer.default()
+    train_ids = torch.tensor(tok.encode(_stdlib_text(False)))
+    test_ids = torch.tensor(tok.encode(_stdlib_text(True)))
+    V = 2048
+    top = torch.bincount(train_ids, minlength=50257).argsort(descending=True)[: V - 1]
+    remap = torch.full((50257,), V - 1, dtype=torch.long)
+    remap[top] = torch.arange(V - 1)
+    train_ids, test_ids = remap[train_ids], remap[test_ids]
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_vocab=V, n_ctx=128, n_embd=128, n_head=4, n_layer=3))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    B, T, steps = 8, 128, 150
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = 3e-3 * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / steps))
+        ix = torch.randint(0, len(train_ids) - T - 1, (B,))
+        x = torch.stack([train_ids[i:i + T] for i in ix])
+        y = torch.stack([train_ids[i + 1:i + T + 1] for i in ix])
+        loss = model(x, targets=y).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    print(f"trained: loss {loss.item():.3f} after {steps} steps (uniform: {math.log(V):.3f})")
+    model.eval()
+    windows = test_ids[: (len(test_ids) // T) * T].view(-1, T)[:24]  # (24, T) held-out windows
+    return model, windows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", [None, "i8pack-bf16"])
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_quality_gate_on_a_trained_model(trained, lm_head, kernel, monkeypatch):
+    # The issue's gate: held-out perplexity rises by at most 1%, the greedy next token agrees with
+    # float32 on at least 99% of positions; the mean KL(float32 || int8) is reported (and bounded).
+    # kernel None: the measured choice for these 128-row windows; i8pack-bf16: the decode kernel
+    # (bfloat16 activations), forced, so its rounding is gated too.
+    if kernel:
+        monkeypatch.setenv(quant_kernels.ENV, kernel)
+    model, windows = trained
+    r = quality(model, quantize_model(copy.deepcopy(model), lm_head=lm_head), windows)
+    print(f"lm_head={lm_head} kernel={kernel or quant_kernels.chosen()}: {r}")
+    assert r["ppl_float"] < 0.1 * 2048  # trained: far below the uniform perplexity (2048)
+    assert r["ppl_rise"] <= 0.01, r
+    assert r["agree"] >= 0.99, r
+    assert r["kl_mean"] < 0.01, r
+
+
+# --- the benchmark -------------------------------------------------------------------------------
+
+
+def test_bench_int8_column_on_a_tiny_model():
+    from gpt2kit.bench import core as bench
+
+    cfg = GPT2Config(n_vocab=50257, n_ctx=64, n_embd=64, n_head=4, n_layer=2)
+    r = bench.run(quick=True, memory=False, config=cfg, log=lambda s: None, device="cpu", quantize="int8")
+    assert all(r["tok_s"][wl]["gpt2kit/int8"] > 0 for wl in ("prefill", "decode_b1", "decode_b8"))
+    assert r["weight_MB"]["int8"] <= 0.30 * r["weight_MB"]["float32"]
+    assert r["bytes_per_token"]["int8"] < 0.3 * r["bytes_per_token"]["float32"]
+    table = bench.format_table(r)
+    assert "| gpt2kit int8 | ratio | quiet trials |" in table and "decode_b1 int8" in table
+    assert "physical limit" in table and "weight memory" in table
+    with pytest.raises(ValueError, match="unknown quantization scheme 'int2'"):
+        bench.run(quick=True, memory=False, config=cfg, quantize="int2")
+
+
+def test_bench_int8_memory_worker_builds_no_float_copy():
+    from gpt2kit.bench import core as bench
+
+    model = bench._int8_model(CFG, torch.device("cpu"))
+    assert quantization(model) == {"scheme": "int8", "lm_head": True, "scale_dtype": "float32"}
+    assert weight_bytes(model) <= 0.30 * weight_bytes(GPT2(CFG))
+    assert torch.isfinite(logits(model, torch.randint(0, CFG.n_vocab, (1, 5)))).all()
