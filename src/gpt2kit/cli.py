@@ -143,7 +143,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         warnings.showwarning = show
         s = prepare(args.inputs, args.out, val_fraction=args.val_fraction, glob=args.glob,
                     workers=args.workers, shard_size=args.shard_size, progress=sys.stderr.isatty(),
-                    overwrite=args.overwrite)
+                    overwrite=args.overwrite, shuffle_seed=None if args.no_shuffle else args.shuffle_seed)
     print(f"{s.documents:,} documents: {s.train_tokens:,} train tokens in {len(s.train_shards)} shard(s), "
           f"{s.val_tokens:,} val tokens ({s.val_documents:,} documents) in {len(s.val_shards)} shard(s), "
           f"in {s.out_dir}")
@@ -161,6 +161,10 @@ def _register_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     p.add_argument("--shard-size", type=int, default=100_000_000, help="tokens per shard (default 100M)")
     p.add_argument("--overwrite", action="store_true", help="replace shards already in --out")
+    p.add_argument("--shuffle-seed", type=int, default=1337,
+                   help="seed of the document shuffle before the split, recorded in prepare.json (default 1337)")
+    p.add_argument("--no-shuffle", action="store_true",
+                   help="keep documents in path order (validation = the first documents)")
     p.set_defaults(func=cmd_prepare)
 
 
