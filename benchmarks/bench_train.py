@@ -34,7 +34,7 @@ from gpt2kit.checkpoint.keymap import is_transposed, ours_to_hf
 from gpt2kit.config import GPT2Config
 from gpt2kit.model import GPT2
 from gpt2kit.tokenizer import Tokenizer
-from gpt2kit.train import ADAM_BETAS, ADAM_EPS, learning_rate
+from gpt2kit.train import ADAM_BETAS, ADAM_EPS, learning_rate, param_groups
 
 # Dense peak FLOP/s by GPU name (bf16 tensor cores; float32 runs use TF32): for the MFU line.
 PEAK_TFLOPS = {  # name fragment: (bf16, tf32)
@@ -80,9 +80,7 @@ class Contender:
     times: list[float] = field(default_factory=list)
 
     def __post_init__(self):
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = param_groups(self.model, weight_decay=0.1)
         self.optimizer = torch.optim.AdamW(groups, lr=1e-3, betas=ADAM_BETAS, eps=ADAM_EPS, fused=True)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, lr: float, sync) -> None:

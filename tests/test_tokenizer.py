@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from gpt2kit.tokenizer import IncrementalDecoder, Tokenizer, get_tokenizer
+from gpt2kit.tokenizer import LONG_WHITESPACE, IncrementalDecoder, Tokenizer, get_tokenizer
 
 DATA = Path(str(importlib.resources.files("gpt2kit") / "data"))
 ENCODER_JSON, VOCAB_BPE = DATA / "encoder.json", DATA / "vocab.bpe"
@@ -502,3 +502,41 @@ def test_not_json_raises_naming_the_file(tmp_path: Path) -> None:
     (tmp_path / "encoder.json").write_text("[1, 2", encoding="utf-8")
     with pytest.raises(ValueError, match="encoder.json"):
         Tokenizer.from_files(tmp_path / "encoder.json", VOCAB_BPE)
+
+
+# --- whitespace runs of any length ---------------------------------------------------------------
+
+_WS_UNITS = [" ", "\n", "\t", " \n\t", "\r\n", "\n\n ", "\xa0", " \u3000", "\u2028\n"]
+_WS_CONTEXTS = [("", ""), ("a", ""), ("", "b"), ("x", "y"), ("def f():", " return"), ("é", "\n1"), ("'s", "'s")]
+
+
+@pytest.mark.parametrize("unit", _WS_UNITS, ids=repr)
+@pytest.mark.parametrize("length", [LONG_WHITESPACE - 1, LONG_WHITESPACE, LONG_WHITESPACE + 1, 5001, 10_000])
+def test_long_whitespace_runs_give_gpt2s_ids(tok, tiktoken_ref, openai_ref, unit: str, length: int) -> None:
+    """Runs long enough to be tokenized apart from the regex give exactly the ids of the unsplit
+    encoding (tiktoken handles these lengths) and of OpenAI's encoder.py, with text on either side."""
+    run = (unit * (length // len(unit) + 1))[:length]
+    for before, after in _WS_CONTEXTS:
+        text = before + run + after
+        want = tiktoken_ref.encode_ordinary(text)
+        assert tok.encode(text) == want, (before, after)
+        assert tok.encode_batch([text, "hi"]) == [want, [5303]]
+        if length <= 5001:  # the pure-Python reference is slow on the longest runs
+            assert openai_ref.encode(text) == want, (before, after)
+    special = "a" + run + EOT + run + "b"
+    assert tok.encode(special, allow_special=True) == tiktoken_ref.encode(special, allowed_special="all")
+    assert tok.encode(special) == tiktoken_ref.encode_ordinary(special)
+
+
+@pytest.mark.parametrize("unit, ids", [(" ", [220]), ("\n", [628]), (" \n\t", [220, 198, 197])], ids=repr)
+def test_a_million_whitespace_characters(tok, unit: str, ids: list[int]) -> None:
+    """About 1,000,000 whitespace characters overflowed tiktoken's regex stack (a Rust panic that no
+    `except Exception` catches). GPT-2 has no token for two spaces and none longer than "\\n\\n", so the
+    ids are known: the run up to its last character is one piece, repeating `ids`."""
+    n = 1_000_002 if unit == "\n" else 999_999  # the piece is the run less its last character
+    run = unit * (n // len(unit))
+    piece = run[:-1]
+    per = len("".join(tok.decode(i) for i in ids))
+    body = ids * (len(piece) // per) + tok.encode(piece[len(piece) - len(piece) % per:])
+    assert tok.encode("a" + run + "b") == [64, *body, *tok.encode(run[-1] + "b")]
+    assert tok.encode(run) == ids * (len(run) // per) + tok.encode(run[len(run) - len(run) % per:])

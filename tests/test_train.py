@@ -7,6 +7,7 @@ tolerances the issue states: resume within 1e-6 (float32, CPU), 2 DDP ranks vs 1
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -389,3 +390,96 @@ def test_cli_prepare_then_train(tmp_path, capsys):
     assert err.startswith("gpt2kit train: error: total_batch_tokens 1000 is not a multiple of") and err.count("\n") == 1
     assert main(["train", "--out", str(tmp_path / "nodata")]) == 1
     assert "--data is required" in capsys.readouterr().err
+
+
+# --- exact resume of a fine-tune, whatever layout the loader gave -------------------------------
+
+
+def _hf_base(tmp_path: Path) -> Path:
+    from conftest import random_hf_model
+
+    from gpt2kit.config import GPT2Config
+
+    path = tmp_path / "hf_base"
+    random_hf_model(GPT2Config(n_vocab=600, n_ctx=64, n_embd=32, n_head=2, n_layer=2), seed=3).save_pretrained(path)
+    return path
+
+
+def _tf_base(tmp_path: Path) -> Path:
+    return Path(__file__).parent / "fixtures" / "openai_tf_tiny"
+
+
+def _bf16_base(tmp_path: Path) -> Path:
+    """An HF directory holding bfloat16 weights: the float32 fine-tune converts them at load."""
+    from conftest import random_hf_model
+
+    from gpt2kit.config import GPT2Config
+
+    path = tmp_path / "bf16_base"
+    hf = random_hf_model(GPT2Config(n_vocab=600, n_ctx=64, n_embd=32, n_head=2, n_layer=2), seed=4)
+    hf.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("make_base", [_hf_base, _tf_base, _bf16_base], ids=["hf", "openai_tf", "bf16"])
+def test_resume_of_a_fine_tune_continues_exactly(shards, tmp_path, make_base):
+    """A fine-tune from a loaded checkpoint (whose matrices the loader may hand over in any memory
+    layout) resumed at step N == the straight run, per step within 1e-6 (float32 CPU, fused AdamW)."""
+    from gpt2kit.checkpoint import load_model
+
+    base = make_base(tmp_path)
+    n_vocab = load_model(base).config.n_vocab
+    data = tmp_path / "data"  # tokens the base's vocabulary holds
+    data.mkdir()
+    rng = np.random.default_rng(1)
+    write_shard(data / "train_000000.bin", rng.integers(0, min(n_vocab, 512), size=6_000))
+    n_ctx = load_model(base).config.n_ctx
+    kw = dict(data=str(data), model=str(base), batch_size=2, seq_len=min(16, n_ctx), lr=3e-3, max_steps=10,
+              eval_every=0, save_every=0, log_every=100)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(TrainConfig(out=str(straight), **kw))
+    train(TrainConfig(out=str(split), stop_at=4, **kw))
+    train(resume_config(split))
+    _assert_same_losses(_losses(straight), _losses(split), tol=1e-6)
+    a = torch.load(straight / CHECKPOINT_NAME, weights_only=True)["model"]
+    b = torch.load(split / CHECKPOINT_NAME, weights_only=True)["model"]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+
+
+def test_restored_optimizer_state_takes_its_parameters_layout(tmp_path):
+    """An AdamW state saved with column-major moments (as checkpoints of older versions hold) steps
+    exactly like the same state held row-major (fused AdamW pairs elements by memory slot)."""
+    from gpt2kit.train import _match_param_layout
+
+    cfg = _cfg(tmp_path, tmp_path, lr=1e-2)
+    torch.manual_seed(0)
+    model = GPT2.from_name("gpt2-tiny", n_layer=1, n_embd=32, n_head=2, n_ctx=64)
+    opt = _make_optimizer(model, cfg)
+    idx = torch.randint(0, 512, (2, 16))
+    model(idx, targets=idx).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    state = copy.deepcopy(opt.state_dict())  # state_dict() shares the live per-parameter dicts
+    # The same values, stored transposed (what a run over loader-given column-major matrices saved).
+    for s in state["state"].values():
+        for k, v in s.items():
+            if v.dim() == 2:
+                s[k] = v.t().contiguous().t()
+    twins = []
+    for fix in (False, True):
+        m = GPT2.from_name("gpt2-tiny", n_layer=1, n_embd=32, n_head=2, n_ctx=64)
+        m.load_state_dict(model.state_dict())
+        o = _make_optimizer(m, cfg)
+        o.load_state_dict(copy.deepcopy(state))  # loading keeps the tensors; step() updates them in place
+        if fix:
+            _match_param_layout(o)
+        m(idx, targets=idx).loss.backward()
+        o.step()
+        twins.append(m)
+    model(idx, targets=idx).loss.backward()
+    opt.step()
+    for (name, want), got in zip(model.state_dict().items(), twins[1].state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-7, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    assert any(not torch.allclose(b, w, atol=1e-6) for b, w in zip(twins[0].state_dict().values(),
+                                                                   model.state_dict().values(), strict=True))

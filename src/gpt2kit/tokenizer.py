@@ -22,6 +22,7 @@ import functools
 import importlib.resources
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -41,6 +42,14 @@ MODEL_MAX_LENGTH = 1024  # GPT-2's n_ctx, written to tokenizer_config.json for t
 _FILE_PAIRS = (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe"))
 _MERGES_HEADER = "#version: 0.2"
 _BATCH_THREADS = 8
+
+# Unicode White_Space, what `\s` means to tiktoken's regex (Python's str.isspace differs: it also
+# counts \x1c-\x1f).
+_WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+# Whitespace runs at least this long are cut out before tiktoken's regex sees them: its `\s+(?!\S)`
+# backtracks recursively and overflows the stack (a Rust panic) somewhere above 200,000 characters.
+LONG_WHITESPACE = 4096
+_LONG_RUN = re.compile(f"[{_WHITE_SPACE}]{{{LONG_WHITESPACE},}}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -252,16 +261,57 @@ class Tokenizer:
     # --- text <-> ids -------------------------------------------------------------------------
 
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
-        """Token ids for ``text``. ``<|endoftext|>`` in the text is plain text unless ``allow_special``."""
-        if allow_special:
-            return self._enc.encode(text, allowed_special="all")
-        return self._enc.encode_ordinary(text)
+        """Token ids for ``text``. ``<|endoftext|>`` in the text is plain text unless ``allow_special``.
+
+        Any text is accepted: whitespace runs of any length give GPT-2's ids (see :meth:`_encode_long`).
+        """
+        if _LONG_RUN.search(text) is None:
+            return self._encode_regex(text, allow_special)
+        return self._encode_long(text, allow_special)
+
+    def _encode_regex(self, text: str, allow_special: bool) -> list[int]:
+        try:
+            if allow_special:
+                return self._enc.encode(text, allowed_special="all")
+            return self._enc.encode_ordinary(text)
+        except BaseException as e:  # tiktoken's Rust panics arrive as a BaseException (pyo3's PanicException)
+            if isinstance(e, Exception) or type(e).__name__ != "PanicException":
+                raise
+            raise ValueError(f"tiktoken failed on a text of {len(text):,} characters: {e}") from None
+
+    def _encode_long(self, text: str, allow_special: bool) -> list[int]:
+        """:meth:`encode` with each long whitespace run tokenized apart from the regex.
+
+        GPT-2's pattern splits a maximal whitespace run W the same way wherever it stands: when a
+        character that is not whitespace follows, ``\\s+(?!\\S)`` takes W[:-1] as one piece and W's last
+        character starts the next piece (`` ?\\p{L}+`` and co. take a space with the word after it; any
+        other whitespace stands alone); at the end of the text (or before an allowed special token)
+        W is one piece. No piece ever joins W to the text before it. So the text before W, the piece
+        and the text from the cut on are tokenized separately, the piece by tiktoken's BPE directly
+        (``_encode_single_piece``, the function its encoder applies to every regex piece): the ids
+        are GPT-2's by construction, which tests check against the unsplit encoding and OpenAI's
+        encoder.py.
+        """
+        ids: list[int] = []
+        pos = 0
+        for run in _LONG_RUN.finditer(text):
+            start, end = run.span()
+            followed = end < len(text) and not (allow_special and text.startswith(EOT_TEXT, end))
+            cut = end - 1 if followed else end
+            ids += self._encode_regex(text[pos:start], allow_special)
+            ids += self._enc._encode_single_piece(text[start:cut].encode("utf-8"))
+            pos = cut
+        ids += self._encode_regex(text[pos:], allow_special)
+        return ids
 
     def encode_batch(self, texts: Sequence[str], *, allow_special: bool = False) -> list[list[int]]:
         """:meth:`encode` for many texts at once, on tiktoken's thread pool."""
+        texts = list(texts)
+        if any(_LONG_RUN.search(t) for t in texts):
+            return [self.encode(t, allow_special=allow_special) for t in texts]
         if allow_special:
-            return self._enc.encode_batch(list(texts), num_threads=_BATCH_THREADS, allowed_special="all")
-        return self._enc.encode_ordinary_batch(list(texts), num_threads=_BATCH_THREADS)
+            return self._enc.encode_batch(texts, num_threads=_BATCH_THREADS, allowed_special="all")
+        return self._enc.encode_ordinary_batch(texts, num_threads=_BATCH_THREADS)
 
     def decode_bytes(self, ids: Iterable[int] | int) -> bytes:
         """The raw bytes of the tokens; may end in (or contain) part of a UTF-8 character."""

@@ -14,10 +14,11 @@ OUT holds, when a run ends (finished, --stop-at, or interrupted by SIGINT/SIGTER
     loss.png         train and validation loss, redrawn at each evaluation
 checkpoint.pt is also written every save_every steps, atomically (temporary file, fsync, rename).
 
-Distributed data parallel lives in this file only: torchrun sets WORLD_SIZE/RANK/LOCAL_RANK, we join
-the process group (NCCL on CUDA, gloo otherwise), every rank reads its own slice of each batch
-(ShardLoader(rank, world_size)), DDP averages gradients on the last micro-step only (no_sync on the
-others), and rank 0 alone writes files and logs.
+Distributed data parallel: gpt2kit.distributed joins the process group torchrun describes; every
+rank reads its own slice of each batch (ShardLoader(rank, world_size)), DDP averages gradients on the
+last micro-step only (no_sync on the others), and rank 0 alone writes files and logs. metrics.jsonl,
+loss.png and the progress output live in gpt2kit.metrics. This module holds the config, the
+checkpoint (write, read, resume) and the loop.
 
 Legend: B batch size, T sequence length, W world size (ranks), A gradient-accumulation micro-steps.
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import random
@@ -44,14 +44,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from gpt2kit import distributed
 from gpt2kit._io import atomic_write
 from gpt2kit.config import PRESETS, GPT2Config
 from gpt2kit.data import ShardLoader, find_shards
+from gpt2kit.distributed import Dist
+from gpt2kit.metrics import PLOT_NAME, Metrics, Reporter
 from gpt2kit.model import GPT2
 
 CHECKPOINT_NAME = "checkpoint.pt"
-METRICS_NAME = "metrics.jsonl"
-PLOT_NAME = "loss.png"
 CHECKPOINT_FORMAT = "gpt2kit-train/1"
 
 ADAM_BETAS = (0.9, 0.95)  # GPT-3's betas (nanoGPT, llm.c); 0.999 is less stable at GPT-2 batch sizes
@@ -183,70 +184,7 @@ def resume_config(out: str | os.PathLike[str], **changes: Any) -> TrainConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# distributed: the one place that knows about torch.distributed
-
-
-@dataclass(frozen=True)
-class _Dist:
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-    owns_group: bool  # we initialised the process group, so we destroy it
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        """All-reduce a tensor by summing over ranks (in place; a no-op with one process)."""
-        if self.enabled:
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
-        return t
-
-    def gather(self, obj: Any) -> list[Any]:
-        if not self.enabled:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(out, obj)
-        return out
-
-    def barrier(self) -> None:
-        if self.enabled:
-            torch.distributed.barrier()
-
-
-def _setup_dist(device_arg: str | None) -> _Dist:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_arg is None:
-        device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(device_arg)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device(f"cuda:{local_rank}")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    owns = False
-    if world_size > 1 and not torch.distributed.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        torch.distributed.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-        owns = True
-    return _Dist(rank, local_rank, world_size, device, owns)
-
-
-def _teardown_dist(d: _Dist) -> None:
-    if d.owns_group and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------------------------
-# files: atomic writes, the checkpoint, metrics, the plot
+# the checkpoint and RNG states
 
 
 def _read_checkpoint(path: Path, *, mmap: bool = False) -> dict[str, Any]:
@@ -281,71 +219,6 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-class _Metrics:
-    """metrics.jsonl (appended, flushed per line) and the loss history behind loss.png."""
-
-    def __init__(self, out: Path, resume_step: int | None):
-        self.path = out / METRICS_NAME
-        self.train: list[tuple[int, float]] = []
-        self.val: list[tuple[int, float]] = []
-        lines: list[str] = []
-        if resume_step is not None and self.path.exists():
-            # Drop what was logged after the checkpoint: those steps are about to be redone.
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut short by a crash
-                if isinstance(rec, dict) and rec.get("step", math.inf) <= resume_step:
-                    lines.append(line)
-                    self._remember(rec)
-        atomic_write(self.path, lambda f: f.write("".join(x + "\n" for x in lines).encode()))
-        self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-
-    def _remember(self, rec: dict[str, Any]) -> None:
-        if "loss" in rec:
-            self.train.append((rec["step"], rec["loss"]))
-        if "val_loss" in rec:
-            self.val.append((rec["step"], rec["val_loss"]))
-
-    def log(self, rec: dict[str, Any]) -> None:
-        self._remember(rec)
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
-
-    def plot(self, path: Path, title: str) -> None:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg  # no pyplot: no global state, no GUI
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(8, 4.5), dpi=100)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        if self.train:
-            steps, losses = zip(*self.train, strict=True)
-            ax.plot(steps, losses, lw=0.6, alpha=0.35, color="C0")
-            ax.plot(steps, _smooth(losses), lw=1.5, color="C0", label="train (smoothed)")
-        if self.val:
-            ax.plot(*zip(*self.val, strict=True), "o-", ms=3, label="validation")
-        ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
-        ax.grid(alpha=0.3)
-        if self.train or self.val:
-            ax.legend()
-        atomic_write(path, lambda f: fig.savefig(f, format="png"))
-
-    def close(self) -> None:
-        self.file.close()
-
-
-def _smooth(values: tuple[float, ...]) -> list[float]:
-    """Exponential moving average with a span of ~1/20 of the run, debiased (as TensorBoard's)."""
-    beta = 1 - 1 / max(1.0, len(values) / 20)
-    out, avg = [], 0.0
-    for i, v in enumerate(values, start=1):
-        avg = beta * avg + (1 - beta) * v
-        out.append(avg / (1 - beta**i) if beta else v)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,12 +281,44 @@ def _build_model(cfg: TrainConfig, log: Callable[[str], None]) -> GPT2:
     return model
 
 
-def _make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on the 2-D weights only: the matrices and, as in nanoGPT, the wte/wpe
-    embeddings; biases and LayerNorm gains are not decayed. Fused kernels where the device has them."""
+def _make_contiguous(model: nn.Module) -> None:
+    """Store every parameter row-major (contiguous), in place.
+
+    Loaders may hand over transposed views (HF's Conv1D and TF's [in, out] matrices); AdamW's moments
+    copy their parameter's strides and are saved with them, while a resumed model is built row-major.
+    Fused AdamW walks parameter, gradient and moments as flat memory, so a layout mismatch pairs the
+    wrong elements. One layout for every run, fresh or resumed, removes the mismatch at its source.
+    """
+    for p in model.parameters():
+        if not p.is_contiguous():
+            p.data = p.data.contiguous()
+
+
+def _match_param_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Give each restored optimizer state tensor its parameter's memory layout (values unchanged).
+
+    load_state_dict keeps the strides the tensors were saved with; a checkpoint written by a run whose
+    parameters had another layout would otherwise be paired element-by-memory-slot with the wrong values.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == p.shape and value.stride() != p.stride():
+                    state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's two groups: weight decay on the 2-D weights (the matrices and, as in nanoGPT, the
+    wte/wpe embeddings), none on biases and LayerNorm gains. Frozen parameters are left out."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over param_groups(), with fused kernels where the device has them."""
+    groups = param_groups(model, cfg.weight_decay)
     kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": ADAM_BETAS, "eps": ADAM_EPS}
     try:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
@@ -462,46 +367,12 @@ def _check_resume(saved: TrainConfig, cfg: TrainConfig) -> None:
 # the loop
 
 
-class _Reporter:
-    """Rank 0's output: a tqdm bar when stderr is a terminal, plain log lines otherwise."""
-
-    def __init__(self, enabled: bool, start: int, total: int, log_every: int):
-        self.enabled = enabled
-        self.log_every = log_every
-        self.total = total
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
-
-    def line(self, text: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.write(text, file=sys.stderr)
-        else:
-            print(text, file=sys.stderr, flush=True)
-
-    def step(self, rec: dict[str, Any]) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
-            self.bar.update()
-        elif rec["step"] % self.log_every == 0 or rec["step"] == self.total:
-            self.line(f"step {rec['step']}/{self.total} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
-                      f"grad norm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 @dataclass
 class _Run:
     """What the loop needs, built once by train()."""
 
     cfg: TrainConfig
-    dist: _Dist
+    dist: Dist
     raw: GPT2  # the plain module: its state_dict is what we save
     model: nn.Module  # what runs forward/backward (compiled and/or DDP-wrapped)
     eval_model: nn.Module  # compiled or raw, never DDP
@@ -521,16 +392,16 @@ def train(cfg: TrainConfig) -> TrainResult:
     Raises ValueError for bad settings (naming them), FileNotFoundError for missing data or
     checkpoint, and KeyboardInterrupt after saving when stopped by SIGINT/SIGTERM.
     """
-    d = _setup_dist(cfg.device)
+    d = distributed.setup(cfg.device)
     try:
         return _train(cfg, d)
     finally:
-        _teardown_dist(d)
+        distributed.teardown(d)
 
 
-def _train(cfg: TrainConfig, d: _Dist) -> TrainResult:
+def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
     out = Path(cfg.out)
-    log = _print_fn(d.master)
+    log = d.print0
     ckpt = _read_checkpoint(out / CHECKPOINT_NAME) if cfg.resume else None
     if ckpt is not None:
         saved = TrainConfig(**ckpt["config"])
@@ -553,6 +424,7 @@ def _train(cfg: TrainConfig, d: _Dist) -> TrainResult:
         raw.load_state_dict(ckpt["model"])
     cfg, accum = _resolve(cfg, raw, d.world_size)
     raw.to(d.device)
+    _make_contiguous(raw)
     torch.manual_seed(cfg.seed + d.rank)  # ranks draw different dropout masks
     if d.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # as nanoGPT/llm.c: TF32 matmuls for float32 on GPUs
@@ -572,6 +444,7 @@ def _train(cfg: TrainConfig, d: _Dist) -> TrainResult:
                _autocast(cfg, d.device), out)
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
+        _match_param_layout(optimizer)
         train_loader.load_state_dict(ckpt["loader"])
         run.step = int(ckpt["step"])
         rngs = ckpt["rng"]
@@ -587,14 +460,7 @@ def _train(cfg: TrainConfig, d: _Dist) -> TrainResult:
     return _loop(run, fresh=run.step == 0 and not cfg.resume)
 
 
-def _print_fn(enabled: bool) -> Callable[[str], None]:
-    def log(text: str) -> None:
-        if enabled:
-            print(text, file=sys.stderr, flush=True)
-    return log
-
-
-def _val_loader(cfg: TrainConfig, d: _Dist) -> tuple[ShardLoader | None, int]:
+def _val_loader(cfg: TrainConfig, d: Dist) -> tuple[ShardLoader | None, int]:
     try:
         find_shards(cfg.data, "val")
     except ValueError:
@@ -614,8 +480,8 @@ def _val_loader(cfg: TrainConfig, d: _Dist) -> tuple[ShardLoader | None, int]:
 
 def _loop(run: _Run, *, fresh: bool) -> TrainResult:
     cfg, d = run.cfg, run.dist
-    metrics = _Metrics(run.out, None if fresh else run.step) if d.master else None
-    reporter = _Reporter(d.master, run.step, cfg.max_steps, cfg.log_every)
+    metrics = Metrics(run.out, None if fresh else run.step) if d.master else None
+    reporter = Reporter(d.master, run.step, cfg.max_steps, cfg.log_every)
     last_loss = val_loss = None
     tokens, seconds = 0, 0.0
     end = cfg.max_steps if cfg.stop_at is None else min(cfg.max_steps, cfg.stop_at)
@@ -694,7 +560,7 @@ def _train_step(run: _Run, stop_requested: bool) -> tuple[float, float, float, b
 
 
 @torch.no_grad()
-def _evaluate(run: _Run, metrics: _Metrics | None, reporter: _Reporter) -> float:
+def _evaluate(run: _Run, metrics: Metrics | None, reporter: Reporter) -> float:
     """Mean loss over the first eval_batches batches of the validation split (the same ones every time)."""
     assert run.val_loader is not None
     model, d = run.eval_model, run.dist
@@ -714,7 +580,7 @@ def _evaluate(run: _Run, metrics: _Metrics | None, reporter: _Reporter) -> float
     return val_loss
 
 
-def _save(run: _Run, metrics: _Metrics | None, *, model_too: bool) -> None:
+def _save(run: _Run, metrics: Metrics | None, *, model_too: bool) -> None:
     """checkpoint.pt (all ranks gather their RNG states, rank 0 writes) and, if model_too, the HF model."""
     rngs = run.dist.gather(_rng_state(run.dist.device))
     if run.dist.master:
