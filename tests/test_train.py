@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpt2kit.config import GPT2Config
 from gpt2kit.data import write_shard
 from gpt2kit.model import GPT2
 from gpt2kit.train import (
@@ -129,7 +130,7 @@ def test_batch_must_divide_total_tokens_and_fit_context(shards, tmp_path):
 
 def test_weight_decay_on_2d_weights_only(tmp_path):
     model = GPT2.from_name("gpt2-tiny", n_layer=2, n_embd=32, n_head=2, n_ctx=64)
-    opt = _make_optimizer(model, _cfg(tmp_path, tmp_path, weight_decay=0.1))
+    opt = _make_optimizer(model, _cfg(tmp_path, tmp_path, weight_decay=0.1, optimizer="adamw"))
     decayed, plain = ({id(p) for p in g["params"]} for g in opt.param_groups)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     names = {id(p): n for n, p in model.named_parameters()}
@@ -138,7 +139,8 @@ def test_weight_decay_on_2d_weights_only(tmp_path):
     assert all(names[i].endswith(".weight") and ".ln_" not in names[i] for i in decayed)
     assert {names[i] for i in plain} >= {"h.0.attn.c_attn.bias", "h.0.ln_1.weight", "ln_f.weight", "ln_f.bias"}
     assert decayed | plain == set(names) and not decayed & plain
-    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["fused"]  # fused AdamW exists on CPU
+    adamw = opt.optimizers["adamw"]
+    assert adamw.defaults["betas"] == (0.9, 0.95) and adamw.defaults["fused"]  # fused AdamW exists on CPU
 
 
 # --- a run and its outputs ----------------------------------------------------------------------
@@ -172,8 +174,10 @@ def test_final_model_loads_in_transformers_with_the_same_logits(shards, tmp_path
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "run"
     train(_cfg(shards, out, max_steps=3, lr=3e-3))
-    trained = GPT2(GPT2.from_name("gpt2-tiny", **{k: TINY[k] for k in TINY if k != "model"}).config)
-    trained.load_state_dict(torch.load(out / CHECKPOINT_NAME, weights_only=True)["model"])
+    ckpt = torch.load(out / CHECKPOINT_NAME, weights_only=True)
+    assert ckpt["model_config"]["n_vocab_padded"] == 50304  # trained with the padded head; HF files hold 50257
+    trained = GPT2(GPT2Config(**ckpt["model_config"]))
+    trained.load_state_dict(ckpt["model"])
     trained.eval()
     hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     idx = torch.randint(0, 50257, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -207,12 +211,14 @@ def test_bf16_autocast_tracks_float32(shards, tmp_path):
 # --- nothing lost -------------------------------------------------------------------------------
 
 
-def test_resume_continues_exactly(shards, tmp_path):
+@pytest.mark.parametrize("sampling, optimizer, schedule", [("random", "muon", "wsd"), ("sequential", "adamw", "cosine")])
+def test_resume_continues_exactly(shards, tmp_path, sampling, optimizer, schedule):
     """2N steps straight == N steps, --resume, N steps: same per-step losses (float32 CPU, 1e-6).
 
-    With dropout (RNG state), gradient accumulation (loader position mid-step) and a shard boundary
-    crossed after the resume."""
-    kw = dict(max_steps=16, dropout=0.1, total_batch_tokens=4 * 32 * 2, eval_every=4, save_every=0)
+    With dropout (RNG state), gradient accumulation (loader position mid-step) and, when sequential,
+    a shard boundary crossed after the resume; both optimizers (Muon's momentum, AdamW's moments)."""
+    kw = dict(max_steps=16, dropout=0.1, total_batch_tokens=4 * 32 * 2, eval_every=4, save_every=0,
+              sampling=sampling, optimizer=optimizer, schedule=schedule)
     straight, split = tmp_path / "straight", tmp_path / "split"
     train(_cfg(shards, straight, **kw))
     first = train(_cfg(shards, split, stop_at=8, **kw))
@@ -223,7 +229,11 @@ def test_resume_continues_exactly(shards, tmp_path):
     _assert_same_losses(_val_losses(straight), _val_losses(split), tol=1e-6)
     a = torch.load(straight / CHECKPOINT_NAME, weights_only=True)
     b = torch.load(split / CHECKPOINT_NAME, weights_only=True)
-    assert a["loader"] == b["loader"] and a["loader"]["shard"] == 1  # the run went on into shard 1
+    assert a["loader"] == b["loader"]
+    if sampling == "sequential":
+        assert a["loader"]["shard"] == 1  # the run went on into shard 1
+    else:
+        assert a["loader"]["batches"] == 32  # 16 steps of 2 micro-steps
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], atol=1e-6, rtol=0)
 
@@ -452,7 +462,7 @@ def test_restored_optimizer_state_takes_its_parameters_layout(tmp_path):
     exactly like the same state held row-major (fused AdamW pairs elements by memory slot)."""
     from gpt2kit.train import _match_param_layout
 
-    cfg = _cfg(tmp_path, tmp_path, lr=1e-2)
+    cfg = _cfg(tmp_path, tmp_path, lr=1e-2, optimizer="adamw")
     torch.manual_seed(0)
     model = GPT2.from_name("gpt2-tiny", n_layer=1, n_embd=32, n_head=2, n_ctx=64)
     opt = _make_optimizer(model, cfg)
@@ -460,7 +470,7 @@ def test_restored_optimizer_state_takes_its_parameters_layout(tmp_path):
     model(idx, targets=idx).loss.backward()
     opt.step()
     opt.zero_grad()
-    state = copy.deepcopy(opt.state_dict())  # state_dict() shares the live per-parameter dicts
+    state = copy.deepcopy(opt.state_dict()["adamw"])  # state_dict() shares the live per-parameter dicts
     # The same values, stored transposed (what a run over loader-given column-major matrices saved).
     for s in state["state"].values():
         for k, v in s.items():

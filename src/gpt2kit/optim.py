@@ -85,6 +85,13 @@ class Optimizers:
     def param_groups(self) -> list[dict[str, Any]]:
         return [g for opt in self.optimizers.values() for g in opt.param_groups]
 
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """Per-parameter state of all the optimizers (each parameter belongs to one): the live dicts.
+
+        A new dict, not a ChainMap: torch's states are defaultdicts, which a failed lookup would grow."""
+        return {p: s for opt in self.optimizers.values() for p, s in opt.state.items()}
+
     def set_lr_factor(self, factor: float) -> None:
         for group in self.param_groups:
             group["lr"] = group["base_lr"] * factor
@@ -101,10 +108,22 @@ class Optimizers:
         return {name: opt.state_dict() for name, opt in self.optimizers.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) == {"state", "param_groups"} and set(self.optimizers) == {"adamw"}:
+            state = {"adamw": state}  # a checkpoint from before there was a choice: one AdamW
         if set(state) != set(self.optimizers):
             raise ValueError(f"the saved optimizer state holds {sorted(state)}, this run has {sorted(self.optimizers)}")
         for name, opt in self.optimizers.items():
             opt.load_state_dict(state[name])
+
+
+def param_groups(params: list[nn.Parameter] | nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's two groups: weight decay on the 2-D weights (the matrices and, as in nanoGPT, the
+    wte/wpe embeddings), none on biases and LayerNorm gains. Frozen parameters are left out."""
+    if isinstance(params, nn.Module):
+        params = list(params.parameters())
+    params = [p for p in params if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
 def muon_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -125,10 +144,8 @@ def make_optimizer(model: nn.Module, name: str, *, lr: float, weight_decay: floa
         optimizers["muon"] = torch.optim.Muon(muon_params, lr=muon_lr, weight_decay=muon_weight_decay,
                                               momentum=MUON_MOMENTUM, nesterov=True, adjust_lr_fn="original")
     taken = {id(p) for p in muon_params}
-    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
-    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
+    rest = [p for p in model.parameters() if id(p) not in taken]
+    groups = [g for g in param_groups(rest, weight_decay) if g["params"]]
     kwargs: dict[str, Any] = {"lr": lr, "betas": ADAM_BETAS, "eps": ADAM_EPS}
     try:
         optimizers["adamw"] = torch.optim.AdamW(groups, fused=True, **kwargs)
