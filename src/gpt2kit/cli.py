@@ -222,7 +222,13 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
     a("--eval-steps", type=int, help="batches per evaluation (default 20)")
     a("--save-every", type=int, help="steps between checkpoints; 0: only at the end (default 500)")
     a("--log-every", type=int, help="steps between log lines when stderr is not a terminal (default 10)")
-    a("--seed", type=int, help="random seed (default 1337)")
+    a("--seed", type=int, help="random seed: initial weights, dropout, the random windows (default 1337)")
+    a("--optimizer", help="muon (default where torch has torch.optim.Muon: Muon for the block matrices, AdamW "
+                          "for embeddings, biases and gains) or adamw (AdamW for everything)")
+    a("--muon-lr", type=float, help="Muon's peak learning rate; --lr is AdamW's (default 0.02)")
+    a("--schedule", help="wsd (warmup, flat, linear decay over the last 40%%; default) or cosine")
+    a("--sampling", help="random (default: windows drawn at random from all shards, a fresh draw per seed) or "
+                         "sequential (shards read front to back)")
     a("--dtype", choices=["float32", "bfloat16", "fp32", "bf16"],
       help="float32 (default) or bfloat16 autocast (weights and optimizer stay float32)")
     a("--compile", action="store_true", default=None, help="torch.compile the model")
