@@ -14,13 +14,13 @@ from conftest import cached_real_gpt2, hf_from_ours, needs_real_gpt2, random_mod
 from helpers_generate import SMALL, varied_model
 
 from gpt2kit import generate as gen
+from gpt2kit.checkpoint import save_model
 from gpt2kit.config import GPT2Config
+from gpt2kit.decode import decode_step, prefill
 from gpt2kit.generate import (
     SamplingSettings,
-    decode_one_token,
     generate,
     generate_stream,
-    prefill,
     stream_text,
     top_k_filter,
     top_p_filter,
@@ -202,7 +202,7 @@ def test_cached_decode_logits_equal_full_forward():
     got = [prefill(model, idx, mask, cache)]
     full_mask = torch.cat([mask, torch.ones_like(new)], dim=1)
     for i in range(new.shape[1]):
-        got.append(decode_one_token(model, new[:, i:i + 1], full_mask[:, :T + i + 1], cache))
+        got.append(decode_step(model, new[:, i:i + 1], cache, full_mask[:, :T + i + 1]))
     with torch.no_grad():
         for r, row in enumerate(rows):
             seq = torch.tensor([row + new[r].tolist()])
@@ -441,7 +441,7 @@ def test_golden_greedy_generation_with_real_weights(monkeypatch):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, model):
     d = tmp_path_factory.mktemp("gen_model")
-    model.save_pretrained(d)
+    save_model(model, d)
     return d
 
 
@@ -468,13 +468,15 @@ def test_cli_json_matches_library(capsys, monkeypatch, model_dir, model, tok):
 
 
 def test_cli_no_pack_weights(capsys, monkeypatch, model_dir):
-    seen = []
-    real = gen.packed_weights
-    monkeypatch.setattr(gen, "packed_weights", lambda m, B, enabled: seen.append(enabled) or real(m, B, enabled))
+    from gpt2kit.decode import is_packed
+
+    models = []
+    real = gen.generate_stream
+    monkeypatch.setattr(gen, "generate_stream", lambda m, *a, **k: models.append(m) or real(m, *a, **k))
     code, out, err = run_cli(capsys, monkeypatch, ["Hi", "-m", str(model_dir), "--greedy", "--max-new-tokens", "3",
                                                    "--num-samples", "2", "--no-pack-weights"])
     assert code == 0, err
-    assert seen == [False]
+    assert models and not is_packed(models[0])  # float32 batch of 2 would be packed by default
 
 
 def test_cli_prompts_file_plain_and_jsonl_in_order(capsys, monkeypatch, model_dir, tmp_path, tok):
@@ -556,7 +558,7 @@ def test_cli_bad_values_one_line_nonzero(capsys, monkeypatch, model_dir, tmp_pat
 # --- the benchmark's pieces (the full run is `gpt2kit bench`) -------------------------------
 
 def test_bench_transformers_copy_and_table(model):
-    from gpt2kit import bench
+    from gpt2kit.bench import core as bench
 
     hf = bench.to_transformers(model)
     ids = torch.tensor([PROMPTS[2]])
@@ -590,7 +592,7 @@ def test_cli_bench_bad_threads(capsys):
 
 
 def test_bench_full_run_on_a_tiny_model():
-    from gpt2kit import bench
+    from gpt2kit.bench import core as bench
 
     cfg = GPT2Config(n_vocab=50257, n_ctx=64, n_embd=32, n_head=4, n_layer=2)
     r = bench.run(quick=True, memory=False, config=cfg, log=lambda s: None, device="cpu")

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from conftest import TINY, hf_from_ours, random_model
 
 from gpt2kit.config import PRESETS, GPT2Config
+from gpt2kit.decode import decode_step
 from gpt2kit.kv_cache import KVCache
 from gpt2kit.model import GPT2
 
@@ -178,7 +179,7 @@ def test_present_is_a_copy_not_a_view_of_the_cache():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("padded", [False, True])
-def test_decode_step_equals_forward_bit_for_bit(dtype, padded):
+def test_decode_step_equals_forward(dtype, padded):
     model = random_model().to(dtype)
     x = _ids(TINY, 3, 9)
     mask = torch.ones(3, 10, dtype=torch.long)
@@ -191,11 +192,16 @@ def test_decode_step_equals_forward_bit_for_bit(dtype, padded):
             model(x, cache=c, attention_mask=mask[:, :9] if padded else None)
         tok = _ids(TINY, 3, 1)
         want = model(tok, cache=caches[0], attention_mask=mask if padded else None, last_logits_only=True)
-        got = model.decode_step(tok, caches[1], mask if padded else None)
-    assert torch.equal(got, want.logits[:, -1])
-    assert caches[1].length == 10 and torch.equal(caches[0].kv, caches[1].kv)
+        got = decode_step(model, tok, caches[1], mask if padded else None)
+    assert caches[1].length == 10
+    if dtype == torch.float32:
+        assert torch.equal(got, want.logits[:, -1])  # the same kernels on the same values
+        assert torch.equal(caches[0].kv, caches[1].kv)
+    else:  # half-precision few-row products may take W @ x^T (decode.kernels): equal to bf16 rounding
+        torch.testing.assert_close(got.float(), want.logits[:, -1].float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(caches[0].kv.float(), caches[1].kv.float(), atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="eval"):
-        model.train().decode_step(tok, caches[1])
+        decode_step(model.train(), tok, caches[1])
 
 
 # --- padding --------------------------------------------------------------------------------

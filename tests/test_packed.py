@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import copy
 import gc
+import weakref
 
 import pytest
 import torch
 from helpers_generate import SMALL, varied_model
 
-from gpt2kit import packed as pk
 from gpt2kit.config import GPT2Config
+from gpt2kit.decode import PLAIN, decode_step, is_packed
+from gpt2kit.decode import packed as pk
 from gpt2kit.generate import SamplingSettings, generate
 from gpt2kit.kv_cache import KVCache
 
@@ -32,7 +34,7 @@ def _steps(model, B, packed, n=4, mask=None):
         model(idx, cache=cache, attention_mask=None if mask is None else mask[:, :5])
         for i, tok in enumerate(torch.randint(0, V, (n, B, 1))):  # the same tokens for both paths
             m = None if mask is None else mask[:, : 6 + i]
-            out.append(model.decode_step(tok, cache, m, packed).float())
+            out.append(decode_step(model, tok, cache, m, packed or PLAIN).float())
     return torch.stack(out)
 
 
@@ -81,7 +83,7 @@ def test_refreshed_when_weights_change_and_released():
     torch.testing.assert_close(_steps(model, 2, pk.packed_weights(model, 4)), _steps(model, 2, None),
                                atol=1e-4, rtol=1e-4)
     pk.release(model)
-    assert model not in pk._PACKS
+    assert not is_packed(model)
 
 
 def test_a_replaced_parameter_is_repacked_and_a_cast_model_released():
@@ -89,20 +91,20 @@ def test_a_replaced_parameter_is_repacked_and_a_cast_model_released():
     packed = pk.packed_weights(model, 4)
     old = model.h[0].attn.c_attn.weight
     model.h[0].attn.c_attn.weight = torch.nn.Parameter(old.detach() * 3)  # a new object, new storage
-    assert pk.packed_weights(model, 4) is packed and id(old) not in packed._mats
+    assert pk.packed_weights(model, 4) is packed and not packed.holds(old)
     torch.testing.assert_close(_steps(model, 2, packed), _steps(model, 2, None), atol=1e-4, rtol=1e-4)
     model.to(torch.float16)
-    assert pk.packed_weights(model, 4) is None and model not in pk._PACKS
+    assert pk.packed_weights(model, 4) is None and not is_packed(model)
 
 
 def test_dropped_with_the_model_and_deepcopy_still_works():
     model = varied_model()
-    pk.packed_weights(model, 4)
+    packed = pk.packed_weights(model, 4)
     copy.deepcopy(model)  # the packed copies live outside the module
-    n = len(pk._PACKS)
-    del model
+    gone = weakref.ref(packed)
+    del model, packed
     gc.collect()
-    assert len(pk._PACKS) == n - 1
+    assert gone() is None
 
 
 def test_auto_skips_when_the_copy_would_not_fit(monkeypatch):
@@ -129,4 +131,4 @@ def test_a_build_that_cannot_pack_falls_back(monkeypatch):
         raise RuntimeError("no such kernel")
 
     monkeypatch.setattr(pk, "_reorder", cannot)
-    assert pk.packed_weights(model, 4) is None and model not in pk._PACKS
+    assert pk.packed_weights(model, 4) is None and not is_packed(model)

@@ -4,18 +4,50 @@
     model = load_model("gpt2")                  # hub id, HF directory or OpenAI TF release directory
     tok = load_tokenizer("gpt2")
     logits = model(torch.tensor([tok.encode("Hello world")])).logits
+
+The names below are imported on first use (PEP 562), so `import gpt2kit` and the CLI's --help stay
+fast and do not load torch until something needs it.
 """
 
-from gpt2kit.checkpoint import CheckpointError, load_model, load_tokenizer, save_model
-from gpt2kit.config import PRESETS, GPT2Config
-from gpt2kit.kv_cache import KVCache
-from gpt2kit.model import GPT2, GPT2Output
-from gpt2kit.score import ScoreResult, score_text, score_tokens
-from gpt2kit.tokenizer import IncrementalDecoder, Tokenizer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "CheckpointError": "gpt2kit.checkpoint", "load_model": "gpt2kit.checkpoint",
+    "load_tokenizer": "gpt2kit.checkpoint", "save_model": "gpt2kit.checkpoint",
+    "PRESETS": "gpt2kit.config", "GPT2Config": "gpt2kit.config",
+    "KVCache": "gpt2kit.kv_cache",
+    "GPT2": "gpt2kit.model", "GPT2Output": "gpt2kit.model",
+    "ScoreResult": "gpt2kit.score", "score_text": "gpt2kit.score", "score_tokens": "gpt2kit.score",
+    "IncrementalDecoder": "gpt2kit.tokenizer", "Tokenizer": "gpt2kit.tokenizer",
+}
 
 __all__ = [
     "GPT2", "PRESETS", "CheckpointError", "GPT2Config", "GPT2Output", "IncrementalDecoder", "KVCache",
     "ScoreResult", "Tokenizer", "load_model", "load_tokenizer", "save_model", "score_text", "score_tokens",
 ]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'gpt2kit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:
+    from gpt2kit.checkpoint import CheckpointError, load_model, load_tokenizer, save_model
+    from gpt2kit.config import PRESETS, GPT2Config
+    from gpt2kit.kv_cache import KVCache
+    from gpt2kit.model import GPT2, GPT2Output
+    from gpt2kit.score import ScoreResult, score_text, score_tokens
+    from gpt2kit.tokenizer import IncrementalDecoder, Tokenizer

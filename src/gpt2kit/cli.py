@@ -378,19 +378,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
-def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="T=256 prefill, 32 new tokens, fewer trials")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--wait", type=float, default=0.0, metavar="S",
-                   help="before each trial, wait up to S seconds for other processes to leave the CPU")
-
-
 def _register_bench(sub: argparse._SubParsersAction) -> None:
+    from gpt2kit.bench import add_arguments
+
     p = sub.add_parser("bench", help="generation speed vs transformers, side by side (needs transformers)")
-    add_bench_arguments(p)
+    add_arguments(p)
     p.set_defaults(func=cmd_bench)
 
 

@@ -1,4 +1,4 @@
-"""Text generation: sampling warpers, prefill, the one-token decode step and the generator API.
+"""Text generation: sampling warpers, the batch scheduler and the generator API (the model steps: gpt2kit.decode).
 
 One iterator, :func:`generate_stream`, serves the CLI, the server and notebooks: token-id prompts
 in (one or a batch), one :class:`Step` out per decode step with each live row's new token, its new
@@ -7,8 +7,8 @@ into :class:`Completion` objects; :func:`stream_text` yields the text pieces of 
 
 A run, as gpt-fast does it: rows = prompts x num_samples, left-padded into one batch (positions
 come from the attention mask, so a padded row computes what it would alone); one KVCache,
-preallocated for prompt + new tokens and written in place; :func:`prefill` encodes the prompts
-(logits of the last position only); then :func:`decode_one_token` feeds one token per row per
+preallocated for prompt + new tokens and written in place; :func:`~gpt2kit.decode.prefill` encodes the prompts
+(logits of the last position only); then :func:`~gpt2kit.decode.decode_step` feeds one token per row per
 step. Rows that finish are dropped from the batch (``KVCache.select``) and stop costing work.
 
 Sampling follows OpenAI's sample.py order: repetition penalty (CTRL's, as transformers applies it)
@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gpt2kit.decode import decode_step, kernels_for, prefill
 from gpt2kit.kv_cache import KVCache
-from gpt2kit.packed import PackedWeights, packed_weights
 
 if TYPE_CHECKING:
     from gpt2kit.model import GPT2
@@ -67,7 +67,7 @@ class SamplingSettings:
     num_samples: int = 1  # rows per prompt
     strict: bool = False  # past n_ctx: raise up front instead of re-encoding a window
     window: int | None = None  # tokens kept when re-encoding past n_ctx; None = n_ctx // 2
-    # CPU decode steps with oneDNN-prepacked copies of the weight matrices (gpt2kit.packed: faster,
+    # CPU decode steps with oneDNN-prepacked copies of the weight matrices (gpt2kit.decode.packed: faster,
     # a second copy of them in memory); None = where it is faster and the copy fits, True/False.
     pack_weights: bool | None = None
 
@@ -197,53 +197,7 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-# --- the model steps --------------------------------------------------------------------------
-
-
-def decode_layout(model: GPT2) -> GPT2:
-    """Store a CPU model's weight matrices in the layout its decode kernels read fastest, in place.
-
-    Decoding streams every matrix once per step, and on CPU the GEMM kernels for a handful of rows
-    stream some layouts much faster than others (docs/benchmarks.md): float32 matrices go
-    column-major, i.e. stored (in, out) as transformers' Conv1D (MKL then runs the products of a
-    batch-8 step 1.4x faster, the tied LM head's 1.9x; the embedding lookup of a few rows barely
-    notices);
-    bfloat16/float16 ones row-major (their mat-vec kernels read rows). Values, shapes and names do
-    not change, so nothing else notices; a no-op when the layout is already right (HF checkpoints
-    load the four block matrices column-major already). Returns the model.
-    """
-    if model.wte.weight.device.type != "cpu":
-        return model
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() != 2 or name == "wpe.weight":
-                continue
-            if p.dtype == torch.float32 and p.stride() != (1, p.shape[0]):
-                p.data = p.data.t().contiguous().t()  # (out, in) view of an (in, out) tensor
-            elif p.dtype != torch.float32 and not p.is_contiguous():
-                p.data = p.data.contiguous()
-    return model
-
-
-@torch.inference_mode()
-def prefill(model: GPT2, idx: torch.Tensor, attention_mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
-    """Encode idx (B, T) into an empty cache; logits of the last position (B, V)."""
-    assert cache.length == 0
-    out = model._forward(idx, past=None, attention_mask=attention_mask, targets=None, use_cache=False,
-                         cache=cache, last_logits_only=True, ignore_index=-100, P=0)
-    return out.logits[:, -1]  # (B, V)
-
-
-@torch.inference_mode()
-def decode_one_token(model: GPT2, tok: torch.Tensor, attention_mask: torch.Tensor | None,
-                     cache: KVCache, packed: PackedWeights | None = None) -> torch.Tensor:
-    """Feed tok (B, 1) at position cache.length; attention_mask (B, P + 1) or None; logits (B, V).
-    packed: prepacked matrices for the step (gpt2kit.packed.packed_weights), or None."""
-    if not model.training:
-        return model.decode_step(tok, cache, attention_mask, packed)  # the same logits, less overhead
-    out = model._forward(tok, past=None, attention_mask=attention_mask, targets=None, use_cache=False,
-                         cache=cache, last_logits_only=True, ignore_index=-100, P=cache.length)
-    return out.logits[:, -1]  # (B, V)
+# --- sampling a step ------------------------------------------------------------------------
 
 
 @torch.inference_mode()
@@ -369,7 +323,6 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
             gen = None if settings.greedy else row_generator(seed, j, device)
             text = _RowText(tokenizer, settings.stop_strings) if tokenizer is not None else None
             rows.append(_Row(i * settings.num_samples + j, list(prompt), gen, text))
-    decode_layout(model)
     return _stream(model, rows, settings, window, batch_size or len(rows))
 
 
@@ -439,7 +392,7 @@ class _Batch:
         idx, self.mask = idx.to(self.device), self.mask.to(self.device)
         self.padded = any(len(c) < T for c in contexts)
         self.cache = KVCache.for_model(self.model, B, M)
-        self.packed = packed_weights(self.model, B, self.settings.pack_weights)
+        self.kernels = kernels_for(self.model, B, self.settings.pack_weights)
         return prefill(self.model, idx, self.mask[:, :T] if self.padded else None, self.cache)
 
     @torch.inference_mode()
@@ -451,7 +404,7 @@ class _Batch:
             return self.encode(rows)  # context full: re-encode the recent window (module doc)
         P = self.cache.length
         mask = self.mask[:, : P + 1] if self.padded else None  # (B, P + 1)
-        return decode_one_token(self.model, tok[:, None], mask, self.cache, self.packed)
+        return decode_step(self.model, tok[:, None], self.cache, mask, self.kernels)
 
     @torch.inference_mode()
     def keep(self, keep: list[int]) -> None:

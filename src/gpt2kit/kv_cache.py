@@ -1,7 +1,9 @@
 """A preallocated key/value cache, written in place at the current position.
 
 Generation allocates one KVCache for the whole run (prompt + new tokens), so a decode step
-writes one column per layer instead of growing tensors with torch.cat.
+writes one column per layer instead of growing tensors with torch.cat. It is the network's one
+cache form: the official past/present API (B, L, 2, nh, P, hs) is built on it (from_present,
+to_present).
 
 Legend: L layers, B batch, nh heads, M max length, hs head size, T new tokens, P cached tokens.
 """
@@ -29,15 +31,14 @@ class KVCache:
         p = model.wte.weight
         return cls(cfg.n_layer, batch_size, cfg.n_head, max_len, cfg.head_dim, device=p.device, dtype=p.dtype)
 
-    @property
-    def k(self) -> torch.Tensor:
-        """The keys (L, B, nh, M, hs), a view."""
-        return self.kv[:, :, 0]
-
-    @property
-    def v(self) -> torch.Tensor:
-        """The values (L, B, nh, M, hs), a view."""
-        return self.kv[:, :, 1]
+    @classmethod
+    def from_present(cls, present: torch.Tensor, max_len: int) -> KVCache:
+        """A cache of max_len positions holding the official-layout present (B, L, 2, nh, P, hs)."""
+        B, L, _, nh, P, hs = present.shape
+        cache = cls(L, B, nh, max_len, hs, device=present.device, dtype=present.dtype)
+        cache.kv[:, :, :, :, :P] = present.transpose(0, 1)  # (L, B, 2, nh, P, hs)
+        cache.length = P
+        return cache
 
     @property
     def batch_size(self) -> int:
@@ -63,9 +64,6 @@ class KVCache:
     def select(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows` (finished rows stop costing work)."""
         self.kv = self.kv[:, rows]
-
-    def reset(self) -> None:
-        self.length = 0
 
     def to_present(self) -> torch.Tensor:
         """A copy of the cached keys and values in the official layout (B, L, 2, nh, P, hs)."""

@@ -101,6 +101,7 @@ def load_state(name_or_path: str | os.PathLike[str]) -> tuple[GPT2Config, dict[s
 def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
                device: torch.device | str | None = None):
     """A GPT2 in eval mode from any published checkpoint (float32 unless dtype is given)."""
+    from gpt2kit.decode.layout import use_decode_layout
     from gpt2kit.model import GPT2
 
     dtype = resolve_dtype(dtype) or torch.float32
@@ -110,7 +111,7 @@ def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str
         model = GPT2(config)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    return model.eval()
+    return use_decode_layout(model.eval())  # the layout CPU decode kernels read fastest (decode/layout.py)
 
 
 def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None):

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from gpt2kit.config import GPT2Config
-from gpt2kit.generate import SamplingSettings, decode_layout, generate, prefill
+from gpt2kit.decode import prefill, use_decode_layout
+from gpt2kit.generate import SamplingSettings, generate
 from gpt2kit.kv_cache import KVCache
 from gpt2kit.model import GPT2
 
@@ -264,7 +265,7 @@ def _memory_worker(engine: str, dtype: str, T: int, n: int, threads: int, device
     if engine == "gpt2kit":
         torch.set_default_dtype(getattr(torch, dtype))  # built in its dtype: no float32 copy on the way
         with dev:
-            model = decode_layout(GPT2(GPT2Config()).eval())
+            model = use_decode_layout(GPT2(GPT2Config()).eval())
         torch.set_default_dtype(torch.float32)
         runs = [ours_prefill(model, ids[0]), ours_decode(model, ids[1], n)]
     else:
@@ -341,7 +342,7 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
     ours16.load_state_dict(ours32.state_dict())
     ours32, ours16 = ours32.to(device), ours16.to(device, torch.bfloat16)
     for model in (ours32, ours16):  # what generate does first; here so that prefill has it too
-        decode_layout(model)
+        use_decode_layout(model)
     engines = {"transformers/float32": (hf, hf_prefill, hf_decode),
                "gpt2kit/float32": (ours32, ours_prefill, ours_decode),
                "gpt2kit/bfloat16": (ours16, ours_prefill, ours_decode)}
@@ -437,24 +438,6 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpt2kit bench", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_from_args(args)
-    except ValueError as e:  # bad values: one line, as the gpt2kit CLI does
-        print(f"gpt2kit bench: error: {e}", file=sys.stderr)
-        return 2
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from gpt2kit.cli import add_bench_arguments
-
-    add_bench_arguments(p)  # the one definition, shared with `gpt2kit bench`
-    p.add_argument("--_memory-worker", nargs=6, default=None, help=argparse.SUPPRESS)
-
-
 def run_from_args(args: argparse.Namespace) -> int:
     if getattr(args, "_memory_worker", None):
         engine, dtype, T, n, threads, device = args._memory_worker
@@ -470,6 +453,3 @@ def run_from_args(args: argparse.Namespace) -> int:
             json.dump(results, f, indent=2)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 _PACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model -> PackedWeights
@@ -30,7 +31,8 @@ def _reorder(weight: torch.Tensor, hint: int) -> torch.Tensor:
 
 
 class PackedWeights:
-    """Packed copies of a model's matrices, looked up by the Parameter they copy."""
+    """Packed copies of a model's matrices, looked up by the Parameter they copy. The same methods as
+    decode.kernels.PlainKernels; a layer that is not a plain nn.Linear is called as its module."""
 
     def __init__(self, hint: int) -> None:
         self.hint = hint  # the row count the packing was tuned for (1, or 8 for "a few")
@@ -59,32 +61,48 @@ class PackedWeights:
 
     # x (R, in) @ W^T + b for the packed W of `layer` (an nn.Linear), with the GELU or the
     # residual add fused in (oneDNN post-ops: one kernel instead of two, the same math).
-    def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        if type(layer) is not nn.Linear:
+            return layer(x)
         return torch.ops.mkldnn._linear_pointwise(x, self._mats[id(layer.weight)][3], layer.bias, "none", [], "")
 
-    def linear_gelu(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    def linear_gelu(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         """tanh-GELU(x @ W^T + b)."""
+        if type(layer) is not nn.Linear:
+            return torch.nn.functional.gelu(layer(x), approximate="tanh")
         return torch.ops.mkldnn._linear_pointwise(x, self._mats[id(layer.weight)][3], layer.bias, "gelu", [], "tanh")
 
-    def linear_add(self, x: torch.Tensor, layer: torch.nn.Linear, residual: torch.Tensor) -> torch.Tensor:
+    def linear_add(self, x: torch.Tensor, layer: nn.Module, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ W^T + b."""
+        if type(layer) is not nn.Linear:
+            return residual + layer(x)
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._mats[id(layer.weight)][3],
                                                          layer.bias, "add")
 
     def lm_head(self, x: torch.Tensor, wte: torch.Tensor, n_vocab: int) -> torch.Tensor:
         """x (R, C) @ wte[:n_vocab]^T: the logits (R, n_vocab) (padding rows computed, then cut)."""
+        if id(wte) not in self._mats:
+            return torch.nn.functional.linear(x, wte)[:, :n_vocab]
         y = torch.ops.mkldnn._linear_pointwise(x, self._mats[id(wte)][3], None, "none", [], "")
         return y if y.shape[-1] == n_vocab else y[:, :n_vocab]
+
+    def holds(self, param: torch.Tensor) -> bool:
+        """Whether a packed copy of this very parameter is held."""
+        have = self._mats.get(id(param))
+        return have is not None and have[0]() is param
 
     def nbytes(self) -> int:
         return sum(t.shape.numel() * t.element_size() for *_, t in self._mats.values())
 
 
 def _matrices(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The matrices a decode step multiplies by: the blocks' four and the tied LM head (wte)."""
-    mats = [model.wte.weight]
+    """The matrices a decode step multiplies by: the blocks' four and the tied LM head (wte), where
+    they are plain (a swapped-in module, e.g. a quantized linear, keeps its own product)."""
+    mats = [model.wte.weight] if isinstance(model.wte, nn.Embedding) else []
     for block in model.h:
-        mats += [block.attn.c_attn.weight, block.attn.c_proj.weight, block.mlp.c_fc.weight, block.mlp.c_proj.weight]
+        for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+            if type(layer) is nn.Linear:
+                mats.append(layer.weight)
     return mats
 
 
@@ -150,3 +168,8 @@ def packed_weights(model: torch.nn.Module, batch_size: int, enabled: bool | None
 def release(model: torch.nn.Module) -> None:
     """Drop the model's packed copies (they are rebuilt on the next packed generation)."""
     _PACKS.pop(model, None)
+
+
+def is_packed(model: torch.nn.Module) -> bool:
+    """Whether packed copies of the model's matrices are held now."""
+    return model in _PACKS

@@ -1,0 +1,39 @@
+"""`gpt2kit bench`: generation speed against transformers, side by side (the measurement: core.py).
+
+This module owns the command's options and is light to import (no torch), so the CLI can build its
+parser without loading the benchmark; `python -m gpt2kit.bench` runs it on its own too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options: the one definition, for `gpt2kit bench` and `python -m gpt2kit.bench`."""
+    p.add_argument("--quick", action="store_true", help="T=256 prefill, 32 new tokens, fewer trials")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="before each trial, wait up to S seconds for other processes to leave the CPU")
+    p.add_argument("--_memory-worker", nargs=6, default=None, help=argparse.SUPPRESS)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from gpt2kit.bench.core import run_from_args as run
+
+    return run(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpt2kit bench", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_from_args(args)
+    except ValueError as e:  # bad values: one line, as the gpt2kit CLI does
+        print(f"gpt2kit bench: error: {e}", file=sys.stderr)
+        return 2

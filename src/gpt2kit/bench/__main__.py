@@ -1,0 +1,5 @@
+import sys
+
+from gpt2kit.bench import main
+
+sys.exit(main())

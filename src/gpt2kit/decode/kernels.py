@@ -1,0 +1,111 @@
+"""The plain kernels of the flat decode step: x (R, in) @ W^T (+ b) for a handful of rows R.
+
+A decode step pushes a few rows through each weight matrix, so the matrix's bytes are the whole
+cost and how the GEMM kernel handles a tiny M decides the speed. For bfloat16/float16 on CPU,
+x @ W^T (F.linear) can be slow there while W @ x^T (torch.mv for one row, mm for a few) reads a
+row-major W faster; float32 stays on F.linear, fastest on MKL when W is stored (in, out), the layout
+decode.layout puts it in. Which is faster differs between CPUs (docs/benchmarks.md), so for the
+half-precision types the choice is measured once per process on the model's own matrices
+(choose_half_kernels) rather than assumed.
+
+Every kernel set (these, decode.packed's) has the same methods: linear, linear_gelu, linear_add,
+lm_head and covers(rows, dtype). A layer that is not a plain nn.Linear (a quantized or adapted
+module swapped in) is called as the module it is.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FEW_ROWS = 16  # up to this many rows a decode product is weight streaming, not compute
+
+# How half-precision few-row products run on this machine: "linear" (F.linear) or "mv" (W @ x^T),
+# for one row and for 2..FEW_ROWS rows; measured on first use (choose_half_kernels).
+_HALF_CHOICE: dict[tuple[torch.dtype, bool], str] = {}
+
+
+def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): x (..., in), weight (out, in) -> (..., out), by the kernel that is
+    fastest here for few rows."""
+    rows = x.numel() // x.shape[-1]
+    if (rows > FEW_ROWS or x.device.type != "cpu" or weight.dtype == torch.float32
+            or not weight.is_contiguous()
+            or _HALF_CHOICE.get((weight.dtype, rows == 1), "mv") == "linear"):
+        return F.linear(x, weight, bias)
+    return _w_times_xt(x, weight, bias, rows)
+
+
+def _w_times_xt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    x2 = x.reshape(rows, x.shape[-1])  # (R, in)
+    if rows == 1:
+        y = torch.mv(weight, x2[0])[None]  # (1, out)
+    else:
+        y = torch.mm(weight, x2.t()).t()  # (R, out)
+    if bias is not None:
+        y = y + bias  # a separate add: addmv/addmm's fused bias is many times slower on some CPUs
+    return y.contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+def choose_half_kernels(weight: torch.Tensor, trials: int = 5) -> None:
+    """Measure F.linear against W @ x^T on `weight` (a model's largest block matrix, bf16/fp16, CPU)
+    for 1 and 8 rows, once per dtype per process, and remember the faster."""
+    if weight.device.type != "cpu" or weight.dtype == torch.float32 or not weight.is_contiguous():
+        return
+    for single in (True, False):
+        key = (weight.dtype, single)
+        if key in _HALF_CHOICE:
+            continue
+        rows = 1 if single else 8
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        bias = torch.zeros(weight.shape[0], dtype=weight.dtype)
+        cands = {"linear": lambda x=x, b=bias: F.linear(x, weight, b),
+                 "mv": lambda x=x, b=bias, r=rows: _w_times_xt(x, weight, b, r)}
+        best = {}
+        with torch.inference_mode():
+            for name, fn in cands.items():
+                fn()  # warm-up
+                times = []
+                for _ in range(trials):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                best[name] = sorted(times)[len(times) // 2]  # the median: robust to a busy neighbour
+        _HALF_CHOICE[key] = min(best, key=best.get)
+
+
+def half_kernel_choice() -> dict[str, str]:
+    """What choose_half_kernels picked, e.g. {"bfloat16/1 row": "mv", "bfloat16/2-16 rows": "linear"}."""
+    return {f"{str(d).removeprefix('torch.')}/{'1 row' if one else f'2-{FEW_ROWS} rows'}": how
+            for (d, one), how in _HALF_CHOICE.items()}
+
+
+class PlainKernels:
+    """The decode step's products on the model's own parameters (no copies)."""
+
+    def covers(self, rows: int, dtype: torch.dtype) -> bool:
+        return True
+
+    def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        if type(layer) is not nn.Linear:
+            return layer(x)
+        return matmul_t(x, layer.weight, layer.bias)
+
+    def linear_gelu(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        """tanh-GELU(x @ W^T + b), GPT-2's activation."""
+        return F.gelu(self.linear(x, layer), approximate="tanh")
+
+    def linear_add(self, x: torch.Tensor, layer: nn.Module, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ W^T + b."""
+        return residual + self.linear(x, layer)
+
+    def lm_head(self, x: torch.Tensor, wte: torch.Tensor, n_vocab: int) -> torch.Tensor:
+        """x (R, C) @ wte^T -> logits (R, n_vocab)."""
+        y = matmul_t(x, wte)
+        return y if y.shape[-1] == n_vocab else y[:, :n_vocab]
+
+
+PLAIN = PlainKernels()
