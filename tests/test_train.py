@@ -373,11 +373,12 @@ def test_fine_tune_a_saved_checkpoint(shards, tmp_path):
     with torch.no_grad():
         idx = torch.randint(0, 512, (1, 16))
         assert not torch.equal(tuned.eval()(idx).logits, base.eval()(idx).logits)  # ... with trained weights
-    # The first step's loss is the base model's own loss on the first batch.
-    x = torch.from_numpy(np.fromfile(shards / "train_000000.bin", dtype="<u2", offset=1024)[: 4 * 32 + 1]
-                         .astype(np.int64))
+    # The first step's loss is the base model's own loss on the first batch (random windows, seed 1337).
+    from gpt2kit.data import RandomWindowLoader
+
+    x, y = RandomWindowLoader(shards, batch_size=4, seq_len=32, seed=1337).next_batch()
     with torch.no_grad():
-        want = base(x[:-1].view(4, 32), targets=x[1:].view(4, 32)).loss.item()
+        want = base(x, targets=y).loss.item()
     assert _losses(out)[0][1] == pytest.approx(want, abs=1e-5)
 
 
