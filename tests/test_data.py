@@ -367,3 +367,22 @@ def test_random_windows_reject_bad_input(shard_dir):
     loader = RandomWindowLoader(shard_dir, batch_size=1, seq_len=2, seed=0)
     with pytest.raises(ValueError, match="sequential"):
         loader.load_state_dict(ShardLoader(shard_dir, batch_size=1, seq_len=2).state_dict())
+
+
+def test_cli_prepare_shuffle_flags(tmp_path, capsys):
+    from gpt2kit.cli import main
+
+    for i in range(4):
+        (tmp_path / f"d{i}.txt").write_text(f"document {i}", encoding="utf-8")
+    files = [str(tmp_path / f"d{i}.txt") for i in range(4)]
+    assert main(["prepare", *files, "--out", str(tmp_path / "a"), "--workers", "1", "--no-shuffle"]) == 0
+    assert json.loads((tmp_path / "a" / "prepare.json").read_text())["shuffle_seed"] is None
+    assert main(["prepare", *files, "--out", str(tmp_path / "b"), "--workers", "1", "--shuffle-seed", "9"]) == 0
+    assert json.loads((tmp_path / "b" / "prepare.json").read_text())["shuffle_seed"] == 9
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", *files, "--out", str(tmp_path / "c"), "--shuffle-seed", "x"])
+    assert e.value.code == 2 and "argument --shuffle-seed: invalid int value: 'x'" in capsys.readouterr().err
+    write_shard(tmp_path / "train_000000.bin", np.arange(5))
+    assert main(["prepare", str(tmp_path / "train_000000.bin"), "--out", str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err
+    assert "is already a token shard" in err and err.count("\n") == 1
