@@ -4,8 +4,11 @@
     result = train(cfg)
 
 One optimizer step is A micro-steps of (B, T) tokens on each of W ranks, so the step sees
-total_batch_tokens = A * W * B * T tokens. The loss is the model's own mean next-token
-cross-entropy; each micro-step's loss is divided by A so the accumulated gradient is the mean.
+total_batch_tokens = A * W * B * T tokens, drawn as random windows from all shards
+(RandomWindowLoader; sampling="sequential" reads them in order). The loss is the model's mean
+next-token cross-entropy, computed by gpt2kit.loss without the (B, T, V) logits; each micro-step's
+loss is divided by A so the accumulated gradient is the mean. The optimizer and the schedule come
+from gpt2kit.optim (Muon for the block matrices + AdamW for the rest, or AdamW; WSD or cosine).
 
 OUT holds, when a run ends (finished, --stop-at, or interrupted by SIGINT/SIGTERM):
     config.json, model.safetensors, tokenizer files   the model in Hugging Face's format
@@ -15,7 +18,7 @@ OUT holds, when a run ends (finished, --stop-at, or interrupted by SIGINT/SIGTER
 checkpoint.pt is also written every save_every steps, atomically (temporary file, fsync, rename).
 
 Distributed data parallel: gpt2kit.distributed joins the process group torchrun describes; every
-rank reads its own slice of each batch (ShardLoader(rank, world_size)), DDP averages gradients on the
+rank reads its own slice of each batch (the loaders' rank, world_size), DDP averages gradients on the
 last micro-step only (no_sync on the others), and rank 0 alone writes files and logs. metrics.jsonl,
 loss.png and the progress output live in gpt2kit.metrics. This module holds the config, the
 checkpoint (write, read, resume) and the loop.
