@@ -19,6 +19,7 @@ import torch
 
 from gpt2kit.data import (
     PrepareSummary,
+    RandomWindowLoader,
     ShardError,
     ShardLoader,
     find_shards,
@@ -166,7 +167,8 @@ def test_prepare_matches_tiktoken_and_is_worker_independent(tmp_path, reference_
     for workers in (1, 2):
         out = tmp_path / f"out{workers}"
         with pytest.warns(UnicodeWarning, match=r"bad\.txt") as record:
-            s = prepare(inputs, out, val_fraction=0.3, workers=workers, shard_size=16, progress=False)
+            s = prepare(inputs, out, val_fraction=0.3, workers=workers, shard_size=16, progress=False,
+                        shuffle_seed=None)
         assert sum("bad.txt" in str(w.message) for w in record) == 1
         assert isinstance(s, PrepareSummary)
         assert (s.documents, s.val_documents) == (7, n_val)
@@ -186,10 +188,42 @@ def test_prepare_default_val_split_keeps_one_document(tmp_path, reference_gpt2):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "x.txt").write_text("validation document", encoding="utf-8")
     (tmp_path / "in" / "y.txt").write_text("training document", encoding="utf-8")
-    s = prepare([tmp_path / "in"], tmp_path / "out", workers=1, progress=False)
+    s = prepare([tmp_path / "in"], tmp_path / "out", workers=1, progress=False, shuffle_seed=None)
     assert (s.documents, s.val_documents) == (2, 1)
     assert _concat(s.val_shards) == [EOT] + reference_gpt2.encode_ordinary("validation document")
     assert [p.name for p in s.train_shards] == ["train_000000.bin"]
+
+
+def test_prepare_shuffles_documents_by_the_recorded_seed(tmp_path, reference_gpt2):
+    inputs, texts = _make_corpus(tmp_path)
+    docs = [[EOT] + reference_gpt2.encode_ordinary(t) for t in texts]
+    order = np.random.default_rng(5).permutation(len(docs))
+    shuffled = [docs[i] for i in order]
+    runs = {}
+    for workers in (1, 2):
+        out = tmp_path / f"shuffled{workers}"
+        with pytest.warns(UnicodeWarning):
+            s = prepare(inputs, out, val_fraction=0.3, workers=workers, shard_size=16, progress=False,
+                        shuffle_seed=5)
+        assert _concat(s.val_shards) == [t for d in shuffled[:3] for t in d]
+        assert _concat(s.train_shards) == [t for d in shuffled[3:] for t in d]
+        assert json.loads((out / "prepare.json").read_text())["shuffle_seed"] == 5
+        runs[workers] = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert runs[1] == runs[2]
+    assert list(order) != sorted(order)  # the seed does reorder this corpus
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, "3", True])
+def test_prepare_rejects_a_seed_that_is_not_an_integer(tmp_path, seed):
+    (tmp_path / "a.txt").write_text("one", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"shuffle_seed must be an integer"):
+        prepare([tmp_path / "a.txt"], tmp_path / "out", shuffle_seed=seed, workers=1, progress=False)
+
+
+def test_prepare_refuses_token_shards_as_input(tmp_path):
+    write_shard(tmp_path / "fineweb_train_000001.bin", np.arange(10))
+    with pytest.raises(ValueError, match=r"fineweb_train_000001\.bin is already a token shard.*re-shuffled"):
+        prepare([tmp_path / "fineweb_train_000001.bin"], tmp_path / "out", workers=1, progress=False)
 
 
 def test_prepare_refuses_to_mix_with_old_shards(tmp_path):
@@ -465,3 +499,67 @@ def test_a_full_disk_names_the_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "atomic_write", full)
     with pytest.raises(OSError, match=rf"no space left on {tmp_path} while writing train_000000\.bin"):
         write_shard(tmp_path / "train_000000.bin", [1, 2, 3])
+
+
+# RandomWindowLoader
+
+
+def test_random_windows_are_stream_slices_within_one_shard(shard_dir):
+    loader = RandomWindowLoader(shard_dir, batch_size=4, seq_len=5, seed=0)
+    seen_shards = set()
+    for _ in range(50):
+        x, y = loader.next_batch()
+        assert x.shape == y.shape == (4, 5) and x.dtype == torch.int64
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        for row in torch.cat([x, y[:, -1:]], dim=1).tolist():  # 6 consecutive tokens of one shard
+            assert row == list(range(row[0], row[0] + 6)) and (row[-1] < 100 or row[0] >= 1000)
+            seen_shards.add(row[0] >= 1000)
+    assert seen_shards == {False, True}
+
+
+def test_random_windows_two_ranks_equal_one_process_and_resume_exactly(shard_dir):
+    B, T = 3, 4
+    ranks = [RandomWindowLoader(shard_dir, batch_size=B, seq_len=T, seed=7, rank=r, world_size=2) for r in (0, 1)]
+    single = RandomWindowLoader(shard_dir, batch_size=2 * B, seq_len=T, seed=7)
+    for _ in range(10):
+        (x0, y0), (x1, y1) = ranks[0].next_batch(), ranks[1].next_batch()
+        xs, ys = single.next_batch()
+        assert torch.equal(torch.cat([x0, x1]), xs) and torch.equal(torch.cat([y0, y1]), ys)
+    state = json.loads(json.dumps(ranks[1].state_dict()))
+    expected = [ranks[1].next_batch() for _ in range(5)]
+    resumed = RandomWindowLoader(shard_dir, batch_size=B, seq_len=T, seed=7, rank=1, world_size=2)
+    resumed.load_state_dict(state)
+    for (xe, ye), (xr, yr) in zip(expected, (resumed.next_batch() for _ in expected), strict=True):
+        assert torch.equal(xe, xr) and torch.equal(ye, yr)
+    other = RandomWindowLoader(shard_dir, batch_size=2 * B, seq_len=T, seed=8)
+    assert not torch.equal(other.next_batch()[0], RandomWindowLoader(shard_dir, batch_size=2 * B, seq_len=T,
+                                                                     seed=7).next_batch()[0])
+
+
+def test_random_windows_reject_bad_input(shard_dir):
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        RandomWindowLoader(shard_dir, batch_size=1, seq_len=2, seed=1.5)
+    with pytest.raises(ValueError, match=r"holds the 101 tokens"):
+        RandomWindowLoader(shard_dir, batch_size=1, seq_len=100, seed=0)
+    loader = RandomWindowLoader(shard_dir, batch_size=1, seq_len=2, seed=0)
+    with pytest.raises(ValueError, match="sequential"):
+        loader.load_state_dict(ShardLoader(shard_dir, batch_size=1, seq_len=2).state_dict())
+
+
+def test_cli_prepare_shuffle_flags(tmp_path, capsys):
+    from gpt2kit.cli import main
+
+    for i in range(4):
+        (tmp_path / f"d{i}.txt").write_text(f"document {i}", encoding="utf-8")
+    files = [str(tmp_path / f"d{i}.txt") for i in range(4)]
+    assert main(["prepare", *files, "--out", str(tmp_path / "a"), "--workers", "1", "--no-shuffle"]) == 0
+    assert json.loads((tmp_path / "a" / "prepare.json").read_text())["shuffle_seed"] is None
+    assert main(["prepare", *files, "--out", str(tmp_path / "b"), "--workers", "1", "--shuffle-seed", "9"]) == 0
+    assert json.loads((tmp_path / "b" / "prepare.json").read_text())["shuffle_seed"] == 9
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", *files, "--out", str(tmp_path / "c"), "--shuffle-seed", "x"])
+    assert e.value.code == 2 and "argument --shuffle-seed: invalid int value: 'x'" in capsys.readouterr().err
+    write_shard(tmp_path / "train_000000.bin", np.arange(5))
+    assert main(["prepare", str(tmp_path / "train_000000.bin"), "--out", str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err
+    assert "is already a token shard" in err and err.count("\n") == 1

@@ -287,7 +287,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     with _one_line_warnings("prepare"):
         s = prepare(args.inputs, args.out, val_fraction=args.val_fraction, glob=args.glob,
                     workers=args.workers, shard_size=args.shard_size, progress=sys.stderr.isatty(),
-                    overwrite=args.overwrite)
+                    overwrite=args.overwrite, shuffle_seed=None if args.no_shuffle else args.shuffle_seed)
     print(f"{s.documents:,} documents: {s.train_tokens:,} train tokens in {len(s.train_shards)} shard(s), "
           f"{s.val_tokens:,} val tokens ({s.val_documents:,} documents) in {len(s.val_shards)} shard(s), "
           f"in {s.out_dir}")
@@ -305,6 +305,10 @@ def _register_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     p.add_argument("--shard-size", type=int, default=100_000_000, help="tokens per shard (default 100M)")
     p.add_argument("--overwrite", action="store_true", help="replace shards already in --out")
+    p.add_argument("--shuffle-seed", type=int, default=1337,
+                   help="seed of the document shuffle before the split, recorded in prepare.json (default 1337)")
+    p.add_argument("--no-shuffle", action="store_true",
+                   help="keep documents in path order (validation = the first documents)")
     p.set_defaults(func=cmd_prepare)
 
 
@@ -375,7 +379,13 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
     a("--eval-steps", type=int, help="batches per evaluation (default 20)")
     a("--save-every", type=int, help="steps between checkpoints; 0: only at the end (default 500)")
     a("--log-every", type=int, help="steps between log lines when stderr is not a terminal (default 10)")
-    a("--seed", type=int, help="random seed (default 1337)")
+    a("--seed", type=int, help="random seed: initial weights, dropout, the random windows (default 1337)")
+    a("--optimizer", help="muon (default where torch has torch.optim.Muon: Muon for the block matrices, AdamW "
+                          "for embeddings, biases and gains) or adamw (AdamW for everything)")
+    a("--muon-lr", type=float, help="Muon's peak learning rate; --lr is AdamW's (default 0.02)")
+    a("--schedule", help="wsd (warmup, flat, linear decay over the last 40%%; default) or cosine")
+    a("--sampling", help="random (default: windows drawn at random from all shards, a fresh draw per seed) or "
+                         "sequential (shards read front to back)")
     a("--dtype", choices=["float32", "bfloat16", "fp32", "bf16"],
       help="float32 (default) or bfloat16 autocast (weights and optimizer stay float32)")
     a("--compile", action="store_true", default=None, help="torch.compile the model")

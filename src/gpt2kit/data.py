@@ -43,6 +43,7 @@ HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPE = np.dtype("<u2")
 MAX_SHARD_TOKENS = 2**31 - 1  # the count lives in an int32
+DEFAULT_SHUFFLE_SEED = 1337
 
 
 class ShardError(ValueError):
@@ -164,9 +165,10 @@ def _decode(raw: bytes) -> tuple[str, bool]:
 
 
 # A task is one document: (path, line number, raw line) for a .jsonl line, (path, 0, None) for a
-# text file, which the worker reads itself so that big files are not piped through the parent, and
-# (path, 0, contents) for an input that can be read only once (a pipe, /dev/stdin), read up front.
-_Task = tuple[str, int, bytes | None]
+# text file, which the worker reads itself so that big files are not piped through the parent,
+# (path, 0, contents) for an input that can be read only once (a pipe, /dev/stdin), read up front, and
+# in a shuffled run (which holds every task at once) a .jsonl line is its byte offset, read by the worker.
+_Task = tuple[str, int, bytes | int | None]
 
 
 def _jsonl_text(raw: bytes, path: str, lineno: int) -> tuple[str, bool]:
@@ -186,6 +188,10 @@ def _tokenize_doc(task: _Task) -> tuple[np.ndarray, str | None]:
     path, lineno, raw = task
     if raw is None:
         text, replaced = _decode(Path(path).read_bytes())
+    elif isinstance(raw, int):
+        with open(path, "rb") as f:
+            f.seek(raw)
+            text, replaced = _jsonl_text(f.readline(), path, lineno)
     elif lineno == 0:
         text, replaced = _decode(raw)
     else:
@@ -259,7 +265,7 @@ def _count_jsonl_docs(path: Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
-def _tasks(files: list[Path], once: dict[str, bytes]) -> Iterator[_Task]:
+def _tasks(files: list[Path], once: dict[str, bytes], *, offsets: bool = False) -> Iterator[_Task]:
     for path in files:
         if str(path) in once:
             yield str(path), 0, once[str(path)]
@@ -267,9 +273,31 @@ def _tasks(files: list[Path], once: dict[str, bytes]) -> Iterator[_Task]:
             yield str(path), 0, None
         else:
             with open(path, "rb") as f:
+                offset = 0
                 for lineno, line in enumerate(f, start=1):
                     if line.strip():
-                        yield str(path), lineno, line
+                        yield str(path), lineno, offset if offsets else line
+                    offset += len(line)
+
+
+def _ordered_tasks(files: list[Path], once: dict[str, bytes], shuffle_seed: int | None) -> Iterable[_Task]:
+    """Documents in path order, or permuted by numpy's default_rng(shuffle_seed).permutation(n_docs)."""
+    if shuffle_seed is None:
+        return _tasks(files, once)
+    tasks = list(_tasks(files, once, offsets=True))
+    order = np.random.default_rng(shuffle_seed).permutation(len(tasks))
+    return [tasks[i] for i in order]
+
+
+def _refuse_shards(files: list[Path]) -> None:
+    """Token shards given to prepare would be tokenized as text: say what they are instead."""
+    for f in files:
+        if f.suffix == ".bin" and f.stat().st_size >= HEADER_BYTES:
+            magic = int(np.fromfile(f, dtype="<i4", count=1)[0])
+            if magic == MAGIC:
+                raise ValueError(f"{f} is already a token shard (llm.c format): prepare reads text, and a shard's "
+                                 f"documents cannot be re-shuffled here; point train --data at its directory "
+                                 f"(training samples random windows from shards as they are)")
 
 
 class _ShardWriter:
@@ -355,6 +383,7 @@ def prepare(
     shard_size: int = 100_000_000,
     progress: bool = True,
     overwrite: bool = False,
+    shuffle_seed: int | None = DEFAULT_SHUFFLE_SEED,
 ) -> PrepareSummary:
     """Tokenize text files, directories and .jsonl files into GPT-2 shards in `out_dir`.
 
@@ -363,9 +392,12 @@ def prepare(
     named directly are used whatever their name. Files are read as UTF-8 with undecodable bytes
     replaced (one UnicodeWarning per such file).
 
-    Order and split: documents come in order of their absolute path string, .jsonl lines in file
-    order. The validation split is the first ceil(val_fraction * documents) of them (at least one
-    when val_fraction > 0 and there are two or more documents; never all of them), the rest is
+    Order and split: documents are listed in order of their absolute path string, .jsonl lines in
+    file order, then shuffled: document i of the output is document
+    numpy.random.default_rng(shuffle_seed).permutation(documents)[i] of that list (shuffle_seed
+    None keeps the list order). The seed is recorded in prepare.json. The validation split is the
+    first ceil(val_fraction * documents) of them (at least one when val_fraction > 0 and there are
+    two or more documents; never all of them), so a random sample of the documents; the rest is
     train. The default 0.0005 keeps 1 document in 2000 for validation.
 
     Tokens: every document is preceded by <|endoftext|> (50256), as in llm.c, and documents are
@@ -385,10 +417,14 @@ def prepare(
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if shuffle_seed is not None and (isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int)
+                                     or shuffle_seed < 0):
+        raise ValueError(f"shuffle_seed must be an integer >= 0 or None, got {shuffle_seed!r}")
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     out = Path(os.path.abspath(out_dir))
 
     files, once = _collect_files(inputs, glob, exclude=out)
+    _refuse_shards(files)
     n_docs = sum(_count_jsonl_docs(f) if _is_jsonl(f) and str(f) not in once else 1 for f in files)
     if n_docs == 0:
         names = ", ".join(str(i) for i in inputs) or "(no inputs)"
@@ -409,7 +445,8 @@ def prepare(
 
     writer = _ShardWriter(out, shard_size)
     try:
-        text_tokens = _tokenize_into(writer, _tasks(files, once), n_docs, n_val, workers, progress)
+        text_tokens = _tokenize_into(writer, _ordered_tasks(files, once, shuffle_seed), n_docs, n_val, workers,
+                                     progress)
         writer.flush()
         if text_tokens == 0:
             names = ", ".join(str(i) for i in inputs)
@@ -432,6 +469,7 @@ def prepare(
         "glob": glob,
         "val_fraction": val_fraction,
         "shard_size": shard_size,
+        "shuffle_seed": shuffle_seed,
     }
     atomic_write(out / "prepare.json", lambda f: f.write(json.dumps(record, indent=2).encode() + b"\n"))
     return summary
@@ -446,7 +484,7 @@ def _remove_stale_temporaries(out: Path) -> None:
 
 
 def _tokenize_into(
-    writer: _ShardWriter, tasks: Iterator[_Task], n_docs: int, n_val: int, workers: int, progress: bool
+    writer: _ShardWriter, tasks: Iterable[_Task], n_docs: int, n_val: int, workers: int, progress: bool
 ) -> int:
     """Tokenize every document into `writer`; returns the number of tokens excluding separators."""
     warned: set[str] = set()
@@ -650,3 +688,86 @@ class ShardLoader:
         self._set(shard, position, epoch)
         if position + self.window > self.counts[shard]:  # saved with a smaller window: move on as usual
             self._advance(position)
+
+
+class RandomWindowLoader:
+    """Endless (x, y) batches of windows drawn at random from all shards, as nanoGPT samples them.
+
+    Batch k (counted from 0 over the whole run) is W*B windows of T+1 tokens whose starts are drawn
+    uniformly, with replacement, from every position of every shard where a window fits, by a
+    generator seeded with (seed, k); rank r takes windows r*B .. r*B+B-1. So one process with batch
+    size W*B gets exactly the batches that W ranks get together, and the state is one counter:
+    state_dict() on any rank resumes all of them exactly. A window may span two documents (they are
+    separated by <|endoftext|>, as in a sequential read), never two shards.
+    """
+
+    def __init__(
+        self,
+        data_dir_or_files: str | os.PathLike | Sequence[str | os.PathLike],
+        split: str = "train",
+        *,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        if isinstance(data_dir_or_files, (str, os.PathLike)):
+            p = Path(data_dir_or_files)
+            self.files = find_shards(p, split) if p.is_dir() else [p]
+        else:
+            self.files = [Path(f) for f in data_dir_or_files]
+            if not self.files:
+                raise ValueError("RandomWindowLoader needs at least one shard file")
+        self.B, self.T, self.rank, self.world_size, self.seed = batch_size, seq_len, rank, world_size, seed
+        self.counts = [_shard_token_count(f) for f in self.files]
+        starts = np.array([max(0, n - seq_len) for n in self.counts], dtype=np.int64)  # windows per shard
+        if not starts.sum():
+            raise ValueError(f"no shard in {[f.name for f in self.files]} holds the {seq_len + 1} tokens "
+                             f"one window needs (seq_len {seq_len} + 1)")
+        self._ends = np.cumsum(starts)  # (shards,): window index bounds
+        self._tokens: dict[int, np.ndarray] = {}
+        self.batches = 0
+
+    def _shard(self, i: int) -> np.ndarray:
+        if i not in self._tokens:
+            self._tokens[i] = read_shard(self.files[i])
+        return self._tokens[i]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (x, y), int64 tensors of shape (B, T) on the CPU; y[b, t] == x[b, t + 1] in the stream."""
+        import torch
+
+        rng = np.random.default_rng([self.seed, self.batches])
+        picks = rng.integers(0, int(self._ends[-1]), size=self.world_size * self.B)  # (W*B,)
+        picks = picks[self.rank * self.B : (self.rank + 1) * self.B]  # (B,): this rank's windows
+        shards = np.searchsorted(self._ends, picks, side="right")  # (B,)
+        offsets = picks - np.concatenate(([0], self._ends))[shards]  # (B,)
+        buf = np.stack([self._shard(int(s))[o : o + self.T + 1] for s, o in zip(shards, offsets, strict=True)])
+        buf = torch.from_numpy(buf.astype(np.int64))  # (B, T + 1)
+        self.batches += 1
+        return buf[:, :-1], buf[:, 1:]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampling": "random", "batches": self.batches, "seed": self.seed,
+                "shard_names": [f.name for f in self.files]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from state_dict(); with the same shards, seed and B, T, W the next batches are identical."""
+        if state.get("sampling") != "random":
+            raise ValueError("the saved data position is a sequential read, not random windows")
+        names = [f.name for f in self.files]
+        if state.get("shard_names", names) != names:
+            raise ValueError(f"state was saved with shards {state['shard_names']}, but here they are {names}")
+        self.seed = int(state.get("seed", self.seed))
+        self.batches = int(state["batches"])

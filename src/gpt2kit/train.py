@@ -4,8 +4,11 @@
     result = train(cfg)
 
 One optimizer step is A micro-steps of (B, T) tokens on each of W ranks, so the step sees
-total_batch_tokens = A * W * B * T tokens. The loss is the model's own mean next-token
-cross-entropy; each micro-step's loss is divided by A so the accumulated gradient is the mean.
+total_batch_tokens = A * W * B * T tokens, drawn as random windows from all shards
+(RandomWindowLoader; sampling="sequential" reads them in order). The loss is the model's mean
+next-token cross-entropy, computed by gpt2kit.loss without the (B, T, V) logits; each micro-step's
+loss is divided by A so the accumulated gradient is the mean. The optimizer and the schedule come
+from gpt2kit.optim (Muon for the block matrices + AdamW for the rest, or AdamW; WSD or cosine).
 
 OUT holds, when a run ends (finished, --stop-at, or interrupted by SIGINT/SIGTERM):
     config.json, model.safetensors, tokenizer files   the model in Hugging Face's format
@@ -17,7 +20,7 @@ checkpoint.pt is also written every save_every steps, atomically (temporary file
 and ends with its SHA-256, which resuming checks. A non-finite loss stops the run without saving.
 
 Distributed data parallel: gpt2kit.distributed joins the process group torchrun describes; every
-rank reads its own slice of each batch (ShardLoader(rank, world_size)), DDP averages gradients on the
+rank reads its own slice of each batch (the loaders' rank, world_size), DDP averages gradients on the
 last micro-step only (no_sync on the others), and rank 0 alone writes files and logs. metrics.jsonl,
 loss.png and the progress output live in gpt2kit.metrics. This module holds the config, the
 checkpoint (write, read, resume) and the loop.
@@ -52,17 +55,32 @@ from torch import nn
 from gpt2kit import distributed
 from gpt2kit._io import atomic_write
 from gpt2kit.config import PRESETS, GPT2Config
-from gpt2kit.data import ShardLoader, find_shards
+from gpt2kit.data import RandomWindowLoader, ShardLoader, find_shards
 from gpt2kit.distributed import Dist
+from gpt2kit.loss import TrainingLoss
 from gpt2kit.metrics import PLOT_NAME, Metrics, Reporter
 from gpt2kit.model import GPT2
+from gpt2kit.optim import (
+    ADAM_BETAS,  # noqa: F401 - re-exported for benchmarks
+    ADAM_EPS,  # noqa: F401
+    OPTIMIZERS,
+    SCHEDULES,
+    Optimizers,
+    check_choice,
+    lr_factor,
+    make_optimizer,
+    muon_available,
+    param_groups,  # noqa: F401
+    require_muon,
+)
 
 CHECKPOINT_NAME = "checkpoint.pt"
 LOCK_NAME = ".lock"  # held (flock) by the run writing OUT
 CHECKPOINT_FORMAT = "gpt2kit-train/1"
 
-ADAM_BETAS = (0.9, 0.95)  # GPT-3's betas (nanoGPT, llm.c); 0.999 is less stable at GPT-2 batch sizes
-ADAM_EPS = 1e-8
+SAMPLINGS = ("random", "sequential")
+# What a checkpoint written before these settings existed ran with.
+_LEGACY = {"optimizer": "adamw", "schedule": "cosine", "sampling": "sequential"}
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 _ARCH_OVERRIDES = ("n_layer", "n_embd", "n_head", "n_ctx")
@@ -99,6 +117,10 @@ class TrainConfig:
     save_every: int = 500  # 0: checkpoint only at the end
     log_every: int = 10  # plain log lines (when stderr is not a terminal)
     seed: int = 1337
+    optimizer: str | None = None  # adamw | muon (block matrices; AdamW for the rest); None: muon if torch has it
+    muon_lr: float = 0.02  # Muon's peak rate; lr is AdamW's (embeddings, biases, gains; everything with adamw)
+    schedule: str = "wsd"  # wsd (warmup, flat, linear decay over the last 40%) | cosine
+    sampling: str = "random"  # random windows from all shards | sequential (shard order, one pass after another)
     dtype: str = "float32"  # float32 | bfloat16 (autocast; weights and optimizer stay float32)
     compile: bool = False
     device: str | None = None  # None: cuda (this rank's GPU) if available, else cpu
@@ -119,8 +141,17 @@ class TrainConfig:
             _check_int("warmup_steps", self.warmup_steps, minimum=0)
         if self.stop_at is not None:
             _check_int("stop_at", self.stop_at, minimum=0)
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"TrainConfig.lr must be a positive number, got {self.lr!r}")
+        for name in ("lr", "muon_lr"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0
+                                                                                      and math.isfinite(value)):
+                raise ValueError(f"TrainConfig.{name} must be a positive number, got {value!r}")
+        if self.optimizer is not None:
+            check_choice("optimizer", self.optimizer, OPTIMIZERS)
+            if self.optimizer == "muon":
+                require_muon()
+        check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("sampling", self.sampling, SAMPLINGS)
         if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"TrainConfig.min_lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
         for name in ("weight_decay", "grad_clip"):
@@ -168,14 +199,17 @@ class TrainResult:
     out: Path
 
 
-def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
-    """The rate for 0-based step `step`: linear warmup to lr over warmup_steps, cosine to min_lr at max_steps."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if step >= max_steps:
-        return min_lr
-    ratio = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int,
+                  schedule: str = "cosine") -> float:
+    """The rate for 0-based step `step`: linear warmup to lr over warmup_steps, then the schedule
+    (cosine, or wsd's flat stretch and linear decay; gpt2kit.optim.lr_factor) to min_lr at max_steps."""
+    return lr * lr_factor(step, schedule=schedule, warmup_steps=warmup_steps, max_steps=max_steps,
+                          min_lr_ratio=min_lr / lr)
+
+
+def _saved_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config dict, with what older versions ran with filled in for newer settings."""
+    return {k: v for k, v in _LEGACY.items() if k not in saved} | saved
 
 
 def resume_config(out: str | os.PathLike[str], **changes: Any) -> TrainConfig:
@@ -185,7 +219,7 @@ def resume_config(out: str | os.PathLike[str], **changes: Any) -> TrainConfig:
     rejects changes outside RESUMABLE_CHANGES.
     """
     # The config only; train() verifies the checksum when it reads the whole file.
-    saved = _read_checkpoint(Path(out) / CHECKPOINT_NAME, mmap=True, verify=False)["config"]
+    saved = _saved_config(_read_checkpoint(Path(out) / CHECKPOINT_NAME, mmap=True, verify=False)["config"])
     # stop_at belongs to the invocation that saved, not to the run.
     return TrainConfig(**(saved | {"out": os.fspath(out), "stop_at": None} | changes | {"resume": True}))
 
@@ -403,6 +437,9 @@ def _build_model(cfg: TrainConfig, log: Callable[[str], None], device: torch.dev
         overrides["dropout"] = cfg.dropout
     if cfg.from_scratch:
         config = GPT2Config.from_name(cfg.model, **overrides)
+        # Embedding rows padded to a multiple of 64 (50,257 -> 50,304, as llm.c): the fused loss's head
+        # products run over all rows (a faster GEMM shape); the padded columns are masked, never predicted.
+        config = config.replace(n_vocab_padded=config.n_vocab_padded or -(-config.n_vocab // 64) * 64)
         check_memory(config, device, f"preset {cfg.model!r}" + "".join(f" {k}={v}" for k, v in overrides.items()))
         model = GPT2(config)
         hint = f" (to fine-tune OpenAI's weights: --model openai-community/{cfg.model})" if cfg.model in _OPENAI else ""
@@ -436,7 +473,7 @@ def _make_contiguous(model: nn.Module) -> None:
             p.data = p.data.contiguous()
 
 
-def _match_param_layout(optimizer: torch.optim.Optimizer) -> None:
+def _match_param_layout(optimizer: torch.optim.Optimizer | Optimizers) -> None:
     """Give each restored optimizer state tensor its parameter's memory layout (values unchanged).
 
     load_state_dict keeps the strides the tensors were saved with; a checkpoint written by a run whose
@@ -450,22 +487,14 @@ def _match_param_layout(optimizer: torch.optim.Optimizer) -> None:
                     state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW's two groups: weight decay on the 2-D weights (the matrices and, as in nanoGPT, the
-    wte/wpe embeddings), none on biases and LayerNorm gains. Frozen parameters are left out."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+def _make_optimizer(model: nn.Module, cfg: TrainConfig) -> Optimizers:
+    """cfg.optimizer (gpt2kit.optim.make_optimizer): AdamW, or Muon for the block matrices + AdamW."""
+    return make_optimizer(model, cfg.optimizer or _default_optimizer(), lr=cfg.lr,
+                          weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
 
 
-def _make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over param_groups(), with fused kernels where the device has them."""
-    groups = param_groups(model, cfg.weight_decay)
-    kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": ADAM_BETAS, "eps": ADAM_EPS}
-    try:
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
-    except (RuntimeError, ValueError):  # no fused kernel for this device / dtype
-        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+def _default_optimizer() -> str:
+    return "muon" if muon_available() else "adamw"
 
 
 def _autocast(cfg: TrainConfig, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
@@ -491,6 +520,7 @@ def _resolve(cfg: TrainConfig, model: GPT2, world_size: int) -> tuple[TrainConfi
         min_lr=cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr,
         warmup_steps=cfg.max_steps // 20 if cfg.warmup_steps is None else cfg.warmup_steps,
         dropout=model.config.dropout,
+        optimizer=cfg.optimizer or _default_optimizer(),
     )
     return cfg, total // unit
 
@@ -518,8 +548,8 @@ class _Run:
     raw: GPT2  # the plain module: its state_dict is what we save
     model: nn.Module  # what runs forward/backward (compiled and/or DDP-wrapped)
     eval_model: nn.Module  # compiled or raw, never DDP
-    optimizer: torch.optim.Optimizer
-    train_loader: ShardLoader
+    optimizer: Optimizers
+    train_loader: RandomWindowLoader | ShardLoader
     val_loader: ShardLoader | None
     eval_batches: int
     accum: int
@@ -629,7 +659,7 @@ def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
     log = d.print0
     ckpt = _read_checkpoint(out / CHECKPOINT_NAME) if cfg.resume else None
     if ckpt is not None:
-        saved = TrainConfig(**ckpt["config"])
+        saved = TrainConfig(**_saved_config(ckpt["config"]))
         _check_resume(saved, cfg)
         cfg = saved.replace(**{k: getattr(cfg, k) for k in RESUMABLE_CHANGES})
     if ckpt is None and (out / CHECKPOINT_NAME).exists():
@@ -656,14 +686,20 @@ def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
         torch.backends.cudnn.allow_tf32 = True
 
     optimizer = _make_optimizer(raw, cfg)
-    fwd: nn.Module = torch.compile(raw) if cfg.compile else raw
+    # What runs forward: the model with the fused chunked loss (no (B, T, V) logits; gpt2kit.loss).
+    loss_model = TrainingLoss(raw)
+    fwd: nn.Module = torch.compile(loss_model) if cfg.compile else loss_model
     model = fwd
     if d.enabled:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(fwd, device_ids=[d.device.index] if d.device.type == "cuda" else None)
     B, T, W = cfg.batch_size, cfg.seq_len, d.world_size
-    train_loader = ShardLoader(cfg.data, "train", batch_size=B, seq_len=T, rank=d.rank, world_size=W)
+    if cfg.sampling == "random":
+        train_loader = RandomWindowLoader(cfg.data, "train", batch_size=B, seq_len=T, seed=cfg.seed, rank=d.rank,
+                                          world_size=W)
+    else:
+        train_loader = ShardLoader(cfg.data, "train", batch_size=B, seq_len=T, rank=d.rank, world_size=W)
     val_loader, eval_batches = _val_loader(cfg, d)
     for loader in (train_loader, val_loader):
         if loader is not None:
@@ -799,7 +835,7 @@ def _train_step(run: _Run, stop_requested: Callable[[], bool]) -> tuple[float, f
         sync = i == run.accum - 1 or not d.enabled
         with contextlib.nullcontext() if sync else model.no_sync():
             with run.autocast():
-                loss = model(x, targets=y).loss / run.accum
+                loss = model(x, y) / run.accum
             loss.backward()
         loss_sum += loss.detach()
     # One all-reduce carries the loss and the stop flag, so every rank stops after the same step.
@@ -807,10 +843,10 @@ def _train_step(run: _Run, stop_requested: Callable[[], bool]) -> tuple[float, f
     stats = d.sum(torch.stack([loss_sum, torch.tensor(float(stop_requested()), device=d.device)]))
     clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # inf: the norm, with no clipping (x1.0)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.raw.parameters(), clip)
-    lr = learning_rate(run.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
-                       max_steps=cfg.max_steps)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
+    factor = lr_factor(run.step, schedule=cfg.schedule, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
+                       min_lr_ratio=cfg.min_lr / cfg.lr)
+    run.optimizer.set_lr_factor(factor)  # every group's own peak rate (lr, muon_lr) times the schedule
+    lr = cfg.lr * factor
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     stats = stats.tolist()
@@ -829,7 +865,7 @@ def _evaluate(run: _Run, metrics: Metrics | None, reporter: Reporter) -> float:
         for _ in range(run.eval_batches):
             x, y = run.val_loader.next_batch()  # (B, T), (B, T)
             with run.autocast():
-                total += model(x.to(d.device), targets=y.to(d.device)).loss.float()
+                total += model(x.to(d.device), y.to(d.device)).float()
             advance()
     model.train()
     val_loss = d.sum(total).item() / (run.eval_batches * d.world_size)

@@ -1,0 +1,134 @@
+"""The training loss without the (B, T, V) float32 logits: a fused, chunked linear cross-entropy.
+
+A small GPT-2 spends most of a training step on its 50,257-way output layer: the (N, V) logits,
+their float32 copy, the log-softmax, and the gradient of each are as big again, and on a CPU the
+time goes into moving them through memory. fused_linear_cross_entropy takes the final hidden
+states and the head matrix and works through N in chunks of rows: per chunk it forms the logits,
+the loss and, when gradients are wanted, the gradient of the logits (softmax minus one-hot), which
+it turns at once into the chunk's gradient for the hidden states and its share of the head's
+gradient. No more than one chunk of logits exists at a time, and the matrix products are the same
+three a plain head does (logits, d hidden, d weight), so nothing is recomputed. This is the
+approach of Liger-Kernel's FusedLinearCrossEntropy, written with PyTorch operators.
+
+The head may be the padded embedding (n_vocab_padded rows, e.g. 50,304, a friendlier GEMM
+shape): the product runs over all its rows and the padded columns are masked to -inf before the
+softmax, so they get probability 0 and gradient 0 (the loss is exactly the unpadded one).
+
+TrainingLoss wraps a GPT2 as the module that training runs (and that DDP and torch.compile wrap):
+forward(idx, targets) -> the mean next-token loss, equal to GPT2.forward(idx, targets=...).loss.
+
+Legend: B batch, T time, C n_embd, N = B*T rows, V n_vocab, Vp rows of the head (>= V).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+DEFAULT_CHUNK_ROWS = 256  # rows of logits per chunk: (256, 50304) float32 is 51 MB
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                               n_vocab: int | None = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                               ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of logits = hidden @ weight[:n_vocab].T against targets, chunk by chunk.
+
+    hidden (..., C), weight (Vp, C), targets (...) with the same leading shape as hidden. Rows
+    whose target is ignore_index do not count (as F.cross_entropy). n_vocab (default Vp) is the
+    number of real columns; weight's rows beyond it are padding and never predicted. Under
+    autocast the products run in the autocast dtype, the softmax always in float32.
+    """
+    C = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != C:
+        raise ValueError(f"weight must be (Vp, {C}), got {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets shape {tuple(targets.shape)} does not match hidden {tuple(hidden.shape[:-1])}")
+    n_vocab = weight.shape[0] if n_vocab is None else n_vocab
+    if not 0 < n_vocab <= weight.shape[0]:
+        raise ValueError(f"n_vocab must be in [1, {weight.shape[0]}], got {n_vocab}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+    return _FusedLinearCrossEntropy.apply(hidden.reshape(-1, C), weight, targets.reshape(-1), n_vocab,
+                                          chunk_rows, ignore_index, dtype)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_vocab: int,
+                chunk_rows: int, ignore_index: int, dtype: torch.dtype) -> torch.Tensor:
+        # hidden (N, C), weight (Vp, C), targets (N,)
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        N, Vp = hidden.shape[0], weight.shape[0]
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)  # (Vp, C); a no-op in float32
+            valid = targets != ignore_index  # (N,)
+            safe = torch.where(valid, targets, 0)  # (N,) ignored rows point at column 0, then weigh 0
+            scale = valid.to(torch.float32) / valid.sum().clamp(min=1)  # (N,): 1/n_valid or 0
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_h = torch.empty_like(hidden) if want_h else None  # (N, C)
+            grad_w = torch.zeros(Vp, weight.shape[1], dtype=torch.float32, device=weight.device) if want_w else None
+            for s in range(0, N, chunk_rows):
+                h = hidden[s : s + chunk_rows].to(dtype)  # (n, C)
+                rows = torch.arange(h.shape[0], device=h.device)
+                logits = (h @ w.t()).float()  # (n, Vp)
+                if Vp > n_vocab:
+                    logits[:, n_vocab:] = float("-inf")
+                lse = torch.logsumexp(logits, dim=-1)  # (n,)
+                t, sc = safe[s : s + chunk_rows], scale[s : s + chunk_rows]
+                total += ((lse - logits[rows, t]) * sc).sum()
+                if not (want_h or want_w):
+                    continue
+                # d loss / d logits = (softmax - one_hot) * scale, built in the logits' own memory.
+                g = logits.sub_(lse[:, None]).exp_()  # (n, Vp): softmax; padded columns exp(-inf) = 0
+                g[rows, t] -= 1.0
+                g.mul_(sc[:, None])
+                g = g.to(dtype)
+                if want_h:
+                    grad_h[s : s + chunk_rows] = (g @ w).to(hidden.dtype)  # (n, C)
+                if want_w:
+                    grad_w.addmm_(g.t().float() if dtype != torch.float32 else g.t(), h.float())  # (Vp, C)
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_out if grad_h is not None else None
+        gw = grad_w * grad_out if grad_w is not None else None
+        return gh, gw, None, None, None, None, None
+
+
+class TrainingLoss(nn.Module):
+    """A GPT2 seen as training sees it: forward(idx, targets) -> mean next-token cross-entropy.
+
+    The hidden states come from the model's own forward (a hook on the last block catches them; the
+    model is asked for the last position's logits only, a (B, 1, V) product that is thrown away),
+    so the body is exactly the model's and nothing here depends on how it is written.
+    """
+
+    def __init__(self, model: nn.Module, *, chunk_rows: int = DEFAULT_CHUNK_ROWS):
+        super().__init__()
+        self.model = model
+        self.chunk_rows = chunk_rows
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden = self.hidden_states(idx)  # (B, T, C)
+        cfg = self.model.config
+        return fused_linear_cross_entropy(hidden, self.model.wte.weight, targets, n_vocab=cfg.n_vocab,
+                                          chunk_rows=self.chunk_rows)
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """ln_f of the last block's output: the (B, T, C) states the tied head multiplies."""
+        caught: list[torch.Tensor] = []
+
+        def catch(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
+            caught.append(output[0] if isinstance(output, tuple) else output)
+
+        handle = self.model.h[-1].register_forward_hook(catch)
+        try:
+            self.model(idx, last_logits_only=True)
+        finally:
+            handle.remove()
+        return self.model.ln_f(caught[0])
