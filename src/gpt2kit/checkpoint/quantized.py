@@ -33,8 +33,8 @@ def read_scheme(path: Path) -> dict | None:
     """The quantization config.json records for an HF-style directory, or None for a float one."""
     try:
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None  # the float reader reports unreadable configs
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None  # the float reader reports unreadable configs, with the file and the byte
     q = raw.get(KEY) if isinstance(raw, dict) else None
     if q is None:
         return None
