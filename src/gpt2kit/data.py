@@ -536,8 +536,9 @@ def _worker_pool(workers: int) -> Iterator[Callable[[Iterator[_Task]], Iterator[
     pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
                                initargs=(True,))
 
-    def imap(tasks: Iterator[_Task]) -> Iterator[tuple[np.ndarray, str | None]]:
+    def imap(tasks: Iterable[_Task]) -> Iterator[tuple[np.ndarray, str | None]]:
         pending: collections.deque = collections.deque()
+        tasks = iter(tasks)  # a list too (a shuffled run's): each chunk takes the next tasks
         chunks = iter(lambda: [t for _, t in zip(range(_CHUNK), tasks, strict=False)], [])
         for chunk in chunks:
             pending.append((chunk[0][0], pool.submit(_tokenize_chunk, chunk)))
