@@ -632,19 +632,21 @@ def test_a_full_disk_says_so(shards, tmp_path, monkeypatch, failure):
 
 def test_ctrl_c_during_a_step_stops_after_that_step(shards, tmp_path, monkeypatch):
     """The stop flag is read after the backward pass: a signal during step 3 ends the run at step 3."""
-    from gpt2kit.data import ShardLoader
+    from gpt2kit.data import RandomWindowLoader, ShardLoader
 
-    real = ShardLoader.next_batch
     calls = {"train": 0}
 
-    def next_batch(self):
-        if self.files[0].name.startswith("train"):
-            calls["train"] += 1
-            if calls["train"] == 3:  # step 3's batch: the signal arrives while step 3 runs
-                os.kill(os.getpid(), signal.SIGINT)
-        return real(self)
+    def signalling(real):
+        def next_batch(self):
+            if self.files[0].name.startswith("train"):
+                calls["train"] += 1
+                if calls["train"] == 3:  # step 3's batch: the signal arrives while step 3 runs
+                    os.kill(os.getpid(), signal.SIGINT)
+            return real(self)
+        return next_batch
 
-    monkeypatch.setattr(ShardLoader, "next_batch", next_batch)
+    for loader in (ShardLoader, RandomWindowLoader):  # whichever --sampling the run uses
+        monkeypatch.setattr(loader, "next_batch", signalling(loader.next_batch))
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
         train(_cfg(shards, out, max_steps=10, eval_every=0))

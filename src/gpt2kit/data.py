@@ -593,17 +593,8 @@ class ShardLoader:
         rank: int = 0,
         world_size: int = 1,
     ):
-        if batch_size < 1 or seq_len < 1:
-            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        if isinstance(data_dir_or_files, (str, os.PathLike)):
-            p = Path(data_dir_or_files)
-            self.files = find_shards(p, split) if p.is_dir() else [p]
-        else:
-            self.files = [Path(f) for f in data_dir_or_files]
-            if not self.files:
-                raise ValueError("ShardLoader needs at least one shard file")
+        self.files = _loader_files(type(self).__name__, data_dir_or_files, split, batch_size, seq_len, rank,
+                                   world_size)
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.window = world_size * batch_size * seq_len + 1
         self.counts = [_shard_token_count(f) for f in self.files]
@@ -616,21 +607,8 @@ class ShardLoader:
         self.reset()
 
     def check_vocab(self, n_vocab: int) -> None:
-        """Raise ValueError naming the shard and offset of the first token id >= n_vocab, if any.
-
-        Checked when training starts, so that data tokenized for a larger vocabulary than the model's
-        fails at once rather than when the loop reaches the token.
-        """
-        for f in self.files:
-            found = first_token_at_least(f, n_vocab)
-            if found is not None:
-                offset, token = found
-                top = int(read_shard(f).max())
-                raise ValueError(
-                    f"{f}: token {token} at offset {offset} is outside the model's vocabulary (n_vocab {n_vocab}, "
-                    f"ids 0..{n_vocab - 1}); this shard holds ids up to {top}: the data was tokenized for a "
-                    f"larger vocabulary than the model's"
-                )
+        """Raise ValueError naming the shard and offset of the first token id >= n_vocab, if any."""
+        check_vocab(self.files, n_vocab)
 
     def reset(self) -> None:
         """Back to the start of the first shard, epoch 0."""
@@ -691,6 +669,40 @@ class ShardLoader:
             self._advance(position)
 
 
+def _loader_files(who: str, data_dir_or_files: str | os.PathLike | Sequence[str | os.PathLike], split: str,
+                  batch_size: int, seq_len: int, rank: int, world_size: int) -> list[Path]:
+    """The shard files a loader reads, after the checks every loader makes of its arguments."""
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if isinstance(data_dir_or_files, (str, os.PathLike)):
+        p = Path(data_dir_or_files)
+        return find_shards(p, split) if p.is_dir() else [p]
+    files = [Path(f) for f in data_dir_or_files]
+    if not files:
+        raise ValueError(f"{who} needs at least one shard file")
+    return files
+
+
+def check_vocab(files: Sequence[Path], n_vocab: int) -> None:
+    """Raise ValueError naming the shard and offset of the first token id >= n_vocab, if any.
+
+    Checked when training starts, so that data tokenized for a larger vocabulary than the model's
+    fails at once rather than when the loop reaches the token.
+    """
+    for f in files:
+        found = first_token_at_least(f, n_vocab)
+        if found is not None:
+            offset, token = found
+            top = int(read_shard(f).max())
+            raise ValueError(
+                f"{f}: token {token} at offset {offset} is outside the model's vocabulary (n_vocab {n_vocab}, "
+                f"ids 0..{n_vocab - 1}); this shard holds ids up to {top}: the data was tokenized for a "
+                f"larger vocabulary than the model's"
+            )
+
+
 class RandomWindowLoader:
     """Endless (x, y) batches of windows drawn at random from all shards, as nanoGPT samples them.
 
@@ -713,19 +725,10 @@ class RandomWindowLoader:
         rank: int = 0,
         world_size: int = 1,
     ):
-        if batch_size < 1 or seq_len < 1:
-            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-        if isinstance(data_dir_or_files, (str, os.PathLike)):
-            p = Path(data_dir_or_files)
-            self.files = find_shards(p, split) if p.is_dir() else [p]
-        else:
-            self.files = [Path(f) for f in data_dir_or_files]
-            if not self.files:
-                raise ValueError("RandomWindowLoader needs at least one shard file")
+        self.files = _loader_files(type(self).__name__, data_dir_or_files, split, batch_size, seq_len, rank,
+                                   world_size)
         self.B, self.T, self.rank, self.world_size, self.seed = batch_size, seq_len, rank, world_size, seed
         self.counts = [_shard_token_count(f) for f in self.files]
         starts = np.array([max(0, n - seq_len) for n in self.counts], dtype=np.int64)  # windows per shard
@@ -735,6 +738,10 @@ class RandomWindowLoader:
         self._ends = np.cumsum(starts)  # (shards,): window index bounds
         self._tokens: dict[int, np.ndarray] = {}
         self.batches = 0
+
+    def check_vocab(self, n_vocab: int) -> None:
+        """Raise ValueError naming the shard and offset of the first token id >= n_vocab, if any."""
+        check_vocab(self.files, n_vocab)
 
     def _shard(self, i: int) -> np.ndarray:
         if i not in self._tokens:

@@ -23,7 +23,7 @@ import torch
 import gpt2kit.checkpoint.hf as hf
 import gpt2kit.checkpoint.hub as hub
 import gpt2kit.checkpoint.openai_tf as openai_tf
-from gpt2kit.checkpoint import quantized
+import gpt2kit.checkpoint.quantized as quantized
 from gpt2kit.checkpoint.contract import TensorInfo, check
 from gpt2kit.checkpoint.errors import CheckpointError
 from gpt2kit.config import PRESETS, GPT2Config
