@@ -82,18 +82,25 @@ def _median_time(fn, trials: int) -> float:
 
 @functools.lru_cache(maxsize=1)
 def bfloat16_decodes_faster(trials: int = 7) -> bool:
-    """Whether a one-row product with a GPT-2-sized (3072, 768) matrix runs faster in bfloat16 (by the
-    kernel choose_half_kernels picks) than in float32 (MKL on the column-major layout) on this CPU:
-    what --dtype auto decides by. Measured once per process (a few milliseconds)."""
+    """Whether products with a GPT-2-sized (3072, 768) matrix run faster in bfloat16 (by the kernel
+    choose_half_kernels picks) than in float32 (MKL on the column-major layout) on this CPU, for one
+    row and for a batch of 8 rows alike: what --dtype auto decides by. (On CPUs without native bf16
+    one row can be faster in bf16 while batches and prefill are much slower; auto keeps float32
+    there.) Measured once per process (a few milliseconds)."""
     w32 = torch.randn(768, 3072).t()  # (3072, 768), stored column-major as use_decode_layout keeps it
     w16 = w32.to(torch.bfloat16).contiguous()
     choose_half_kernels(w16)
-    x32, b32 = torch.randn(1, 768), torch.randn(3072)
-    x16, b16 = x32.to(torch.bfloat16), b32.to(torch.bfloat16)
+    b32 = torch.randn(3072)
+    b16 = b32.to(torch.bfloat16)
     with torch.inference_mode():
-        t32 = _median_time(lambda: matmul_t(x32, w32, b32), trials)
-        t16 = _median_time(lambda: matmul_t(x16, w16, b16), trials)
-    return t16 < t32
+        for rows in (1, 8):
+            x32 = torch.randn(rows, 768)
+            x16 = x32.to(torch.bfloat16)
+            t32 = _median_time(lambda x=x32: matmul_t(x, w32, b32), trials)
+            t16 = _median_time(lambda x=x16: matmul_t(x, w16, b16), trials)
+            if t16 >= t32:
+                return False
+    return True
 
 
 def half_kernel_choice() -> dict[str, str]:
