@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-EOT_ID = 50256  # <|endoftext|>: the default stop token and the start of unconditional samples
+from gpt2kit.config import EOT_ID  # <|endoftext|>: the default stop token and the start of unconditional samples
+
 TOP_P_MODES = ("openai", "hf")
 
 
