@@ -636,3 +636,13 @@ def test_cli_generate_requires_a_model(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "hello"])
     assert "--model" in capsys.readouterr().err
+
+
+def test_cli_bench_size_runs_a_small_preset_and_names_bad_ones(capsys):
+    from gpt2kit.cli import main
+
+    assert main(["bench", "--size", "gpt3"]) == 1
+    assert "gpt2-tiny" in capsys.readouterr().err  # the presets are listed
+    assert main(["bench", "--size", "gpt2-tiny", "--quick", "--no-memory"]) == 0
+    out = capsys.readouterr().out
+    assert "| decode tok/s, batch 1" in out and "| workload |" in out

@@ -13,6 +13,9 @@ import sys
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's options: the one definition, for `gpt2kit bench` and `python -m gpt2kit.bench`."""
     p.add_argument("--quick", action="store_true", help="T=256 prefill, 32 new tokens, fewer trials")
+    p.add_argument("--size", default="gpt2", metavar="PRESET",
+                   help="the model's size, a preset (gpt2 default; gpt2-tiny/gpt2-mini for a run of seconds; "
+                        "gpt2-medium, ...); random weights; peak memory is measured for gpt2 only")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")

@@ -518,8 +518,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 0
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    results = run(quick=args.quick, threads=args.threads, memory=not args.no_memory, wait=args.wait,
-                  device=getattr(args, "device", "cpu"), quantize=getattr(args, "quantize", None))
+    size = getattr(args, "size", "gpt2")
+    config = GPT2Config.from_name(size)  # a name that is not a preset: ValueError listing them
+    results = run(quick=args.quick, threads=args.threads, memory=not args.no_memory and size == "gpt2",
+                  wait=args.wait, device=getattr(args, "device", "cpu"), quantize=getattr(args, "quantize", None),
+                  config=None if size == "gpt2" else config)
     print(format_table(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
