@@ -99,6 +99,21 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
+def read_bytes(path: str | os.PathLike[str]) -> bytes:
+    """A file's bytes; what went wrong, if anything, said with the path: FileNotFoundError "no such
+    file", IsADirectoryError, PermissionError "exists but cannot be read" (the one reader of the
+    files users name, so every command words these the same)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise IsADirectoryError(f"{path}: is a directory, expected a file") from None
+    except PermissionError:
+        raise PermissionError(f"{path}: exists but cannot be read (permission denied)") from None
+
+
 def same_path(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     """Whether two paths name the same file or directory (through symlinks, .., case-folding filesystems)."""
     try:

@@ -58,15 +58,9 @@ def _read_text(path: str | None) -> str:
     if name == "stdin":
         data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
     else:
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise CLIError(f"{path}: no such file") from None
-        except IsADirectoryError:
-            raise CLIError(f"{path}: is a directory, expected a text file") from None
-        except PermissionError:
-            raise CLIError(f"{path}: exists but cannot be read (permission denied)") from None
+        from gpt2kit._io import read_bytes
+
+        data = read_bytes(path)  # its errors name the path; main prints them as one line
     if isinstance(data, str):
         return data
     try:

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from gpt2kit._io import read_bytes
+
 EOT_ID = 50256  # <|endoftext|> in GPT-2's vocabulary: the document separator, stop token and scoring context
 
 # Beyond these a config is a typo or an attack, not a model (GPT-2 XL: 48 layers, 1600 wide, 25 heads).
@@ -233,13 +235,7 @@ def _read_json(source: dict[str, Any] | str | os.PathLike[str], default_name: st
     path = os.fspath(source)
     if os.path.isdir(path):
         path = os.path.join(path, default_name)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file") from None
-    except PermissionError:
-        raise PermissionError(f"{path}: exists but cannot be read (permission denied)") from None
+    raw = read_bytes(path)
     if not raw.strip():
         raise ValueError(f"{path}: empty file (0 bytes of JSON)" if not raw else f"{path}: contains only whitespace")
     try:
