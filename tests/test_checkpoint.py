@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, cached_real_gpt2, needs_real_gpt2, random_hf_model
+from helpers import TINY, cached_real_gpt2, needs_real_gpt2, random_hf_model
 
 from gpt2kit.checkpoint import CheckpointError, describe, load_model, load_tokenizer, save_model
 from gpt2kit.config import GPT2Config
@@ -153,7 +153,7 @@ def test_saving_drops_padded_vocab_rows(tmp_path):
 
 def test_openai_tf_fixture_equals_same_weights_in_hf_layout():
     """Build the HF model from the reference arrays TF wrote (independent of our key map)."""
-    from conftest import hf_config
+    from helpers import hf_config
     from transformers import GPT2LMHeadModel
 
     ref = np.load(FIXTURE_TF / "reference.npz")
@@ -279,7 +279,7 @@ def _hidden_siblings(d: Path) -> list[str]:
 
 
 def test_save_failing_midway_leaves_the_old_model_whole(tmp_path, monkeypatch):
-    from conftest import random_model
+    from helpers import random_model
 
     from gpt2kit.tokenizer import Tokenizer
 
@@ -302,7 +302,7 @@ def test_save_failing_midway_leaves_the_old_model_whole(tmp_path, monkeypatch):
 
 
 def test_save_replaces_the_model_whole_and_keeps_other_files(tmp_path):
-    from conftest import random_model
+    from helpers import random_model
 
     d = tmp_path / "model"
     save_model(random_model(TINY, seed=1), d)
@@ -318,7 +318,7 @@ def test_save_replaces_the_model_whole_and_keeps_other_files(tmp_path):
 
 
 def test_stale_staging_dirs_of_dead_writers_are_removed(tmp_path):
-    from conftest import random_model
+    from helpers import random_model
 
     d = tmp_path / "model"
     stale = tmp_path / ".model.saving-999999999-abc"  # no such pid: a writer killed with -9
@@ -329,7 +329,7 @@ def test_stale_staging_dirs_of_dead_writers_are_removed(tmp_path):
 
 
 def test_save_through_a_symlink_replaces_its_target(tmp_path):
-    from conftest import random_model
+    from helpers import random_model
 
     real, link = tmp_path / "real", tmp_path / "link"
     save_model(random_model(TINY, seed=1), real)
@@ -555,13 +555,13 @@ def test_kill_9_during_saves_leaves_one_whole_model(tmp_path):
     import sys
     import time
 
-    from conftest import random_model
+    from helpers import random_model
 
     d = tmp_path / "model"
     a, b = random_model(TINY, seed=1), random_model(TINY.replace(n_layer=3), seed=2)
     save_model(a, d)
     script = (
-        "import sys; sys.path.insert(0, sys.argv[2]); from conftest import TINY, random_model; "
+        "import sys; sys.path.insert(0, sys.argv[2]); from helpers import TINY, random_model; "
         "from gpt2kit.checkpoint import save_model; "
         "ms = [random_model(TINY, seed=1), random_model(TINY.replace(n_layer=3), seed=2)]; "
         "print('ready', flush=True); i = 0\n"
@@ -582,7 +582,7 @@ def test_kill_9_during_saves_leaves_one_whole_model(tmp_path):
 def test_save_into_a_dir_whose_parent_is_read_only_says_why(tmp_path, monkeypatch):
     import tempfile
 
-    from conftest import random_model
+    from helpers import random_model
 
     d = tmp_path / "model"
     d.mkdir()
@@ -611,7 +611,7 @@ def test_a_lock_held_on_a_file_in_the_dir_survives_a_save(tmp_path):
     """train holds an flock on OUT/.lock and keeps metrics.jsonl open while it saves the model into OUT."""
     import fcntl
 
-    from conftest import random_model
+    from helpers import random_model
 
     d = tmp_path / "run"
     d.mkdir()

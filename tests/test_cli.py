@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_model
+from helpers import random_model
 
 from gpt2kit.checkpoint import load_model, save_model
 from gpt2kit.cli import main

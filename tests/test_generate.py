@@ -10,8 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import cached_real_gpt2, hf_from_ours, needs_real_gpt2, random_model
-from helpers_generate import SMALL, varied_model
+from helpers import SMALL, cached_real_gpt2, hf_from_ours, needs_real_gpt2, random_model, varied_model
 
 from gpt2kit import generate as gen
 from gpt2kit.checkpoint import save_model

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, hf_from_ours, random_model
+from helpers import TINY, hf_from_ours, random_model
 
 from gpt2kit.config import PRESETS, GPT2Config
 from gpt2kit.decode import decode_step
@@ -61,7 +61,7 @@ def test_unknown_preset_lists_choices():
 
 
 def test_config_from_hf_and_openai(tmp_path):
-    from conftest import hf_config
+    from helpers import hf_config
 
     hf = hf_config(TINY)
     hf.save_pretrained(tmp_path)

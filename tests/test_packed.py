@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 import torch
-from helpers_generate import SMALL, varied_model
+from helpers import SMALL, varied_model
 
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import PLAIN, decode_step, is_packed

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_model
+from helpers import random_model
 
 from gpt2kit.checkpoint import CheckpointError, describe, load_model, load_state, save_model
 from gpt2kit.cli import main as cli_main

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import hf_from_ours, random_model
+from helpers import hf_from_ours, random_model
 
 from gpt2kit.config import GPT2Config
 from gpt2kit.score import score_text, score_tokens

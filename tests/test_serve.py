@@ -16,8 +16,11 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import torch  # noqa: E402
-from helpers_generate import SMALL, varied_model  # noqa: E402
-from serve_helpers import live_server  # noqa: E402
+from helpers import (  # noqa: E402
+    SMALL,
+    live_server,  # noqa: E402
+    varied_model,
+)
 
 from gpt2kit.checkpoint import load_model, load_tokenizer, save_model  # noqa: E402
 from gpt2kit.generate import generate  # noqa: E402
@@ -97,7 +100,7 @@ def test_greedy_equals_cli_generate(client, model_dir, capsys, tok):
 def gpt2_init_dir(tmp_path_factory):
     """GPT-2's own init: log-probs of order 1-10, so 1e-5 is a tight absolute tolerance (the varied
     model's reach -70, where float32 rounding alone is 1e-5)."""
-    from conftest import random_model
+    from helpers import random_model
 
     d = tmp_path_factory.mktemp("gpt2init")
     save_model(random_model(SMALL, seed=2), d)

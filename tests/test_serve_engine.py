@@ -5,8 +5,7 @@ log-probs it reports are the model's (full forward, float32, within 1e-5)."""
 from __future__ import annotations
 
 import torch
-from conftest import random_model
-from helpers_generate import SMALL, varied_model
+from helpers import SMALL, random_model, varied_model
 
 from gpt2kit.generate import Engine, generate
 from gpt2kit.sampling import SamplingSettings

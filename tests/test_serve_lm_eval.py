@@ -13,9 +13,7 @@ pytest.importorskip("fastapi")
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
-from conftest import random_model  # noqa: E402
-from helpers_generate import SMALL  # noqa: E402
-from serve_helpers import live_server  # noqa: E402
+from helpers import SMALL, live_server, random_model  # noqa: E402
 
 from gpt2kit.checkpoint import load_model, load_tokenizer, save_model  # noqa: E402
 from gpt2kit.score import score_tokens  # noqa: E402

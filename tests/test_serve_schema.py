@@ -9,7 +9,11 @@ import pytest
 pytest.importorskip("fastapi")
 schemathesis = pytest.importorskip("schemathesis")
 
-from helpers_generate import SMALL, varied_model  # noqa: E402
+from helpers import (  # noqa: E402
+    SMALL,
+    live_server,  # noqa: E402
+    varied_model,
+)
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis.checks import (  # noqa: E402
     content_type_conformance,
@@ -17,7 +21,6 @@ from schemathesis.checks import (  # noqa: E402
     response_schema_conformance,
     status_code_conformance,
 )
-from serve_helpers import live_server  # noqa: E402
 
 from gpt2kit.serve import ServeOptions  # noqa: E402
 from gpt2kit.tokenizer import Tokenizer  # noqa: E402

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_from_ours, random_model
-from helpers_generate import varied_model
+from helpers import hf_from_ours, random_model, varied_model
 
 from gpt2kit.generate import SamplingSettings, generate
 

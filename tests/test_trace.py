@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, hf_from_ours, needs_real_gpt2, random_hf_model, random_model
+from helpers import TINY, hf_from_ours, needs_real_gpt2, random_hf_model, random_model
 
 from gpt2kit import load_model
 from gpt2kit.trace import parse_layers, parse_what, trace
@@ -222,7 +222,7 @@ def test_real_gpt2_has_its_known_previous_token_and_induction_heads():
     """GPT-2 small: head 4.11 attends to the previous token (Wang et al. 2022, IOI); on a repeated
     random sequence, heads 5.1, 5.5 and 6.9 attend to the token after the earlier copy (Olsson et
     al. 2022). Conservative thresholds: these heads score far above them on the real weights."""
-    from conftest import cached_real_gpt2
+    from helpers import cached_real_gpt2
 
     from gpt2kit import load_tokenizer
 

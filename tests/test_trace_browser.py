@@ -13,7 +13,7 @@ import subprocess
 from html.parser import HTMLParser
 
 import pytest
-from conftest import TINY, random_model
+from helpers import TINY, random_model
 
 from gpt2kit.trace import trace
 

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import random_model
+from helpers import random_model
 
 from gpt2kit import save_model
 from gpt2kit.cli import main

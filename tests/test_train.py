@@ -414,7 +414,7 @@ def test_cli_prepare_then_train(tmp_path, capsys):
 
 
 def _hf_base(tmp_path: Path) -> Path:
-    from conftest import random_hf_model
+    from helpers import random_hf_model
 
     from gpt2kit.config import GPT2Config
 
@@ -429,7 +429,7 @@ def _tf_base(tmp_path: Path) -> Path:
 
 def _bf16_base(tmp_path: Path) -> Path:
     """An HF directory holding bfloat16 weights: the float32 fine-tune converts them at load."""
-    from conftest import random_hf_model
+    from helpers import random_hf_model
 
     from gpt2kit.config import GPT2Config
 
