@@ -755,7 +755,7 @@ def test_temporaries_of_a_killed_run_are_removed_and_warnings_are_one_line(tmp_p
     (["--optimizer", "sgd"], "unknown optimizer 'sgd'; valid choices: adamw, muon"),
     (["--schedule", "linear"], "unknown schedule 'linear'; valid choices: cosine, wsd"),
     (["--sampling", "shuffled"], "unknown sampling 'shuffled'; valid choices: random, sequential"),
-    (["--muon-lr", "0"], "TrainConfig.muon_lr must be a positive number, got 0.0"),
+    (["--muon-lr", "0"], "TrainConfig.muon_lr must be a number > 0, got 0.0"),
 ])
 def test_cli_bad_training_choices_are_one_line(shards, tmp_path, capsys, flags, message):
     from gpt2kit.cli import main
@@ -780,3 +780,25 @@ def test_cli_muon_on_a_torch_without_it_and_a_non_integer_seed(shards, tmp_path,
     cfg = TrainConfig(data=str(shards), out=str(tmp_path / "y"), **TINY)
     from gpt2kit.train import _default_optimizer
     assert cfg.optimizer is None and _default_optimizer() == "adamw"
+
+
+def test_every_train_setting_is_a_flag_with_its_default_and_in_the_docs():
+    """The CLI's train flags are TrainConfig's fields: none missing, none restated by hand."""
+    import dataclasses
+    import re
+
+    from gpt2kit.cli import build_parser
+
+    train_parser = build_parser()._subparsers._group_actions[0].choices["train"]
+    by_dest = {a.dest: a for a in train_parser._actions}
+    table = (Path(__file__).parents[1] / "docs" / "training.md").read_text(encoding="utf-8")
+    table = table[table.index("## All options"):]
+    for f in dataclasses.fields(TrainConfig):
+        action = by_dest[f.name]
+        assert action.default is None  # only given flags override a resumed run's settings
+        assert f.metadata["help"].replace("%", "%%") in action.help
+        if f.default not in (dataclasses.MISSING, None, False):
+            assert f"(default: {f.default})" in action.help
+        flag = "--" + f.name.replace("_", "-")
+        assert re.search(rf"{flag}(?![\w-])", table), f"{flag} missing from docs/training.md's options table"
+    assert set(by_dest) - {f.name for f in dataclasses.fields(TrainConfig)} == {"help", "quantize"}

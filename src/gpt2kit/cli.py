@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from gpt2kit.train_config import TrainConfig
 
 
 class CLIError(Exception):
@@ -341,53 +344,42 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+_FLAG_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _add_setting(p: argparse.ArgumentParser, f: dataclasses.Field) -> None:
+    """One `train` flag from a TrainConfig field: its name, type, choices and help (with the default).
+
+    Every flag's argparse default is None, so that only the flags given on the line override a
+    --resume'd run's settings; the default shown in the help is TrainConfig's."""
+    meta = f.metadata
+    flags = ["--" + f.name.replace("_", "-"), *([meta["short"]] if "short" in meta else [])]
+    kind = str(f.type).split(" | ")[0]
+    if f.default is dataclasses.MISSING:
+        default = None
+    elif "default_text" in meta:
+        default = meta["default_text"]
+    else:
+        default = f.default
+    help = meta["help"] + (f" (default: {default})" if default not in (None, False) else "")
+    help = help.replace("%", "%%")  # argparse formats help with %
+    if kind == "bool":
+        p.add_argument(*flags, action="store_true", default=None, help=help)
+        return
+    # Choices are shown, not enforced here: TrainConfig names a wrong one in the CLI's one-line error.
+    metavar = "{" + ",".join(meta["choices"]) + "}" if "choices" in meta else None
+    p.add_argument(*flags, type=_FLAG_TYPES[kind], metavar=metavar, default=None, required=f.name == "out",
+                   help=help)
+
+
 def _register_train(sub: argparse._SubParsersAction) -> None:
-    # Defaults are None so that only the flags given on the line override a --resume'd run's settings;
-    # the defaults named in the help are TrainConfig's (src/gpt2kit/train.py).
     p = sub.add_parser(
         "train", help="pre-train or fine-tune GPT-2 on token shards (torchrun -m gpt2kit train for many GPUs)",
         description="Train from a preset (from scratch) or fine-tune a checkpoint. Writes the model "
                     "(HF format), checkpoint.pt, metrics.jsonl and loss.png to --out.")
-    a = p.add_argument
-    a("--data", help="directory of train_*.bin / val_*.bin shards (gpt2kit prepare, or llm.c's)")
-    a("--out", "-o", required=True, help="output directory: the model, checkpoint.pt, metrics.jsonl, loss.png")
-    a("--model", "-m", help="a preset to train from scratch: gpt2-tiny (default), gpt2-mini, gpt2, gpt2-medium, "
-                            "gpt2-large, gpt2-xl; or a checkpoint directory or hub id to fine-tune, "
-                            "e.g. openai-community/gpt2")
-    for flag, what in (("--n-layer", "layers"), ("--n-embd", "width"), ("--n-head", "attention heads"),
-                       ("--n-ctx", "context length")):
-        a(flag, type=int, help=f"from scratch: override the preset's {what}")
-    a("--dropout", type=float, help="dropout probability (default 0.0)")
-    a("--batch-size", "-b", type=int, help="sequences per micro-step and rank (default 8)")
-    a("--seq-len", type=int, help="tokens per sequence (default: the model's n_ctx)")
-    a("--total-batch-tokens", type=int,
-      help="tokens per optimizer step, reached by gradient accumulation; a multiple of "
-           "batch-size x seq-len x ranks (default: exactly that, no accumulation)")
-    a("--lr", type=float, help="peak learning rate (default 6e-4; ~3e-5 suits fine-tuning)")
-    a("--min-lr", type=float, help="final learning rate of the cosine schedule (default lr/10)")
-    a("--warmup-steps", type=int, help="linear warmup steps (default max-steps/20)")
-    a("--max-steps", type=int, help="optimizer steps; the schedule ends here (default 1000)")
-    a("--weight-decay", type=float, help="AdamW weight decay on 2-D weights (default 0.1)")
-    a("--grad-clip", type=float, help="clip the global gradient norm to this; 0 disables (default 1.0)")
-    a("--eval-every", type=int, help="steps between validation evaluations; 0: only at the end (default 100)")
-    a("--eval-steps", type=int, help="batches per evaluation (default 20)")
-    a("--save-every", type=int, help="steps between checkpoints; 0: only at the end (default 500)")
-    a("--log-every", type=int, help="steps between log lines when stderr is not a terminal (default 10)")
-    a("--seed", type=int, help="random seed: initial weights, dropout, the random windows (default 1337)")
-    a("--optimizer", help="muon (default where torch has torch.optim.Muon: Muon for the block matrices, AdamW "
-                          "for embeddings, biases and gains) or adamw (AdamW for everything)")
-    a("--muon-lr", type=float, help="Muon's peak learning rate; --lr is AdamW's (default 0.02)")
-    a("--schedule", help="wsd (warmup, flat, linear decay over the last 40%%; default) or cosine")
-    a("--sampling", help="random (default: windows drawn at random from all shards, a fresh draw per seed) or "
-                         "sequential (shards read front to back)")
-    a("--dtype", choices=["float32", "bfloat16", "fp32", "bf16"],
-      help="float32 (default) or bfloat16 autocast (weights and optimizer stay float32)")
-    a("--compile", action="store_true", default=None, help="torch.compile the model")
-    a("--device", help="cpu | cuda | cuda:N (default: this rank's GPU if there is one, else cpu)")
-    a("--resume", action="store_true", help="continue the run saved in --out/checkpoint.pt")
-    a("--stop-at", type=int, help="end this invocation after this step, saving a checkpoint "
-                                  "(the schedule still runs to --max-steps; continue with --resume)")
-    a("--quantize", help=argparse.SUPPRESS)  # accepted only to refuse it in one clear line
+    for f in dataclasses.fields(TrainConfig):
+        _add_setting(p, f)
+    p.add_argument("--quantize", help=argparse.SUPPRESS)  # accepted only to refuse it in one clear line
     p.set_defaults(func=cmd_train)
 
 

@@ -18,6 +18,12 @@ from gpt2kit._io import read_bytes
 
 EOT_ID = 50256  # <|endoftext|> in GPT-2's vocabulary: the document separator, stop token and scoring context
 
+# Every dtype name a flag, a config or a caller may use -> its canonical name (torch's). The one table:
+# gpt2kit.devices maps these to torch dtypes; TrainConfig accepts the float32/bfloat16 ones.
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32",
+               "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16", "half": "float16"}
+
 # Beyond these a config is a typo or an attack, not a model (GPT-2 XL: 48 layers, 1600 wide, 25 heads).
 # Checked before anything is allocated. A loader compares the layer count with the checkpoint before
 # it builds anything, and train sizes a new model against memory, so n_layer's own bound can stay loose.

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from gpt2kit.config import DTYPE_NAMES
 from gpt2kit.decode.kernels import bfloat16_decodes_faster
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, canonical) for name, canonical in DTYPE_NAMES.items()}
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str | None = None) -> torch.dtype | None:

@@ -45,7 +45,6 @@ from gpt2kit.sampling import (  # noqa: F401 - re-exported: generate's names bef
     TOP_P_MODES,
     RowSampler,
     SamplingSettings,
-    _check_int,
     apply_presence_frequency,
     apply_repetition_penalty,
     apply_temperature,
@@ -56,6 +55,7 @@ from gpt2kit.sampling import (  # noqa: F401 - re-exported: generate's names bef
     top_p_filter,
     warp,
 )
+from gpt2kit.validate import check_int
 
 if TYPE_CHECKING:
     from gpt2kit.model import GPT2
@@ -164,7 +164,7 @@ class Engine:
     def __init__(self, model: GPT2, tokenizer: Tokenizer | None = None, *, max_batch: int | None = None,
                  pack_weights: bool | None = None) -> None:
         if max_batch is not None:
-            _check_int("max_batch", max_batch, ">= 1", lambda v: v >= 1)
+            check_int("max_batch", max_batch, ">= 1", lambda v: v >= 1)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = max_batch
         self.pack_weights = pack_weights
@@ -500,7 +500,7 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
     if settings.strict:
         _check_fits(prompts, settings.max_new_tokens, cfg.n_ctx)
     if batch_size is not None:
-        _check_int("batch_size", batch_size, ">= 1", lambda v: v >= 1)
+        check_int("batch_size", batch_size, ">= 1", lambda v: v >= 1)
 
     n = settings.num_samples
     if len(prompts) * n > MAX_ROWS:

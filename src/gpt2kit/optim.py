@@ -27,26 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
-OPTIMIZERS = ("adamw", "muon")
-SCHEDULES = ("cosine", "wsd")
+from gpt2kit.train_config import OPTIMIZERS, SCHEDULES, muon_available, require_muon  # noqa: F401
+from gpt2kit.validate import check_choice
+
 ADAM_BETAS = (0.9, 0.95)  # GPT-3's betas (nanoGPT, llm.c); 0.999 is less stable at GPT-2 batch sizes
 ADAM_EPS = 1e-8
 MUON_MOMENTUM = 0.95
-
-
-def check_choice(kind: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"unknown {kind} {value!r}; valid choices: {', '.join(choices)}")
-
-
-def muon_available() -> bool:
-    return getattr(torch.optim, "Muon", None) is not None
-
-
-def require_muon() -> None:
-    if not muon_available():
-        raise ValueError(f"--optimizer muon needs torch.optim.Muon (PyTorch 2.9 or later); this is PyTorch "
-                         f"{torch.__version__}: upgrade torch or use --optimizer adamw")
 
 
 def lr_factor(step: int, *, schedule: str, warmup_steps: int, max_steps: int, min_lr_ratio: float,

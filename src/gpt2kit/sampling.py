@@ -15,13 +15,13 @@ Legend: B rows, V vocab.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from gpt2kit.config import EOT_ID  # <|endoftext|>: the default stop token and the start of unconditional samples
+from gpt2kit.validate import check_int, check_number
 
 TOP_P_MODES = ("openai", "hf")
 
@@ -61,28 +61,28 @@ class SamplingSettings:
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in bias)))
-        _check_int("max_new_tokens", self.max_new_tokens, ">= 1", lambda v: v >= 1)
-        _check_float("temperature", self.temperature, ">= 0 (0 = greedy)", lambda v: v >= 0)
-        _check_int("top_k", self.top_k, ">= 0 (0 = off)", lambda v: v >= 0)
-        _check_float("top_p", self.top_p, "in (0, 1] (1 = off)", lambda v: 0 < v <= 1)
+        check_int("max_new_tokens", self.max_new_tokens, ">= 1", lambda v: v >= 1)
+        check_number("temperature", self.temperature, ">= 0 (0 = greedy)", lambda v: v >= 0)
+        check_int("top_k", self.top_k, ">= 0 (0 = off)", lambda v: v >= 0)
+        check_number("top_p", self.top_p, "in (0, 1] (1 = off)", lambda v: 0 < v <= 1)
         if self.top_p_mode not in TOP_P_MODES:
             raise ValueError(f"top_p_mode must be one of {', '.join(TOP_P_MODES)}, got {self.top_p_mode!r}")
-        _check_float("repetition_penalty", self.repetition_penalty, "> 0 (1 = off)", lambda v: v > 0)
-        _check_float("presence_penalty", self.presence_penalty, "(0 = off)", lambda v: True)
-        _check_float("frequency_penalty", self.frequency_penalty, "(0 = off)", lambda v: True)
+        check_number("repetition_penalty", self.repetition_penalty, "> 0 (1 = off)", lambda v: v > 0)
+        check_number("presence_penalty", self.presence_penalty, "(0 = off)", lambda v: True)
+        check_number("frequency_penalty", self.frequency_penalty, "(0 = off)", lambda v: True)
         for t, b in self.logit_bias:
-            _check_int("logit_bias token id", t, ">= 0", lambda v: v >= 0)
-            _check_float(f"logit_bias[{t}]", b, "(finite)", lambda v: True)
+            check_int("logit_bias token id", t, ">= 0", lambda v: v >= 0)
+            check_number(f"logit_bias[{t}]", b, "(finite)", lambda v: True)
         if self.seed is not None:
-            _check_int("seed", self.seed, "in [0, 2**64)", lambda v: 0 <= v < 2**64)
+            check_int("seed", self.seed, "in [0, 2**64)", lambda v: 0 <= v < 2**64)
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids entry", t, ">= 0", lambda v: v >= 0)
+            check_int("stop_token_ids entry", t, ">= 0", lambda v: v >= 0)
         for s in self.stop_strings:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop_strings entries must be non-empty strings, got {s!r}")
-        _check_int("num_samples", self.num_samples, ">= 1", lambda v: v >= 1)
+        check_int("num_samples", self.num_samples, ">= 1", lambda v: v >= 1)
         if self.window is not None:
-            _check_int("window", self.window, ">= 1", lambda v: v >= 1)
+            check_int("window", self.window, ">= 1", lambda v: v >= 1)
         if self.pack_weights not in (None, True, False):
             raise ValueError(f"pack_weights must be None (auto), True or False, got {self.pack_weights!r}")
 
@@ -95,17 +95,6 @@ class SamplingSettings:
         """Greedy with nothing that changes the logits first: the argmax of the raw logits."""
         return (self.greedy and self.repetition_penalty == 1.0 and not self.logit_bias
                 and self.presence_penalty == 0 and self.frequency_penalty == 0)
-
-
-def _check_int(name: str, value: object, limit: str, ok) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
-        raise ValueError(f"{name} must be an integer {limit}, got {value!r}")
-
-
-def _check_float(name: str, value: object, limit: str, ok) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not ok(value):
-        raise ValueError(f"{name} must be a number {limit}, got {value!r}")
 
 
 # --- warpers (logits (B, V), float32) ---------------------------------------------------------

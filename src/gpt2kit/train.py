@@ -63,130 +63,25 @@ from gpt2kit.model import GPT2
 from gpt2kit.optim import (
     ADAM_BETAS,  # noqa: F401 - re-exported for benchmarks
     ADAM_EPS,  # noqa: F401
-    OPTIMIZERS,
-    SCHEDULES,
     Optimizers,
-    check_choice,
     lr_factor,
     make_optimizer,
     muon_available,
     param_groups,  # noqa: F401
-    require_muon,
 )
+from gpt2kit.train_config import ARCH_OVERRIDES, TrainConfig, batch_message
 
 CHECKPOINT_NAME = "checkpoint.pt"
 LOCK_NAME = ".lock"  # held (flock) by the run writing OUT
 CHECKPOINT_FORMAT = "gpt2kit-train/1"
 
-SAMPLINGS = ("random", "sequential")
 # What a checkpoint written before these settings existed ran with.
 _LEGACY = {"optimizer": "adamw", "schedule": "cosine", "sampling": "sequential"}
-
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
-_ARCH_OVERRIDES = ("n_layer", "n_embd", "n_head", "n_ctx")
 _OPENAI = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # presets that are also hub ids
 # Settings a resumed run may change without changing what is computed (max_steps changes the
 # schedule from the resumed step on, which is what extending a run means).
 RESUMABLE_CHANGES = frozenset({"data", "out", "max_steps", "eval_every", "eval_steps", "save_every",
                                "log_every", "device", "compile", "resume", "stop_at", "batch_size"})
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything that defines a training run. Fields left None are resolved when training starts."""
-
-    data: str  # directory of train_*.bin / val_*.bin shards
-    out: str  # output directory
-    model: str = "gpt2-tiny"  # a preset (from scratch), or a checkpoint directory / hub id (fine-tune)
-    n_layer: int | None = None  # from-scratch overrides of the preset
-    n_embd: int | None = None
-    n_head: int | None = None
-    n_ctx: int | None = None
-    dropout: float | None = None  # None: 0.0 (the model's)
-    batch_size: int = 8  # B, per rank and micro-step
-    seq_len: int | None = None  # T; None: the model's n_ctx
-    total_batch_tokens: int | None = None  # tokens per optimizer step; None: W * B * T (A = 1)
-    lr: float = 6e-4  # peak learning rate
-    min_lr: float | None = None  # None: lr / 10
-    warmup_steps: int | None = None  # None: max_steps // 20
-    max_steps: int = 1000
-    weight_decay: float = 0.1  # on 2-D weights only
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    eval_every: int = 100  # 0: no evaluation except at the end
-    eval_steps: int = 20  # batches per evaluation
-    save_every: int = 500  # 0: checkpoint only at the end
-    log_every: int = 10  # plain log lines (when stderr is not a terminal)
-    seed: int = 1337
-    optimizer: str | None = None  # adamw | muon (block matrices; AdamW for the rest); None: muon if torch has it
-    muon_lr: float = 0.02  # Muon's peak rate; lr is AdamW's (embeddings, biases, gains; everything with adamw)
-    schedule: str = "wsd"  # wsd (warmup, flat, linear decay over the last 40%) | cosine
-    sampling: str = "random"  # random windows from all shards | sequential (shard order, one pass after another)
-    dtype: str = "float32"  # float32 | bfloat16 (autocast; weights and optimizer stay float32)
-    compile: bool = False
-    device: str | None = None  # None: cuda (this rank's GPU) if available, else cpu
-    resume: bool = False  # continue from OUT/checkpoint.pt
-    stop_at: int | None = None  # end this invocation after this step (the schedule still runs to max_steps)
-
-    def __post_init__(self) -> None:
-        for name in ("data", "out", "model"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"TrainConfig.{name} must be a non-empty string, got {getattr(self, name)!r}")
-        positive = ["batch_size", "max_steps", "eval_steps", "log_every"]
-        positive += [n for n in (*_ARCH_OVERRIDES, "seq_len", "total_batch_tokens") if getattr(self, n) is not None]
-        for name in positive:
-            _check_int(name, getattr(self, name), minimum=1)
-        for name in ("eval_every", "save_every", "seed"):
-            _check_int(name, getattr(self, name), minimum=0)
-        if self.warmup_steps is not None:
-            _check_int("warmup_steps", self.warmup_steps, minimum=0)
-        if self.stop_at is not None:
-            _check_int("stop_at", self.stop_at, minimum=0)
-        for name in ("lr", "muon_lr"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0
-                                                                                      and math.isfinite(value)):
-                raise ValueError(f"TrainConfig.{name} must be a positive number, got {value!r}")
-        if self.optimizer is not None:
-            check_choice("optimizer", self.optimizer, OPTIMIZERS)
-            if self.optimizer == "muon":
-                require_muon()
-        check_choice("schedule", self.schedule, SCHEDULES)
-        check_choice("sampling", self.sampling, SAMPLINGS)
-        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"TrainConfig.min_lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
-        for name in ("weight_decay", "grad_clip"):
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"TrainConfig.{name} must be a number >= 0, got {value!r}")
-        if self.dropout is not None and not 0 <= self.dropout < 1:
-            raise ValueError(f"TrainConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"TrainConfig.dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        object.__setattr__(self, "dtype", _DTYPES[self.dtype])
-        if self.total_batch_tokens is not None and self.seq_len is not None:
-            if self.total_batch_tokens % (self.batch_size * self.seq_len):
-                raise ValueError(_batch_message(self.total_batch_tokens, self.batch_size, self.seq_len, 1))
-
-    @property
-    def from_scratch(self) -> bool:
-        return self.model in PRESETS and not os.path.isdir(self.model)
-
-    def replace(self, **changes: Any) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _check_int(name: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"TrainConfig.{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _batch_message(total: int, batch_size: int, seq_len: int, world_size: int) -> str:
-    unit = batch_size * seq_len * world_size
-    return (f"total_batch_tokens {total} is not a multiple of batch_size {batch_size} x seq_len {seq_len} "
-            f"x world_size {world_size} = {unit} tokens (try {max(1, round(total / unit)) * unit})")
 
 
 @dataclass(frozen=True)
@@ -432,7 +327,7 @@ def _bytes(n: int) -> str:
 
 def _build_model(cfg: TrainConfig, log: Callable[[str], None], device: torch.device) -> GPT2:
     """A float32 model on the CPU: a fresh preset (from scratch) or a loaded checkpoint (fine-tune)."""
-    overrides = {k: getattr(cfg, k) for k in _ARCH_OVERRIDES if getattr(cfg, k) is not None}
+    overrides = {k: getattr(cfg, k) for k in ARCH_OVERRIDES if getattr(cfg, k) is not None}
     if cfg.dropout is not None:
         overrides["dropout"] = cfg.dropout
     if cfg.from_scratch:
@@ -445,7 +340,7 @@ def _build_model(cfg: TrainConfig, log: Callable[[str], None], device: torch.dev
         hint = f" (to fine-tune OpenAI's weights: --model openai-community/{cfg.model})" if cfg.model in _OPENAI else ""
         log(f"from scratch: preset {cfg.model!r}, {model.num_parameters() / 1e6:.1f}M parameters{hint}")
         return model
-    arch = [f"--{k.replace('_', '-')}" for k in _ARCH_OVERRIDES if getattr(cfg, k) is not None]
+    arch = [f"--{k.replace('_', '-')}" for k in ARCH_OVERRIDES if getattr(cfg, k) is not None]
     if arch:
         raise ValueError(f"{', '.join(arch)} only apply to from-scratch runs (--model one of "
                          f"{', '.join(PRESETS)}); {cfg.model!r} is a checkpoint to fine-tune")
@@ -514,7 +409,7 @@ def _resolve(cfg: TrainConfig, model: GPT2, world_size: int) -> tuple[TrainConfi
     unit = cfg.batch_size * seq_len * world_size
     total = cfg.total_batch_tokens or unit
     if total % unit:
-        raise ValueError(_batch_message(total, cfg.batch_size, seq_len, world_size))
+        raise ValueError(batch_message(total, cfg.batch_size, seq_len, world_size))
     cfg = cfg.replace(
         seq_len=seq_len, total_batch_tokens=total,
         min_lr=cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr,

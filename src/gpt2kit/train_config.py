@@ -1,0 +1,146 @@
+"""TrainConfig: everything that defines a training run, and the one description of each setting.
+
+Each field's metadata carries its help text (and, where the flag differs from the name, a short
+flag or the choices); `gpt2kit train`'s flags are built from these fields, so the command line, the
+Python API and the checkpoint's saved config cannot drift apart. No torch here: `gpt2kit train
+--help` answers without importing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpt2kit.config import DTYPE_NAMES, PRESETS
+from gpt2kit.validate import check_choice, check_int, check_number
+
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd")
+SAMPLINGS = ("random", "sequential")
+TRAIN_DTYPES = ("float32", "bfloat16")  # canonical names (float16 would need loss scaling and gains nothing)
+ARCH_OVERRIDES = ("n_layer", "n_embd", "n_head", "n_ctx")
+
+
+def _setting(default: Any, help: str, **cli: Any) -> Any:
+    """A TrainConfig field: its default and what the CLI shows (help; optionally short, choices,
+    default_text for a None that train() resolves)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a training run. Fields left None are resolved when training starts."""
+
+    data: str = field(metadata={"help": "directory of train_*.bin / val_*.bin shards (gpt2kit prepare, or llm.c's)"})
+    out: str = field(metadata={"help": "output directory: the model, checkpoint.pt, metrics.jsonl, loss.png",
+                               "short": "-o"})
+    model: str = _setting("gpt2-tiny", "a preset to train from scratch (gpt2-tiny, gpt2-mini, gpt2, gpt2-medium, "
+                                       "gpt2-large, gpt2-xl), or a checkpoint directory or hub id to fine-tune, "
+                                       "e.g. openai-community/gpt2", short="-m")
+    n_layer: int | None = _setting(None, "from scratch: override the preset's layers", default_text="the preset's")
+    n_embd: int | None = _setting(None, "from scratch: override the preset's width", default_text="the preset's")
+    n_head: int | None = _setting(None, "from scratch: override the preset's attention heads",
+                                  default_text="the preset's")
+    n_ctx: int | None = _setting(None, "from scratch: override the preset's context length",
+                                 default_text="the preset's")
+    dropout: float | None = _setting(None, "embedding, attention and residual dropout probability",
+                                     default_text="0.0")
+    batch_size: int = _setting(8, "sequences per micro-step and rank (B)", short="-b")
+    seq_len: int | None = _setting(None, "tokens per sequence (T)", default_text="the model's n_ctx")
+    total_batch_tokens: int | None = _setting(
+        None, "tokens per optimizer step, reached by gradient accumulation; a multiple of "
+              "batch-size x seq-len x ranks", default_text="exactly that, no accumulation")
+    lr: float = _setting(6e-4, "peak learning rate of AdamW (everything with adamw; embeddings, biases and "
+                               "gains with muon); ~3e-5 suits fine-tuning")
+    min_lr: float | None = _setting(None, "learning rate at --max-steps", default_text="lr/10")
+    warmup_steps: int | None = _setting(None, "linear warmup steps", default_text="max-steps/20")
+    max_steps: int = _setting(1000, "optimizer steps; the schedule ends here")
+    weight_decay: float = _setting(0.1, "AdamW weight decay on 2-D weights")
+    grad_clip: float = _setting(1.0, "clip the global gradient norm to this; 0 disables")
+    eval_every: int = _setting(100, "steps between validation evaluations; 0: only at the end")
+    eval_steps: int = _setting(20, "batches per evaluation")
+    save_every: int = _setting(500, "steps between checkpoints; 0: only at the end")
+    log_every: int = _setting(10, "steps between log lines when stderr is not a terminal")
+    seed: int = _setting(1337, "random seed: initial weights, dropout, the random windows")
+    optimizer: str | None = _setting(None, "muon: Muon for the block matrices, AdamW for embeddings, biases and "
+                                           "gains; adamw: AdamW for everything", choices=OPTIMIZERS,
+                                     default_text="muon where torch has torch.optim.Muon, else adamw")
+    muon_lr: float = _setting(0.02, "Muon's peak learning rate (--lr is AdamW's)")
+    schedule: str = _setting("wsd", "wsd (warmup, flat, linear decay over the last 40%) or cosine "
+                                    "(to --min-lr at --max-steps)", choices=SCHEDULES)
+    sampling: str = _setting("random", "random: windows drawn at random from all shards; sequential: shards "
+                                       "read front to back", choices=SAMPLINGS)
+    dtype: str = _setting("float32", "float32, or bfloat16 autocast (weights and optimizer stay float32)",
+                          choices=tuple(n for n, c in DTYPE_NAMES.items() if c in TRAIN_DTYPES))
+    compile: bool = _setting(False, "torch.compile the model")
+    device: str | None = _setting(None, "cpu | cuda | cuda:N", default_text="this rank's GPU if there is one, "
+                                                                         "else cpu")
+    resume: bool = _setting(False, "continue the run saved in OUT/checkpoint.pt")
+    stop_at: int | None = _setting(None, "end this invocation after this step, saving a checkpoint (the "
+                                         "schedule still runs to --max-steps; continue with --resume)",
+                                   default_text="none")
+
+    def __post_init__(self) -> None:
+        for name in ("data", "out", "model"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"TrainConfig.{name} must be a non-empty string, got {getattr(self, name)!r}")
+        positive = ["batch_size", "max_steps", "eval_steps", "log_every"]
+        positive += [n for n in (*ARCH_OVERRIDES, "seq_len", "total_batch_tokens") if getattr(self, n) is not None]
+        for name in positive:
+            check_int(f"TrainConfig.{name}", getattr(self, name), ">= 1", lambda v: v >= 1)
+        for name in ("eval_every", "save_every", "seed", "warmup_steps", "stop_at"):
+            if getattr(self, name) is not None:
+                check_int(f"TrainConfig.{name}", getattr(self, name), ">= 0", lambda v: v >= 0)
+        for name in ("lr", "muon_lr"):
+            check_number(f"TrainConfig.{name}", getattr(self, name), "> 0", lambda v: v > 0)
+        if self.optimizer is not None:
+            check_choice("optimizer", self.optimizer, OPTIMIZERS)
+            if self.optimizer == "muon":
+                require_muon()
+        check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("sampling", self.sampling, SAMPLINGS)
+        if self.min_lr is not None:
+            check_number("TrainConfig.min_lr", self.min_lr, f"in [0, lr={self.lr}]", lambda v: 0 <= v <= self.lr)
+        for name in ("weight_decay", "grad_clip"):
+            check_number(f"TrainConfig.{name}", getattr(self, name), ">= 0", lambda v: v >= 0)
+        if self.dropout is not None:
+            check_number("TrainConfig.dropout", self.dropout, "in [0, 1)", lambda v: 0 <= v < 1)
+        if DTYPE_NAMES.get(self.dtype) not in TRAIN_DTYPES:
+            names = [n for n, c in DTYPE_NAMES.items() if c in TRAIN_DTYPES]
+            raise ValueError(f"TrainConfig.dtype must be one of {', '.join(names)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", DTYPE_NAMES[self.dtype])
+        if self.total_batch_tokens is not None and self.seq_len is not None:
+            if self.total_batch_tokens % (self.batch_size * self.seq_len):
+                raise ValueError(batch_message(self.total_batch_tokens, self.batch_size, self.seq_len, 1))
+
+    @property
+    def from_scratch(self) -> bool:
+        return self.model in PRESETS and not os.path.isdir(self.model)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def muon_available() -> bool:
+    import torch  # only here: the rest of this module is torch-free for the CLI's start-up
+
+    return getattr(torch.optim, "Muon", None) is not None
+
+
+def require_muon() -> None:
+    if not muon_available():
+        import torch
+
+        raise ValueError(f"--optimizer muon needs torch.optim.Muon (PyTorch 2.9 or later); this is PyTorch "
+                         f"{torch.__version__}: upgrade torch or use --optimizer adamw")
+
+
+def batch_message(total: int, batch_size: int, seq_len: int, world_size: int) -> str:
+    unit = batch_size * seq_len * world_size
+    return (f"total_batch_tokens {total} is not a multiple of batch_size {batch_size} x seq_len {seq_len} "
+            f"x world_size {world_size} = {unit} tokens (try {max(1, round(total / unit)) * unit})")
