@@ -11,13 +11,13 @@ median of --rounds.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from gpt2kit.bench.machine import describe_cpu
 from gpt2kit.loss import fused_linear_cross_entropy
 
 V, VP = 50257, 50304
@@ -57,7 +57,7 @@ def main() -> None:
             fn()
             times[name].append(time.process_time() - t0)
     base = statistics.median(times["full logits"])
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread; "
+    print(f"{describe_cpu()}, torch {torch.__version__}, 1 thread; "
           f"{args.rows} rows x C={args.n_embd}, V={V} (padded {VP})")
     for name, ts in times.items():
         m = statistics.median(ts)

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import socket
 import statistics
@@ -24,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from gpt2kit.bench.machine import describe_cpu
 
 
 def _free_port() -> int:
@@ -112,17 +113,6 @@ def _stats(xs: list[float]) -> dict:
             "p99": xs[min(len(xs) - 1, round(0.99 * (len(xs) - 1)))]}
 
 
-def _cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        name = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
-        flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if ln.startswith("Flags")), [])
-        simd = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
-        return f"{name}, {os.cpu_count()} cores, {' '.join(simd)}"
-    except (OSError, StopIteration):
-        return platform.processor() or "?"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt2", help="model shape (random weights), default gpt2 (124M)")
@@ -162,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"# bench_serve: {args.model or args.preset + ' (random weights)'}, {args.clients} clients, "
           f"{args.requests} requests x {args.max_tokens} tokens, Poisson {args.rate}/s, {args.rounds} rounds")
-    print(f"# CPU: {_cpu()}; torch threads: {args.threads or 'default'}; "
+    print(f"# CPU: {describe_cpu()}; torch threads: {args.threads or 'default'}; "
           f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     print("| server | req/s | tok/s | TTFT mean / median / p99 (ms) | TPOT mean / median / p99 (ms) | "
           "ITL mean / median / p99 (ms) | failed |")
@@ -178,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ncontinuous batching / one at a time, token throughput: {ratio:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "runs": runs, "ratio": ratio, "cpu": _cpu()}, f, indent=1)
+            json.dump({"args": vars(args), "runs": runs, "ratio": ratio, "cpu": describe_cpu()}, f, indent=1)
     return 0
 
 

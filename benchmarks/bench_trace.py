@@ -15,27 +15,15 @@ to themselves (an estimate, not a measurement of an idle machine).
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
 
+from gpt2kit.bench.machine import describe_cpu
 from gpt2kit.model import GPT2
 from gpt2kit.tokenizer import Tokenizer
 from gpt2kit.trace import trace
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-        name = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
-        flags = next(line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags"))
-        simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-        return f"{name} ({', '.join(simd)})"
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def _load() -> str:
@@ -77,7 +65,7 @@ def main() -> None:
             times["trace+html"].append(t3 - t2)
         med = {k: statistics.median(v) for k, v in times.items()}
         rows.append((T, med, size))
-    print(f"machine: {_cpu()}; torch {torch.__version__}, {args.threads} threads; gpt2 (124M), float32")
+    print(f"machine: {describe_cpu()}; torch {torch.__version__}, {args.threads} threads; gpt2 (124M), float32")
     print(f"load average before/after: {load0} / {_load()}")
     print(f"{'T':>5} {'forward s':>10} {'trace s':>9} {'trace+html s':>13} {'x forward':>10} "
           f"{'CPU s':>7} {'CPU s/threads':>14} {'HTML MB':>8}")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import sysconfig
@@ -30,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gpt2kit.checkpoint.keymap import is_transposed, ours_to_hf
+from gpt2kit.bench.machine import describe_cpu
+from gpt2kit.checkpoint.keymap import to_hf_state
 from gpt2kit.config import GPT2Config
 from gpt2kit.model import GPT2
 from gpt2kit.tokenizer import Tokenizer
@@ -61,7 +61,7 @@ def to_hf(model: GPT2, attn: str):
     from transformers import GPT2LMHeadModel
 
     hf = GPT2LMHeadModel(HFConfig(**model.config.to_hf(), attn_implementation=attn))
-    state = {ours_to_hf(k): (v.t() if is_transposed(k) else v) for k, v in model.state_dict().items()}
+    state = to_hf_state(model.state_dict(), model.config)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and all(k == "lm_head.weight" or k.endswith(".attn.bias") for k in missing), missing
     hf.tie_weights()
@@ -171,7 +171,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in init.parameters())
     print(f"# {args.preset}: {cfg.n_layer} layers, n_embd {cfg.n_embd}, {n_params / 1e6:.1f}M parameters; "
           f"batch {B} x {T} = {B * T} tokens/step; {args.steps} steps (transformers {args.hf_steps})")
-    print(f"# {platform.processor() or platform.machine()} {cpu_name()}, {args.threads} threads, {device}, "
+    print(f"# {describe_cpu()}, {args.threads} threads, {device}, "
           f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, "
           f"load average {os.getloadavg()[0]:.2f}")
     t_start = time.perf_counter()
@@ -188,16 +188,6 @@ def main() -> None:
             print(f"  step {step + 1}: " + ", ".join(f"{c.name} {c.losses[-1]:.4f}" for c in contenders
                                                      if len(c.losses) == step + 1), file=sys.stderr, flush=True)
     report(contenders, args, B * T, cfg, n_params, device, time.perf_counter() - t_start)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def report(contenders, args, tokens_per_step, cfg, n_params, device, wall) -> None:

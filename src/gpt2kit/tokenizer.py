@@ -30,7 +30,7 @@ import tiktoken
 
 from gpt2kit._io import atomic_write_text
 
-__all__ = ["GPT2_PATTERN", "EOT_TEXT", "IncrementalDecoder", "Tokenizer", "bytes_to_unicode", "get_tokenizer"]
+__all__ = ["GPT2_PATTERN", "EOT_TEXT", "IncrementalDecoder", "Tokenizer", "bytes_to_unicode"]
 
 # Verbatim from OpenAI's encoder.py (contractions are case-sensitive: "'S" is not one). tiktoken's
 # r50k_base pattern is an equivalent rewrite; the original costs nothing measurable and leaves no
@@ -413,8 +413,3 @@ class IncrementalDecoder:
     def flush(self) -> str:
         """Emit whatever is held back (an unfinished character becomes U+FFFD); feed may follow."""
         return self._utf8.decode(b"", final=True)  # final=True also empties the codec's buffer
-
-
-def get_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
-    """The tokenizer of the checkpoint directory ``path``, or GPT-2's when ``path`` is None."""
-    return Tokenizer.default() if path is None else Tokenizer.from_dir(path)

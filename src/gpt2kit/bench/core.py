@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpt2kit.bench.machine import cpu_info
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import prefill, use_decode_layout
 from gpt2kit.generate import SamplingSettings, generate
@@ -148,18 +149,14 @@ def to_transformers(model: GPT2):
         from transformers import GPT2LMHeadModel
     except ImportError:
         raise ImportError("the benchmark compares with transformers: pip install 'gpt2kit[bench]'") from None
-    from gpt2kit.checkpoint.keymap import is_transposed, ours_to_hf
+    from gpt2kit.checkpoint.keymap import to_hf_state
 
-    c = model.config
-    # No bos/eos: both generators then make exactly max_new_tokens, with no stop checks.
-    hf_cfg = HFConfig(vocab_size=c.n_vocab, n_positions=c.n_ctx, n_embd=c.n_embd, n_head=c.n_head,
-                      n_layer=c.n_layer, layer_norm_epsilon=c.layer_norm_eps, bos_token_id=None,
-                      eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    # The config.json save_pretrained would write, without bos/eos: both generators then make exactly
+    # max_new_tokens, with no stop checks; no dropout.
+    hf_cfg = HFConfig(**(model.config.to_hf() | {"bos_token_id": None, "eos_token_id": None,
+                                                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}))
     hf = GPT2LMHeadModel(hf_cfg)
-    state = {}
-    for name, t in model.state_dict().items():
-        t = t[: c.n_vocab] if name == "wte.weight" else t
-        state[ours_to_hf(name)] = (t.t() if is_transposed(name) else t).float().contiguous()
+    state = {k: v.float() for k, v in to_hf_state(model.state_dict(), model.config).items()}
     hf.load_state_dict(state, strict=False)
     hf.tie_weights()
     return hf.eval()
@@ -325,22 +322,12 @@ def peak_memory(engine: str, dtype: str, T: int, n: int, threads: int,
 
 
 def machine(device: torch.device | str = "cpu") -> dict[str, object]:
-    cpu, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and cpu in ("", platform.machine(), platform.processor()):
-                    cpu = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    info = cpu_info()
     import transformers
 
     device = torch.device(device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
-    return {"cpu": cpu, "cores": os.cpu_count(), "isa": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}),
-            "torch": torch.__version__, "transformers": transformers.__version__,
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else info["cpu"]
+    return {**info, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "threads": torch.get_num_threads(),
             "device": name, "device_type": device.type}
 

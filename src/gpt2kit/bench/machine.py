@@ -1,0 +1,32 @@
+"""What machine a measurement ran on: the one reader of the CPU's name and instruction sets, shared by
+`gpt2kit bench` and the scripts in benchmarks/ (every table names the CPU and its flags). No torch."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+# The instruction sets that decide which kernels are fast here (docs/benchmarks.md).
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_info() -> dict[str, object]:
+    """{"cpu": model name, "cores": logical CPUs, "isa": the ISA_FLAGS this CPU has} (Linux reads
+    /proc/cpuinfo; elsewhere the name is platform's and isa is empty)."""
+    cpu, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name") and cpu in ("", platform.machine(), platform.processor()):
+                    cpu = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "isa": [f for f in ISA_FLAGS if f in flags]}
+
+
+def describe_cpu() -> str:
+    """One line for a table's caption: "AMD EPYC 7B13, 2 cores (avx2, fma)"."""
+    info = cpu_info()
+    return f"{info['cpu']}, {info['cores']} cores ({', '.join(info['isa']) or 'no AVX2'})"
