@@ -638,10 +638,6 @@ class ShardLoader:
         else:
             self._set(0, 0, self.epoch + 1)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            yield self.next_batch()
-
     def state_dict(self) -> dict[str, Any]:
         return {
             "shard": self.shard,
@@ -761,10 +757,6 @@ class RandomWindowLoader:
         buf = torch.from_numpy(buf.astype(np.int64))  # (B, T + 1)
         self.batches += 1
         return buf[:, :-1], buf[:, 1:]
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            yield self.next_batch()
 
     def state_dict(self) -> dict[str, Any]:
         return {"sampling": "random", "batches": self.batches, "seed": self.seed,
