@@ -33,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gpt2kit._io import atomic_write
+from gpt2kit.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -148,8 +149,6 @@ _TOKENIZER: Any = None  # per worker process, set by _init_worker
 
 def _init_worker(ignore_sigint: bool = False) -> None:
     global _TOKENIZER
-    from gpt2kit.tokenizer import Tokenizer
-
     if ignore_sigint:  # Ctrl-C reaches the whole process group; the parent alone handles it
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 

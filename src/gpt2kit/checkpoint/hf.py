@@ -22,10 +22,10 @@ from gpt2kit.checkpoint.contract import TensorInfo
 from gpt2kit.checkpoint.errors import CheckpointError
 from gpt2kit.checkpoint.keymap import HF_SKIPPED, HF_TIED, hf_to_ours, is_transposed, to_hf_state
 from gpt2kit.config import GPT2Config
+from gpt2kit.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from gpt2kit.model import GPT2
-    from gpt2kit.tokenizer import Tokenizer
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -209,8 +209,6 @@ def save_hf_dir(model: GPT2, directory: str | os.PathLike[str], tokenizer: Token
     `_io.atomic_directory`): an existing model there is replaced whole or, if anything fails, not
     at all. Files in `directory` that are not part of a model are kept."""
     from safetensors.torch import save_file
-
-    from gpt2kit.tokenizer import Tokenizer
 
     cfg: GPT2Config = model.config
     state = to_hf_state(model.state_dict(), cfg)
