@@ -486,7 +486,13 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
     text of each row and stop_strings apply. Bad arguments raise ValueError here, before the
     first step.
     """
-    settings = settings or SamplingSettings()
+    engine, _ = _start(model, prompts, settings or SamplingSettings(), tokenizer, batch_size)
+    return _stream(model, engine)
+
+
+def _start(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSettings, tokenizer: Tokenizer | None,
+           batch_size: int | None) -> tuple[Engine, list[list[int]]]:
+    """Check every argument, then an Engine holding all the rows; also the prompts as id lists."""
     cfg = model.config
     prompts = _check_prompts(prompts, cfg.n_vocab)
     window = settings.window or max(cfg.n_ctx // 2, 1)
@@ -510,7 +516,7 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
     seed = resolve_seed(settings)
     engine.submit([engine.new_row(p, settings, seed=seed, sample_index=j, key=i * n + j)
                    for i, p in enumerate(prompts) for j in range(n)])
-    return _stream(model, engine)
+    return engine, prompts
 
 
 def _stream(model: GPT2, engine: Engine) -> Iterator[Step]:
@@ -572,11 +578,11 @@ def generate(model: GPT2, prompts: str | Sequence[str] | Sequence[Sequence[int]]
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer: pass tokenizer=...")
         prompts = encode_prompts(tokenizer, prompts)
-    prompts = _check_prompts(prompts, model.config.n_vocab)
+    engine, prompts = _start(model, prompts, settings, tokenizer, batch_size)
     n = settings.num_samples
     out = [Completion(i * n + j, i, j, list(p), text="" if tokenizer else None)
            for i, p in enumerate(prompts) for j in range(n)]
-    for step in generate_stream(model, prompts, settings, tokenizer=tokenizer, batch_size=batch_size):
+    for step in _stream(model, engine):
         for k, t in step.tokens.items():
             out[k].tokens.append(t)
         for k, piece in step.text.items():
