@@ -189,6 +189,33 @@ def test_bad_input_is_one_clear_error(model):
         model.train()
 
 
+@pytest.mark.parametrize("lm_head", [True, False])
+def test_official_past_api_works_on_a_quantized_model(model, lm_head, monkeypatch):
+    # forward(past=...) checks past's dtype against the model's compute dtype; with int8 wte rows that
+    # must not be read from wte's int8 table. Feeding a sequence in two pieces through `present`/`past`
+    # gives the logits of one pass (float32 rounding: the same kernel for both).
+    monkeypatch.setenv(quant_kernels.ENV, "dequant")
+    q = quantize_model(model, lm_head=lm_head)
+    ids = torch.randint(0, CFG.n_vocab, (2, 10))
+    first = q(ids[:, :6], use_cache=True)
+    second = logits(q, ids[:, 6:], past=first.present)
+    assert (second - logits(q, ids)[:, 6:]).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="past has dtype torch.bfloat16, the model computes in torch.float32"):
+        q(ids[:, 6:], past=first.present.bfloat16())
+
+
+def test_the_quantized_head_is_the_models_own_method_not_an_instance_patch(model):
+    # GPT2.lm_head asks a wte that has its own product for it: nothing is bound on the instance, so the
+    # class's method (what a subclass, a deepcopy or torch.save/load of the model runs) is the int8 head.
+    q = quantize_model(model)
+    assert "lm_head" not in vars(q)
+    x = torch.randn(3, CFG.n_embd)
+    with torch.inference_mode():
+        want = quant_kernels.int8_linear(x, q.wte.weight, q.wte.scale)[:, :CFG.n_vocab]
+        assert torch.equal(GPT2.lm_head(q, x), want)
+        assert torch.equal(copy.deepcopy(q).lm_head(x), want)
+
+
 # --- checkpoints ---------------------------------------------------------------------------------
 
 
@@ -250,6 +277,34 @@ def test_unknown_scheme_in_config_and_training_from_int8_are_refused(model, tmp_
 
 
 # --- the CLI -------------------------------------------------------------------------------------
+
+
+def test_quantized_save_replaces_a_directory_whole_or_not_at_all(model, tmp_path, monkeypatch):
+    # The int8 save goes through _io.atomic_directory like every directory save: a failure part-way
+    # leaves the float model that was there loadable and untouched; a success replaces it whole (no
+    # float weights left to contradict the int8 ones) and carries the files that are not a model.
+    from gpt2kit.tokenizer import Tokenizer
+
+    save_model(model, tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    q = quantize_model(copy.deepcopy(model))
+
+    def boom(self, directory):
+        raise OSError("disk gone")
+    monkeypatch.setattr(Tokenizer, "save", boom)
+    with pytest.raises(OSError, match="disk gone"):
+        save_model(q, tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert not is_quantized(load_model(tmp_path))
+    monkeypatch.undo()
+    save_model(q, tmp_path)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert "model.int8.safetensors" in names and "model.safetensors" not in names
+    assert (tmp_path / "notes.txt").read_text() == "mine" and is_quantized(load_model(tmp_path))
+    save_model(model, tmp_path)  # and back: the float save drops the int8 weights file
+    assert "model.int8.safetensors" not in {p.name for p in tmp_path.iterdir()}
+    assert not is_quantized(load_model(tmp_path))
 
 
 def test_cli_quantize_info_generate_score(tmp_path, capsys):
