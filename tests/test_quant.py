@@ -435,3 +435,98 @@ def test_bench_int8_memory_worker_builds_no_float_copy():
     assert quantization(model) == {"scheme": "int8", "lm_head": True, "scale_dtype": "float32"}
     assert weight_bytes(model) <= 0.30 * weight_bytes(GPT2(CFG))
     assert torch.isfinite(logits(model, torch.randint(0, CFG.n_vocab, (1, 5)))).all()
+
+
+# --- serve and trace with --quantize -------------------------------------------------------------
+
+
+def test_served_int8_model_answers_what_direct_generation_gives(tmp_path, monkeypatch):
+    # gpt2kit.serve.serve(quantize="int8"), the function `gpt2kit serve --quantize int8` calls, on
+    # loopback: a greedy completion's ids equal generate() on the same checkpoint quantized directly,
+    # and differ from the float model's (so a server that ignored quantize= would fail this).
+    pytest.importorskip("fastapi")
+    uvicorn = pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
+    import socket
+    import threading
+    import time
+
+    from helpers_generate import SMALL, varied_model
+
+    from gpt2kit.checkpoint import load_tokenizer
+    from gpt2kit.serve import serve
+
+    # one kernel whatever the start-up measurement picks (bfloat16 activations: ids that differ from float)
+    monkeypatch.setenv(quant_kernels.ENV, "i8pack-bf16")
+    save_model(varied_model(SMALL, seed=0), tmp_path)
+    tok = load_tokenizer(tmp_path)
+    prompt = tok.encode("Hello world")
+    s = SamplingSettings(temperature=0, max_new_tokens=20, stop_token_ids=())
+    want = generate(quantize_model(load_model(tmp_path)), [prompt], s)[0].tokens
+    assert want != generate(load_model(tmp_path), [prompt], s)[0].tokens
+
+    servers = []
+
+    class Server(uvicorn.Server):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            servers.append(self)
+    monkeypatch.setattr(uvicorn, "Server", Server)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    thread = threading.Thread(target=serve, args=(str(tmp_path),), daemon=True,
+                              kwargs=dict(quantize="int8", sock=sock, log_level="warning"))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"model": "gpt2", "prompt": prompt, "max_tokens": 20, "temperature": 0,
+                             "logprobs": 0, "logit_bias": {"50256": -100}}).json()
+    finally:
+        servers[0].should_exit = True
+        thread.join(10)
+        sock.close()
+    from gpt2kit.serve.app import token_key
+
+    assert "choices" in r, r
+    assert r["choices"][0]["logprobs"]["tokens"] == [token_key(tok, t) for t in want]
+
+
+def test_trace_of_an_int8_model_records_every_tensor_through_its_hooks(model, monkeypatch):
+    # The trace of a quantized model is the quantized forward pass: the same named tensors as a float
+    # trace (the hooks on the swapped c_attn/c_proj/c_fc/wte fire), the logits bit for bit the model's,
+    # and direct logit attribution reads the dequantized matrices (its terms sum to the logit; with
+    # the int8 codes as weights they would not). Float32 activations (dequant) so 1e-4 applies.
+    from gpt2kit.trace import trace
+
+    monkeypatch.setenv(quant_kernels.ENV, "dequant")
+    ids = torch.randint(0, CFG.n_vocab, (12,)).tolist()
+    names = set(trace(model, None, ids).tensors)
+    q = quantize_model(copy.deepcopy(model))
+    tr = trace(q, None, ids)
+    assert set(tr.tensors) == names and "h.1.mlp.pre" in names and "h.0.attn.q" in names
+    assert torch.equal(tr.logits, logits(q, torch.tensor([ids]))[0])
+    assert torch.equal(tr["h.0.mlp.pre"], q.h[0].mlp.c_fc(tr["h.0.ln_2"]))
+    d = tr.direct_logit_attribution()
+    for t in range(12):
+        assert abs(sum(d["values"][t]) - d["logit"][t]) < 1e-4
+
+
+def test_cli_trace_and_serve_take_quantize(tmp_path, capsys):
+    model = random_model(CFG.replace(n_vocab=50257))
+    save_model(model, tmp_path / "f")
+    out = tmp_path / "t.json"
+    assert cli_main(["trace", "hello there", "-m", str(tmp_path / "f"), "--quantize", "int8", "--json", str(out)]) == 0
+    assert "traced 2 tokens" in capsys.readouterr().out and json.loads(out.read_text())
+    for cmd in (["trace", "hello", "--json", str(out)], ["serve", "--port", "0"]):
+        rc = cli_main([*cmd, "-m", str(tmp_path / "f"), "--quantize", "bogus"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc != 0 and len(err) == 1 and "unknown quantization scheme 'bogus'" in err[0], (cmd, err)
