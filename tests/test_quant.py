@@ -95,6 +95,34 @@ def test_every_kernel_computes_the_dequantized_product(kernel, shape):
     assert (y - ref).abs().max() <= tol * ref.abs().max()
 
 
+@pytest.mark.parametrize("kernel", quant_kernels.KERNELS)
+def test_the_bias_is_added_as_a_separate_add_would(kernel):
+    # run_kernel adds the bias in the same op that casts the product back (one op fewer per product):
+    # bit for bit the cast-then-add it replaces.
+    g = torch.Generator().manual_seed(1)
+    w = torch.randint(-127, 128, (24, 16), dtype=torch.int8, generator=g)
+    s, b, x = torch.rand(24, generator=g) / 100, torch.randn(24, generator=g), torch.randn(3, 16, generator=g)
+    assert torch.equal(quant_kernels.run_kernel(kernel, x, w, s, b), quant_kernels.run_kernel(kernel, x, w, s) + b)
+
+
+def test_converted_scales_follow_writes_and_replacements(model, monkeypatch):
+    # The kernel's bfloat16 copy of a scale is made once, not per product; writing the scale in place or
+    # loading new scales must still change the product.
+    monkeypatch.setenv(quant_kernels.ENV, "i8pack-bf16")
+    q = quantize_model(model)
+    fc = q.h[0].mlp.c_fc
+    x = torch.randn(2, CFG.n_embd)
+    with torch.inference_mode():
+        y = fc(x)
+    with torch.no_grad():
+        fc.scale.mul_(2)
+    with torch.inference_mode():
+        assert (fc(x) - fc.bias - 2 * (y - fc.bias)).abs().max() < 1e-2 * y.abs().max()
+    q.load_state_dict({**q.state_dict(), "h.0.mlp.c_fc.scale": fc.scale / 2})
+    with torch.inference_mode():
+        assert torch.equal(fc(x), y)
+
+
 def test_the_choice_is_measured_and_can_be_forced(monkeypatch):
     monkeypatch.delenv(quant_kernels.ENV, raising=False)
     k = quant_kernels.choose(torch.device("cpu"), torch.float32, 1)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -41,20 +42,49 @@ def _bucket(rows: int) -> str:
     return "1" if rows == 1 else "few" if rows <= 16 else "many"
 
 
+_I8PACK = getattr(torch.ops.aten, "_weight_int8pack_mm", None)  # absent in old torch builds
+
+
 def _i8pack_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (weight.shape[1] % 8 == 0 and weight.is_contiguous() and x2.dim() == 2
-            and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
+    return _I8PACK is not None and weight.shape[1] % 8 == 0 and weight.is_contiguous() and x2.dim() == 2
 
 
-def run_kernel(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x2 (R, in) float, weight (out, in) int8, scale (out,) -> (R, out) in x2's dtype."""
+# A decode step makes ~50 products of one row, each a few microseconds of Python around the kernel,
+# so a model's scales are converted to the kernel's dtype once per scale tensor (again when it is
+# written in place or replaced), not once per product. Inference tensors have no version counter,
+# so they are converted every time.
+_SCALES: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def _scale_as(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if scale.dtype == dtype:
+        return scale
+    if scale.is_inference():
+        return scale.to(dtype)
+    key = (id(scale), dtype)
+    hit = _SCALES.get(key)
+    if hit is not None and hit[0]() is scale and hit[1] == scale._version:
+        return hit[2]
+    converted = scale.to(dtype)
+    _SCALES[key] = (weakref.ref(scale, lambda _, key=key: _SCALES.pop(key, None)), scale._version, converted)
+    return converted
+
+
+def run_kernel(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 (R, in) float, weight (out, in) int8, scale (out,) [, bias (out,)] -> (R, out) in x2's dtype."""
     if kernel == "dequant" or not _i8pack_ok(x2, weight):
-        return F.linear(x2, weight.to(x2.dtype)) * scale.to(x2.dtype)
+        y = F.linear(x2, weight.to(x2.dtype)) * _scale_as(scale, x2.dtype)
+        return y if bias is None else y + bias
     if kernel == "i8pack-bf16" and x2.dtype != torch.bfloat16:
-        y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), weight,
-                                               scale.to(torch.bfloat16))
-        return y.to(x2.dtype)
-    return torch.ops.aten._weight_int8pack_mm(x2.contiguous(), weight, scale.to(x2.dtype))
+        y = _I8PACK(x2.to(torch.bfloat16).contiguous(), weight, _scale_as(scale, torch.bfloat16))  # (R, out) bf16
+        # back to x2's dtype: one op, the bias add promoting the bfloat16 product (same values as cast, then add)
+        if bias is None or bias.dtype != x2.dtype:
+            y = y.to(x2.dtype)
+            return y if bias is None else y + bias
+        return torch.add(bias, y)
+    y = _I8PACK(x2.contiguous(), weight, _scale_as(scale, x2.dtype))
+    return y if bias is None else y + bias
 
 
 def _time(fn, reps: int) -> float:
@@ -113,10 +143,10 @@ def choose(device: torch.device, dtype: torch.dtype, rows: int) -> str:
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ (weight (out, in) int8 * scale (out,))^T + bias -> (..., out), in x's dtype."""
+    if x.dim() == 2:  # (R, in): the decode step's rows, no reshape
+        return run_kernel(choose(x.device, x.dtype, x.shape[0]), x, weight, scale, bias)
     x2 = x.reshape(-1, x.shape[-1])  # (R, in)
-    y = run_kernel(choose(x.device, x.dtype, x2.shape[0]), x2, weight, scale)  # (R, out)
-    if bias is not None:
-        y = y + bias
+    y = run_kernel(choose(x.device, x.dtype, x2.shape[0]), x2, weight, scale, bias)  # (R, out)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
