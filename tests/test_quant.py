@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,38 @@ def test_the_choice_is_measured_and_can_be_forced(monkeypatch):
     monkeypatch.setenv(quant_kernels.ENV, "int3")
     with pytest.raises(ValueError, match="int3.*valid choices: i8pack-bf16"):
         quant_kernels.choose(torch.device("cpu"), torch.float32, 1)
+
+
+def test_a_kernel_the_device_lacks_is_left_out_or_falls_back(monkeypatch):
+    # What happens on a device where _weight_int8pack_mm is missing or refuses a shape (CUDA is
+    # untested): the measurement leaves a raising candidate out, and a chosen kernel that raises
+    # later falls back to dequant for that shape with one warning; the product is still right.
+    monkeypatch.delenv(quant_kernels.ENV, raising=False)
+    monkeypatch.setattr(quant_kernels, "_CHOICE", {})
+    monkeypatch.setattr(quant_kernels, "_UNAVAILABLE", {})
+    real = quant_kernels._I8PACK
+
+    def refuses(x, w, s):
+        raise NotImplementedError("no kernel for this device")
+    monkeypatch.setattr(quant_kernels, "_I8PACK", refuses)
+    assert quant_kernels.choose(torch.device("cpu"), torch.float32, 1) == "dequant"
+    assert set(quant_kernels.unavailable()) == {"cpu float32 i8pack-bf16", "cpu float32 i8pack"}
+
+    def refuses_wide(x, w, s):
+        if w.shape[0] > 100:
+            raise RuntimeError("shape not supported\nmore detail")
+        return real(x, w, s)
+    monkeypatch.setattr(quant_kernels, "_I8PACK", refuses_wide)
+    monkeypatch.setenv(quant_kernels.ENV, "i8pack-bf16")
+    w = torch.randint(-127, 128, (128, 64), dtype=torch.int8)
+    s, x = torch.rand(128) / 100, torch.randn(2, 64)
+    with pytest.warns(RuntimeWarning, match=r"i8pack-bf16 failed on cpu float32 i8pack-bf16 \(128, 64\).*shape not"):
+        y = quant_kernels.int8_linear(x, w, s)
+    assert torch.equal(y, quant_kernels.run_kernel("dequant", x, w, s))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quant_kernels.int8_linear(x, w, s)  # warned once per shape
+    assert len(quant_kernels.unavailable()) == 3
 
 
 # --- the module swap -----------------------------------------------------------------------------

@@ -16,7 +16,11 @@ Which one runs is decided per (device type, activation dtype, row bucket) by tim
 candidates once per process on a matrix of the model's size (`choose`), unless GPT2KIT_INT8_KERNEL
 names one. `_weight_int8pack_mm` is used only where its contract holds (2-D contiguous input,
 in_features a multiple of 8: other sizes crash or return wrong values in torch 2.13's CPU kernel).
-On CUDA the candidates are the same ops (untested: no GPU was lent to the session that wrote this).
+On CUDA the candidates are the same ops, measured the same way (untested: no GPU was lent to the
+sessions that wrote this): a candidate that raises in the measurement (an op or dtype the device
+lacks) is left out, and one that raises later on a shape the measurement did not try falls back to
+dequant for that shape with one RuntimeWarning (`unavailable()` lists both), so an int8 model runs
+on any device torch supports, at worst at dequant's speed.
 
 This lives with the decode fast path (gpt2kit/decode/) because the choice is about CPU speed; the
 scheme and the modules that call it are gpt2kit.quant.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 import weakref
 
 import torch
@@ -36,6 +41,7 @@ import torch.nn.functional as F
 KERNELS = ("i8pack-bf16", "i8pack", "dequant")
 ENV = "GPT2KIT_INT8_KERNEL"
 _CHOICE: dict[tuple[str, torch.dtype, str], str] = {}  # (device type, activation dtype, rows bucket) -> kernel
+_UNAVAILABLE: dict[str, str] = {}  # where a kernel failed -> the error (measurement or first use)
 
 
 def _bucket(rows: int) -> str:
@@ -114,7 +120,13 @@ def measure(device: torch.device, dtype: torch.dtype, rows: int, in_features: in
         def fn(k=k):
             run_kernel(k, x, w, s)
             sync()
-        fn()  # warm-up
+        try:
+            fn()  # warm-up; a kernel this device or dtype lacks is left out (dequant runs anywhere)
+        except (NotImplementedError, RuntimeError) as e:
+            if k == "dequant" or isinstance(e, torch.OutOfMemoryError):
+                raise
+            _UNAVAILABLE[f"{device.type} {str(dtype).removeprefix('torch.')} {k}"] = _first_line(e)
+            continue
         fns[k] = fn
     times = {k: float("inf") for k in fns}
     for _ in range(reps):
@@ -144,12 +156,40 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ (weight (out, in) int8 * scale (out,))^T + bias -> (..., out), in x's dtype."""
     if x.dim() == 2:  # (R, in): the decode step's rows, no reshape
-        return run_kernel(choose(x.device, x.dtype, x.shape[0]), x, weight, scale, bias)
+        return _run(choose(x.device, x.dtype, x.shape[0]), x, weight, scale, bias)
     x2 = x.reshape(-1, x.shape[-1])  # (R, in)
-    y = run_kernel(choose(x.device, x.dtype, x2.shape[0]), x2, weight, scale, bias)  # (R, out)
+    y = _run(choose(x.device, x.dtype, x2.shape[0]), x2, weight, scale, bias)  # (R, out)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _run(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+         bias: torch.Tensor | None) -> torch.Tensor:
+    """run_kernel, falling back to dequant (with one warning per shape) where the chosen op refuses a
+    shape the measurement did not try: its contract on devices not tested here (CUDA) is not known."""
+    if kernel == "dequant":
+        return run_kernel(kernel, x2, weight, scale, bias)
+    try:
+        return run_kernel(kernel, x2, weight, scale, bias)
+    except (NotImplementedError, RuntimeError) as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        where = f"{x2.device.type} {str(x2.dtype).removeprefix('torch.')} {kernel} {tuple(weight.shape)}"
+        if where not in _UNAVAILABLE:
+            _UNAVAILABLE[where] = _first_line(e)
+            warnings.warn(f"int8 kernel {kernel} failed on {where} ({_first_line(e)}); using dequant there",
+                          RuntimeWarning, stacklevel=3)
+        return run_kernel("dequant", x2, weight, scale, bias)
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
 
 
 def chosen() -> dict[str, str]:
     """The kernels chosen so far in this process, e.g. {'cpu float32 1': 'i8pack-bf16'} (for bench)."""
     return {f"{d} {str(t).removeprefix('torch.')} {b}": k for (d, t, b), k in _CHOICE.items()}
+
+
+def unavailable() -> dict[str, str]:
+    """Kernels that failed in this process, by where they were tried, with the error's first line."""
+    return dict(_UNAVAILABLE)
