@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,34 @@ def test_every_kernel_computes_the_dequantized_product(kernel, shape):
     assert (y - ref).abs().max() <= tol * ref.abs().max()
 
 
+@pytest.mark.parametrize("kernel", quant_kernels.KERNELS)
+def test_the_bias_is_added_as_a_separate_add_would(kernel):
+    # run_kernel adds the bias in the same op that casts the product back (one op fewer per product):
+    # bit for bit the cast-then-add it replaces.
+    g = torch.Generator().manual_seed(1)
+    w = torch.randint(-127, 128, (24, 16), dtype=torch.int8, generator=g)
+    s, b, x = torch.rand(24, generator=g) / 100, torch.randn(24, generator=g), torch.randn(3, 16, generator=g)
+    assert torch.equal(quant_kernels.run_kernel(kernel, x, w, s, b), quant_kernels.run_kernel(kernel, x, w, s) + b)
+
+
+def test_converted_scales_follow_writes_and_replacements(model, monkeypatch):
+    # The kernel's bfloat16 copy of a scale is made once, not per product; writing the scale in place or
+    # loading new scales must still change the product.
+    monkeypatch.setenv(quant_kernels.ENV, "i8pack-bf16")
+    q = quantize_model(model)
+    fc = q.h[0].mlp.c_fc
+    x = torch.randn(2, CFG.n_embd)
+    with torch.inference_mode():
+        y = fc(x)
+    with torch.no_grad():
+        fc.scale.mul_(2)
+    with torch.inference_mode():
+        assert (fc(x) - fc.bias - 2 * (y - fc.bias)).abs().max() < 1e-2 * y.abs().max()
+    q.load_state_dict({**q.state_dict(), "h.0.mlp.c_fc.scale": fc.scale / 2})
+    with torch.inference_mode():
+        assert torch.equal(fc(x), y)
+
+
 def test_the_choice_is_measured_and_can_be_forced(monkeypatch):
     monkeypatch.delenv(quant_kernels.ENV, raising=False)
     k = quant_kernels.choose(torch.device("cpu"), torch.float32, 1)
@@ -106,6 +135,38 @@ def test_the_choice_is_measured_and_can_be_forced(monkeypatch):
     monkeypatch.setenv(quant_kernels.ENV, "int3")
     with pytest.raises(ValueError, match="int3.*valid choices: i8pack-bf16"):
         quant_kernels.choose(torch.device("cpu"), torch.float32, 1)
+
+
+def test_a_kernel_the_device_lacks_is_left_out_or_falls_back(monkeypatch):
+    # What happens on a device where _weight_int8pack_mm is missing or refuses a shape (CUDA is
+    # untested): the measurement leaves a raising candidate out, and a chosen kernel that raises
+    # later falls back to dequant for that shape with one warning; the product is still right.
+    monkeypatch.delenv(quant_kernels.ENV, raising=False)
+    monkeypatch.setattr(quant_kernels, "_CHOICE", {})
+    monkeypatch.setattr(quant_kernels, "_UNAVAILABLE", {})
+    real = quant_kernels._I8PACK
+
+    def refuses(x, w, s):
+        raise NotImplementedError("no kernel for this device")
+    monkeypatch.setattr(quant_kernels, "_I8PACK", refuses)
+    assert quant_kernels.choose(torch.device("cpu"), torch.float32, 1) == "dequant"
+    assert set(quant_kernels.unavailable()) == {"cpu float32 i8pack-bf16", "cpu float32 i8pack"}
+
+    def refuses_wide(x, w, s):
+        if w.shape[0] > 100:
+            raise RuntimeError("shape not supported\nmore detail")
+        return real(x, w, s)
+    monkeypatch.setattr(quant_kernels, "_I8PACK", refuses_wide)
+    monkeypatch.setenv(quant_kernels.ENV, "i8pack-bf16")
+    w = torch.randint(-127, 128, (128, 64), dtype=torch.int8)
+    s, x = torch.rand(128) / 100, torch.randn(2, 64)
+    with pytest.warns(RuntimeWarning, match=r"i8pack-bf16 failed on cpu float32 i8pack-bf16 \(128, 64\).*shape not"):
+        y = quant_kernels.int8_linear(x, w, s)
+    assert torch.equal(y, quant_kernels.run_kernel("dequant", x, w, s))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quant_kernels.int8_linear(x, w, s)  # warned once per shape
+    assert len(quant_kernels.unavailable()) == 3
 
 
 # --- the module swap -----------------------------------------------------------------------------
@@ -189,6 +250,33 @@ def test_bad_input_is_one_clear_error(model):
         model.train()
 
 
+@pytest.mark.parametrize("lm_head", [True, False])
+def test_official_past_api_works_on_a_quantized_model(model, lm_head, monkeypatch):
+    # forward(past=...) checks past's dtype against the model's compute dtype; with int8 wte rows that
+    # must not be read from wte's int8 table. Feeding a sequence in two pieces through `present`/`past`
+    # gives the logits of one pass (float32 rounding: the same kernel for both).
+    monkeypatch.setenv(quant_kernels.ENV, "dequant")
+    q = quantize_model(model, lm_head=lm_head)
+    ids = torch.randint(0, CFG.n_vocab, (2, 10))
+    first = q(ids[:, :6], use_cache=True)
+    second = logits(q, ids[:, 6:], past=first.present)
+    assert (second - logits(q, ids)[:, 6:]).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="past has dtype torch.bfloat16, the model computes in torch.float32"):
+        q(ids[:, 6:], past=first.present.bfloat16())
+
+
+def test_the_quantized_head_is_the_models_own_method_not_an_instance_patch(model):
+    # GPT2.lm_head asks a wte that has its own product for it: nothing is bound on the instance, so the
+    # class's method (what a subclass, a deepcopy or torch.save/load of the model runs) is the int8 head.
+    q = quantize_model(model)
+    assert "lm_head" not in vars(q)
+    x = torch.randn(3, CFG.n_embd)
+    with torch.inference_mode():
+        want = quant_kernels.int8_linear(x, q.wte.weight, q.wte.scale)[:, :CFG.n_vocab]
+        assert torch.equal(GPT2.lm_head(q, x), want)
+        assert torch.equal(copy.deepcopy(q).lm_head(x), want)
+
+
 # --- checkpoints ---------------------------------------------------------------------------------
 
 
@@ -250,6 +338,34 @@ def test_unknown_scheme_in_config_and_training_from_int8_are_refused(model, tmp_
 
 
 # --- the CLI -------------------------------------------------------------------------------------
+
+
+def test_quantized_save_replaces_a_directory_whole_or_not_at_all(model, tmp_path, monkeypatch):
+    # The int8 save goes through _io.atomic_directory like every directory save: a failure part-way
+    # leaves the float model that was there loadable and untouched; a success replaces it whole (no
+    # float weights left to contradict the int8 ones) and carries the files that are not a model.
+    from gpt2kit.tokenizer import Tokenizer
+
+    save_model(model, tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    q = quantize_model(copy.deepcopy(model))
+
+    def boom(self, directory):
+        raise OSError("disk gone")
+    monkeypatch.setattr(Tokenizer, "save", boom)
+    with pytest.raises(OSError, match="disk gone"):
+        save_model(q, tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert not is_quantized(load_model(tmp_path))
+    monkeypatch.undo()
+    save_model(q, tmp_path)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert "model.int8.safetensors" in names and "model.safetensors" not in names
+    assert (tmp_path / "notes.txt").read_text() == "mine" and is_quantized(load_model(tmp_path))
+    save_model(model, tmp_path)  # and back: the float save drops the int8 weights file
+    assert "model.int8.safetensors" not in {p.name for p in tmp_path.iterdir()}
+    assert not is_quantized(load_model(tmp_path))
 
 
 def test_cli_quantize_info_generate_score(tmp_path, capsys):
@@ -380,3 +496,98 @@ def test_bench_int8_memory_worker_builds_no_float_copy():
     assert quantization(model) == {"scheme": "int8", "lm_head": True, "scale_dtype": "float32"}
     assert weight_bytes(model) <= 0.30 * weight_bytes(GPT2(CFG))
     assert torch.isfinite(logits(model, torch.randint(0, CFG.n_vocab, (1, 5)))).all()
+
+
+# --- serve and trace with --quantize -------------------------------------------------------------
+
+
+def test_served_int8_model_answers_what_direct_generation_gives(tmp_path, monkeypatch):
+    # gpt2kit.serve.serve(quantize="int8"), the function `gpt2kit serve --quantize int8` calls, on
+    # loopback: a greedy completion's ids equal generate() on the same checkpoint quantized directly,
+    # and differ from the float model's (so a server that ignored quantize= would fail this).
+    pytest.importorskip("fastapi")
+    uvicorn = pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
+    import socket
+    import threading
+    import time
+
+    from helpers_generate import SMALL, varied_model
+
+    from gpt2kit.checkpoint import load_tokenizer
+    from gpt2kit.serve import serve
+
+    # one kernel whatever the start-up measurement picks (bfloat16 activations: ids that differ from float)
+    monkeypatch.setenv(quant_kernels.ENV, "i8pack-bf16")
+    save_model(varied_model(SMALL, seed=0), tmp_path)
+    tok = load_tokenizer(tmp_path)
+    prompt = tok.encode("Hello world")
+    s = SamplingSettings(temperature=0, max_new_tokens=20, stop_token_ids=())
+    want = generate(quantize_model(load_model(tmp_path)), [prompt], s)[0].tokens
+    assert want != generate(load_model(tmp_path), [prompt], s)[0].tokens
+
+    servers = []
+
+    class Server(uvicorn.Server):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            servers.append(self)
+    monkeypatch.setattr(uvicorn, "Server", Server)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    thread = threading.Thread(target=serve, args=(str(tmp_path),), daemon=True,
+                              kwargs=dict(quantize="int8", sock=sock, log_level="warning"))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"model": "gpt2", "prompt": prompt, "max_tokens": 20, "temperature": 0,
+                             "logprobs": 0, "logit_bias": {"50256": -100}}).json()
+    finally:
+        servers[0].should_exit = True
+        thread.join(10)
+        sock.close()
+    from gpt2kit.serve.app import token_key
+
+    assert "choices" in r, r
+    assert r["choices"][0]["logprobs"]["tokens"] == [token_key(tok, t) for t in want]
+
+
+def test_trace_of_an_int8_model_records_every_tensor_through_its_hooks(model, monkeypatch):
+    # The trace of a quantized model is the quantized forward pass: the same named tensors as a float
+    # trace (the hooks on the swapped c_attn/c_proj/c_fc/wte fire), the logits bit for bit the model's,
+    # and direct logit attribution reads the dequantized matrices (its terms sum to the logit; with
+    # the int8 codes as weights they would not). Float32 activations (dequant) so 1e-4 applies.
+    from gpt2kit.trace import trace
+
+    monkeypatch.setenv(quant_kernels.ENV, "dequant")
+    ids = torch.randint(0, CFG.n_vocab, (12,)).tolist()
+    names = set(trace(model, None, ids).tensors)
+    q = quantize_model(copy.deepcopy(model))
+    tr = trace(q, None, ids)
+    assert set(tr.tensors) == names and "h.1.mlp.pre" in names and "h.0.attn.q" in names
+    assert torch.equal(tr.logits, logits(q, torch.tensor([ids]))[0])
+    assert torch.equal(tr["h.0.mlp.pre"], q.h[0].mlp.c_fc(tr["h.0.ln_2"]))
+    d = tr.direct_logit_attribution()
+    for t in range(12):
+        assert abs(sum(d["values"][t]) - d["logit"][t]) < 1e-4
+
+
+def test_cli_trace_and_serve_take_quantize(tmp_path, capsys):
+    model = random_model(CFG.replace(n_vocab=50257))
+    save_model(model, tmp_path / "f")
+    out = tmp_path / "t.json"
+    assert cli_main(["trace", "hello there", "-m", str(tmp_path / "f"), "--quantize", "int8", "--json", str(out)]) == 0
+    assert "traced 2 tokens" in capsys.readouterr().out and json.loads(out.read_text())
+    for cmd in (["trace", "hello", "--json", str(out)], ["serve", "--port", "0"]):
+        rc = cli_main([*cmd, "-m", str(tmp_path / "f"), "--quantize", "bogus"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc != 0 and len(err) == 1 and "unknown quantization scheme 'bogus'" in err[0], (cmd, err)

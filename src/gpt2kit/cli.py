@@ -549,7 +549,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if not text:
         raise CLIError("the text is empty: nothing to trace")
     parse_what(args.what)  # a bad --what fails before the model loads
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.quantize is not None:
+        from gpt2kit.quant import check_scheme
+
+        check_scheme(args.quantize)
+    model = _quantize_loaded(load_model(args.model, dtype=args.dtype, device=args.device), args)
     tok = load_tokenizer(args.model)
     tr = trace(model, tok, text, top_k=args.top_k, layers=args.layers, what=args.what,
                prepend_eot=args.prepend_eot, patch_from=args.compare, name=str(args.model))
@@ -586,6 +590,7 @@ def _register_trace(sub: argparse._SubParsersAction) -> None:
                    help="tensors to record: all (default) or a comma list of attn, mlp, embed, resid, ln, qkv, "
                         "scores, probs, z, attn_out, mlp_pre, mlp_post, mlp_out")
     p.add_argument("--prepend-eot", action="store_true", help="put <|endoftext|> before the text (and --compare)")
+    _add_quantize_arg(p)
     p.set_defaults(func=cmd_trace)
 
 
@@ -602,6 +607,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise CLIError(f"{flag} must be >= {1 if flag == '--max-batch' else 0}, got {value}")
     if args.max_tokens_per_request is not None and args.max_tokens_per_request < 1:
         raise CLIError(f"--max-tokens-per-request must be >= 1, got {args.max_tokens_per_request}")
+    if args.quantize is not None:
+        from gpt2kit.quant import check_scheme
+
+        check_scheme(args.quantize)  # before the "loading" line
     template = _read_text(args.chat_template) if args.chat_template is not None else None
     opts = ServeOptions(served_model_name=args.served_model_name or args.model, max_batch=args.max_batch,
                         max_queue=args.max_queue, max_tokens_per_request=args.max_tokens_per_request,
@@ -609,7 +618,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         pack_weights=False if args.no_pack_weights else None)
     print(f"gpt2kit serve: loading {args.model} as {opts.served_model_name!r} on http://{args.host}:{args.port}"
           f" (/health answers 503 until it is ready)", file=sys.stderr, flush=True)
-    serve(args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device, opts=opts)
+    serve(args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device, opts=opts,
+          quantize=args.quantize)
     return 0
 
 
@@ -626,6 +636,7 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja2 template over `messages`: enables /v1/chat/completions")
     p.add_argument("--no-pack-weights", action="store_true", help="CPU: no prepacked second copy of the weights")
+    _add_quantize_arg(p)
     p.set_defaults(func=cmd_serve)
 
 

@@ -180,8 +180,10 @@ class GPT2(nn.Module):
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """The tied head: x (..., C) @ wte^T -> logits (..., V). With a padded vocabulary the product
-        runs on all Vp rows (the faster shape) and the padding columns are cut from its result."""
-        logits = F.linear(x, self.wte.weight)  # (..., Vp)
+        runs on all Vp rows (the faster shape) and the padding columns are cut from its result. A
+        swapped-in wte that computes the product itself (int8 rows, gpt2kit.quant) is asked for it."""
+        own = getattr(self.wte, "lm_head", None)
+        logits = own(x) if own is not None else F.linear(x, self.wte.weight)  # (..., Vp)
         V = self.config.n_vocab
         return logits if logits.shape[-1] == V else logits[..., :V]
 
@@ -239,7 +241,7 @@ def _check_inputs(model: GPT2, idx: torch.Tensor, past: torch.Tensor | None, att
         want = (B, cfg.n_layer, 2, cfg.n_head, past.shape[-2] if past.dim() == 6 else -1, cfg.head_dim)
         if past.dim() != 6 or tuple(past.shape) != want:
             raise ValueError(f"past must have shape (B, L, 2, nh, P, hs) = {want}, got {tuple(past.shape)}")
-        dtype = model.wte.weight.dtype
+        dtype = model.wpe.weight.dtype  # wpe: float in every model (wte may hold int8 codes)
         if past.dtype != dtype:
             raise ValueError(f"past has dtype {past.dtype}, the model computes in {dtype}")
         P = past.shape[4]

@@ -22,7 +22,6 @@ Legend: R rows, in/out the matrix's features, V embedding rows, C n_embd.
 from __future__ import annotations
 
 import math
-import types
 
 import torch
 import torch.nn.functional as F
@@ -106,9 +105,9 @@ class QuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """The tied token embedding / LM head with int8 rows (V, C) and a scale per row (V,).
 
-    forward(idx) looks rows up and dequantizes them (the embedding); `lm_head(x, n)` is the tied
-    head's product x @ (W[:n] * s[:n])^T by the int8 kernels. `weight` stays the int8 table, so
-    code that multiplies by ``wte.weight`` directly fails loudly instead of computing garbage."""
+    forward(idx) looks rows up and dequantizes them (the embedding); `lm_head(x)` is the tied head's
+    product x @ (W * s)^T by the int8 kernels (GPT2.lm_head calls it). `weight` stays the int8
+    table, so code that multiplies by ``wte.weight`` directly fails loudly instead of computing garbage."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, scale_dtype: str | torch.dtype = "float32",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
@@ -131,10 +130,10 @@ class QuantEmbedding(nn.Module):
         rows = F.embedding(idx, self.weight)  # (..., C) int8
         return rows.to(self.dtype) * self.scale[idx].to(self.dtype)[..., None]
 
-    def lm_head(self, x: torch.Tensor, n_vocab: int | None = None) -> torch.Tensor:
-        """x (..., C) -> logits (..., n_vocab) against the first n_vocab rows (the tied head)."""
-        n = n_vocab or self.num_embeddings
-        return int8_linear(x, self.weight[:n], self.scale[:n])
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The tied head's product, which GPT2.lm_head asks its wte for: x (..., C) -> (..., V) over
+        every row (GPT2.lm_head cuts padded rows, as for the float table)."""
+        return int8_linear(x, self.weight, self.scale)
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float() * self.scale.float()[:, None]
@@ -172,11 +171,6 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules())
 
 
-def _quantized_lm_head(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """GPT2.lm_head for a model whose wte is a QuantEmbedding: x (..., C) -> logits (..., V)."""
-    return model.wte.lm_head(x, model.config.n_vocab)
-
-
 def _swap(model: nn.Module, lm_head: bool, make_linear, make_embedding) -> None:
     for block in model.h:
         block.attn.c_attn = make_linear(block.attn.c_attn)
@@ -184,11 +178,7 @@ def _swap(model: nn.Module, lm_head: bool, make_linear, make_embedding) -> None:
         block.mlp.c_fc = make_linear(block.mlp.c_fc)
         block.mlp.c_proj = make_linear(block.mlp.c_proj)
     if lm_head:
-        model.wte = make_embedding(model.wte)
-        # GPT2.lm_head multiplies by wte.weight (float kernels); with int8 rows the product is the
-        # embedding module's own. Bound on the instance because model.py's head does not (yet) defer
-        # to a swapped wte; deepcopy and pickling carry the bound method along with the model.
-        model.lm_head = types.MethodType(_quantized_lm_head, model)
+        model.wte = make_embedding(model.wte)  # GPT2.lm_head then asks it for the head's product
 
 
 def quantize_model(model: nn.Module, scheme: str = "int8", *, lm_head: bool = True,

@@ -37,6 +37,7 @@ WEIGHT_FILES = (SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX)
 # directory (a training run's checkpoint.pt, metrics, notes) is carried over untouched.
 _MODEL_FILE = re.compile(
     r"^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
+    r"|model\.int8\.safetensors"  # gpt2kit's int8 format (checkpoint/quantized.py)
     r"|pytorch_model(-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index\.json|vocab\.json|merges\.txt"
     r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|added_tokens\.json)$")
 

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from gpt2kit._io import atomic_write
+from gpt2kit._io import atomic_directory, atomic_write, atomic_write_text
 from gpt2kit.checkpoint.errors import CheckpointError
+from gpt2kit.checkpoint.hf import is_model_file
 from gpt2kit.config import GPT2Config
 
 WEIGHTS = "model.int8.safetensors"
@@ -109,7 +110,11 @@ def load(path: Path, dtype: torch.dtype, device: torch.device):
 
 
 def save(model, directory: str | os.PathLike[str], tokenizer=None) -> Path:
-    """Write a quantized model (gpt2kit.quant) as described in the module doc; config.json last."""
+    """Write a quantized model (gpt2kit.quant) as described in the module doc.
+
+    As every directory save (`_io.atomic_directory`): the files are written into a sibling directory
+    that replaces `directory` in one step, so an existing model there (float or int8) is replaced
+    whole or, on any failure, left as it was; files that are not part of a model are carried over."""
     from safetensors.torch import save as safetensors_bytes
 
     from gpt2kit.quant import quantization
@@ -118,8 +123,6 @@ def save(model, directory: str | os.PathLike[str], tokenizer=None) -> Path:
     scheme = quantization(model)
     assert scheme is not None, "save() is for quantized models"
     cfg: GPT2Config = model.config
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
     state = {}
     for k, v in model.state_dict().items():
         if k in ("wte.weight", "wte.scale"):
@@ -128,13 +131,13 @@ def save(model, directory: str | os.PathLike[str], tokenizer=None) -> Path:
     floats = sorted({str(v.dtype).removeprefix("torch.") for k, v in state.items()
                      if v.dtype.is_floating_point and not k.endswith(".scale")})
     blob = safetensors_bytes(state, metadata={"format": "pt", KEY: scheme["scheme"]})
-    atomic_write(d / WEIGHTS, lambda f: f.write(blob))
-    for stale in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                  "pytorch_model.bin.index.json"):
-        (d / stale).unlink(missing_ok=True)  # a float leftover would contradict the quantized weights
     hf_config = cfg.to_hf() | {"torch_dtype": floats[0] if len(floats) == 1 else "float32", KEY: scheme}
     generation = {"bos_token_id": cfg.eot_id, "eos_token_id": cfg.eot_id}
-    atomic_write(d / "generation_config.json", lambda f: f.write((json.dumps(generation, indent=2) + "\n").encode()))
-    (tokenizer or Tokenizer.default()).save(d)
-    atomic_write(d / "config.json", lambda f: f.write((json.dumps(hf_config, indent=2) + "\n").encode()))
+    d = Path(directory)
+    # a float model's files left beside the int8 one would contradict it: they are not carried over
+    with atomic_directory(d, keep=lambda name: not is_model_file(name)) as stage:
+        atomic_write(stage / WEIGHTS, lambda f: f.write(blob))
+        atomic_write_text(stage / "generation_config.json", json.dumps(generation, indent=2) + "\n")
+        (tokenizer or Tokenizer.default()).save(stage)
+        atomic_write_text(stage / "config.json", json.dumps(hf_config, indent=2) + "\n")
     return d

@@ -16,7 +16,11 @@ Which one runs is decided per (device type, activation dtype, row bucket) by tim
 candidates once per process on a matrix of the model's size (`choose`), unless GPT2KIT_INT8_KERNEL
 names one. `_weight_int8pack_mm` is used only where its contract holds (2-D contiguous input,
 in_features a multiple of 8: other sizes crash or return wrong values in torch 2.13's CPU kernel).
-On CUDA the candidates are the same ops (untested: no GPU was lent to the session that wrote this).
+On CUDA the candidates are the same ops, measured the same way (untested: no GPU was lent to the
+sessions that wrote this): a candidate that raises in the measurement (an op or dtype the device
+lacks) is left out, and one that raises later on a shape the measurement did not try falls back to
+dequant for that shape with one RuntimeWarning (`unavailable()` lists both), so an int8 model runs
+on any device torch supports, at worst at dequant's speed.
 
 This lives with the decode fast path (gpt2kit/decode/) because the choice is about CPU speed; the
 scheme and the modules that call it are gpt2kit.quant.
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -35,26 +41,56 @@ import torch.nn.functional as F
 KERNELS = ("i8pack-bf16", "i8pack", "dequant")
 ENV = "GPT2KIT_INT8_KERNEL"
 _CHOICE: dict[tuple[str, torch.dtype, str], str] = {}  # (device type, activation dtype, rows bucket) -> kernel
+_UNAVAILABLE: dict[str, str] = {}  # where a kernel failed -> the error (measurement or first use)
 
 
 def _bucket(rows: int) -> str:
     return "1" if rows == 1 else "few" if rows <= 16 else "many"
 
 
+_I8PACK = getattr(torch.ops.aten, "_weight_int8pack_mm", None)  # absent in old torch builds
+
+
 def _i8pack_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (weight.shape[1] % 8 == 0 and weight.is_contiguous() and x2.dim() == 2
-            and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
+    return _I8PACK is not None and weight.shape[1] % 8 == 0 and weight.is_contiguous() and x2.dim() == 2
 
 
-def run_kernel(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x2 (R, in) float, weight (out, in) int8, scale (out,) -> (R, out) in x2's dtype."""
+# A decode step makes ~50 products of one row, each a few microseconds of Python around the kernel,
+# so a model's scales are converted to the kernel's dtype once per scale tensor (again when it is
+# written in place or replaced), not once per product. Inference tensors have no version counter,
+# so they are converted every time.
+_SCALES: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def _scale_as(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if scale.dtype == dtype:
+        return scale
+    if scale.is_inference():
+        return scale.to(dtype)
+    key = (id(scale), dtype)
+    hit = _SCALES.get(key)
+    if hit is not None and hit[0]() is scale and hit[1] == scale._version:
+        return hit[2]
+    converted = scale.to(dtype)
+    _SCALES[key] = (weakref.ref(scale, lambda _, key=key: _SCALES.pop(key, None)), scale._version, converted)
+    return converted
+
+
+def run_kernel(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 (R, in) float, weight (out, in) int8, scale (out,) [, bias (out,)] -> (R, out) in x2's dtype."""
     if kernel == "dequant" or not _i8pack_ok(x2, weight):
-        return F.linear(x2, weight.to(x2.dtype)) * scale.to(x2.dtype)
+        y = F.linear(x2, weight.to(x2.dtype)) * _scale_as(scale, x2.dtype)
+        return y if bias is None else y + bias
     if kernel == "i8pack-bf16" and x2.dtype != torch.bfloat16:
-        y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), weight,
-                                               scale.to(torch.bfloat16))
-        return y.to(x2.dtype)
-    return torch.ops.aten._weight_int8pack_mm(x2.contiguous(), weight, scale.to(x2.dtype))
+        y = _I8PACK(x2.to(torch.bfloat16).contiguous(), weight, _scale_as(scale, torch.bfloat16))  # (R, out) bf16
+        # back to x2's dtype: one op, the bias add promoting the bfloat16 product (same values as cast, then add)
+        if bias is None or bias.dtype != x2.dtype:
+            y = y.to(x2.dtype)
+            return y if bias is None else y + bias
+        return torch.add(bias, y)
+    y = _I8PACK(x2.contiguous(), weight, _scale_as(scale, x2.dtype))
+    return y if bias is None else y + bias
 
 
 def _time(fn, reps: int) -> float:
@@ -84,7 +120,13 @@ def measure(device: torch.device, dtype: torch.dtype, rows: int, in_features: in
         def fn(k=k):
             run_kernel(k, x, w, s)
             sync()
-        fn()  # warm-up
+        try:
+            fn()  # warm-up; a kernel this device or dtype lacks is left out (dequant runs anywhere)
+        except (NotImplementedError, RuntimeError) as e:
+            if k == "dequant" or isinstance(e, torch.OutOfMemoryError):
+                raise
+            _UNAVAILABLE[f"{device.type} {str(dtype).removeprefix('torch.')} {k}"] = _first_line(e)
+            continue
         fns[k] = fn
     times = {k: float("inf") for k in fns}
     for _ in range(reps):
@@ -113,13 +155,41 @@ def choose(device: torch.device, dtype: torch.dtype, rows: int) -> str:
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ (weight (out, in) int8 * scale (out,))^T + bias -> (..., out), in x's dtype."""
+    if x.dim() == 2:  # (R, in): the decode step's rows, no reshape
+        return _run(choose(x.device, x.dtype, x.shape[0]), x, weight, scale, bias)
     x2 = x.reshape(-1, x.shape[-1])  # (R, in)
-    y = run_kernel(choose(x.device, x.dtype, x2.shape[0]), x2, weight, scale)  # (R, out)
-    if bias is not None:
-        y = y + bias
+    y = _run(choose(x.device, x.dtype, x2.shape[0]), x2, weight, scale, bias)  # (R, out)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _run(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+         bias: torch.Tensor | None) -> torch.Tensor:
+    """run_kernel, falling back to dequant (with one warning per shape) where the chosen op refuses a
+    shape the measurement did not try: its contract on devices not tested here (CUDA) is not known."""
+    if kernel == "dequant":
+        return run_kernel(kernel, x2, weight, scale, bias)
+    try:
+        return run_kernel(kernel, x2, weight, scale, bias)
+    except (NotImplementedError, RuntimeError) as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        where = f"{x2.device.type} {str(x2.dtype).removeprefix('torch.')} {kernel} {tuple(weight.shape)}"
+        if where not in _UNAVAILABLE:
+            _UNAVAILABLE[where] = _first_line(e)
+            warnings.warn(f"int8 kernel {kernel} failed on {where} ({_first_line(e)}); using dequant there",
+                          RuntimeWarning, stacklevel=3)
+        return run_kernel("dequant", x2, weight, scale, bias)
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
 
 
 def chosen() -> dict[str, str]:
     """The kernels chosen so far in this process, e.g. {'cpu float32 1': 'i8pack-bf16'} (for bench)."""
     return {f"{d} {str(t).removeprefix('torch.')} {b}": k for (d, t, b), k in _CHOICE.items()}
+
+
+def unavailable() -> dict[str, str]:
+    """Kernels that failed in this process, by where they were tried, with the error's first line."""
+    return dict(_UNAVAILABLE)

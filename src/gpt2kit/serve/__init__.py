@@ -18,15 +18,26 @@ __all__ = ["ServeOptions", "create_app", "serve"]
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
           device: str | None = None, opts: ServeOptions | None = None, log_level: str = "info",
-          sock: socket.socket | None = None) -> None:
+          sock: socket.socket | None = None, quantize: str | None = None) -> None:
     """Load checkpoint `model` (in the background: /health answers 503 until it is ready) and serve
-    it until interrupted. A model that fails to load stops the server and raises here."""
+    it until interrupted. A model that fails to load stops the server and raises here. quantize:
+    "int8" quantizes the loaded weights (gpt2kit.quant, LM head included; docs/quantization.md)."""
     import uvicorn
 
     from gpt2kit.checkpoint import load_model, load_tokenizer
 
+    if quantize is not None:
+        from gpt2kit.quant import check_scheme
+
+        check_scheme(quantize)  # an unknown scheme fails before the server starts
+
     def loader():
-        return load_model(model, dtype=dtype, device=device), load_tokenizer(model)
+        m = load_model(model, dtype=dtype, device=device)
+        if quantize is not None:
+            from gpt2kit.quant import quantize_model
+
+            m = quantize_model(m, quantize)
+        return m, load_tokenizer(model)
 
     app = create_app(loader, opts)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,

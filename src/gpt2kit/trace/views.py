@@ -20,6 +20,13 @@ def unembed(model, x: torch.Tensor) -> torch.Tensor:
     return model.lm_head(x)
 
 
+def _matrix(module) -> torch.Tensor:
+    """The float matrix a module multiplies by: its weight, or what an int8 module's codes and scales
+    stand for (gpt2kit.quant; its `weight` holds the int8 codes)."""
+    dequantize = getattr(module, "dequantize", None)
+    return dequantize() if dequantize is not None else module.weight
+
+
 def _rank(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """1 + how many tokens score strictly higher than the target: (T, V), (T,) -> (T,)."""
     tl = logits.gather(-1, target[:, None])  # (T, 1)
@@ -124,7 +131,7 @@ def direct_logit_attribution(tr, position: int | None = None, token: int | None 
     x = tr[f"resid.{L}"].double()  # (T, C)
     sigma = torch.sqrt(x.var(-1, unbiased=False) + ln.eps)  # (T,)
     targets = dla_targets(tr) if token is None else [int(token)] * T
-    W_U = tr.model.wte.weight[torch.tensor(targets, device=x.device)].double()  # (T, C)
+    W_U = _matrix(tr.model.wte)[torch.tensor(targets, device=x.device)].double()  # (T, C)
     d = ln.weight.double() * W_U  # (T, C): the direction a piece is read along
     # (c - mean(c)) . d = c . (d - mean(d)): centre the direction once instead of every piece.
     d = (d - d.mean(-1, keepdim=True)) / sigma[:, None]  # (T, C)
@@ -137,7 +144,7 @@ def direct_logit_attribution(tr, position: int | None = None, token: int | None 
         proj = tr.model.h[i].attn.c_proj
         z = tr[f"h.{i}.attn.z"].double()  # (nh, T, hs)
         hs = z.shape[-1]
-        back = (d @ proj.weight.double()).view(T, nh, hs).transpose(0, 1)  # (nh, T, hs): d through c_proj
+        back = (d @ _matrix(proj).double()).view(T, nh, hs).transpose(0, 1)  # (nh, T, hs): d through c_proj
         heads = (z * back).sum(-1)  # (nh, T)
         labels += [f"h.{i}.attn.head.{h}" for h in range(nh)] + [f"h.{i}.attn.bias", f"h.{i}.mlp"]
         cols += [*heads, d @ proj.bias.double(), along(tr[f"h.{i}.mlp.out"])]
