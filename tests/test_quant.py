@@ -512,7 +512,7 @@ def test_served_int8_model_answers_what_direct_generation_gives(tmp_path, monkey
     import threading
     import time
 
-    from helpers_generate import SMALL, varied_model
+    from helpers import SMALL, varied_model
 
     from gpt2kit.checkpoint import load_tokenizer
     from gpt2kit.serve import serve

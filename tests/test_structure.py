@@ -169,7 +169,7 @@ def test_the_model_file_imports_no_io_and_no_speed_path():
 
 # --- golden greedy output, in CI --------------------------------------------------------------
 
-# Greedy ids of a seeded model with varied output (helpers_generate.varied_model(seed=3)) for two
+# Greedy ids of a seeded model with varied output (helpers.varied_model(seed=3)) for two
 # prompts in one batch (the second left-padded), recorded once; transformers' generate on the same
 # weights is checked against them here too, row by row.
 GOLDEN_PROMPTS = [[464, 2068, 7586, 21831, 18045], [15496, 11]]
