@@ -35,11 +35,15 @@ from dataclasses import dataclass
 import torch
 
 from gpt2kit.bench.machine import cpu_info
+from gpt2kit.checkpoint.keymap import to_hf_state
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import prefill, use_decode_layout
+from gpt2kit.decode.int8 import chosen
 from gpt2kit.generate import SamplingSettings, generate
 from gpt2kit.kv_cache import KVCache
 from gpt2kit.model import GPT2
+from gpt2kit.quant import check_scheme, quantize_model, quantized_skeleton, weight_bytes
+from gpt2kit.tokenizer import Tokenizer
 
 TARGETS = {  # gpt2kit / transformers float32, from the generation issue
     ("decode_b1", "float32"): 1.1, ("decode_b1", "bfloat16"): 1.8, ("decode_b8", "float32"): 1.6,
@@ -149,7 +153,6 @@ def to_transformers(model: GPT2):
         from transformers import GPT2LMHeadModel
     except ImportError:
         raise ImportError("the benchmark compares with transformers: pip install 'gpt2kit[bench]'") from None
-    from gpt2kit.checkpoint.keymap import to_hf_state
 
     # The config.json save_pretrained would write, without bos/eos: both generators then make exactly
     # max_new_tokens, with no stop checks; no dropout.
@@ -286,8 +289,6 @@ def _memory_worker(engine: str, dtype: str, T: int, n: int, threads: int, device
 def _int8_model(config: GPT2Config, device: torch.device) -> GPT2:
     """A random int8 model built as loading a quantized checkpoint builds it (int8 modules on the meta
     device, then filled), so no float32 copy ever exists: the memory a user of `gpt2kit quantize` sees."""
-    from gpt2kit.quant import quantized_skeleton
-
     with torch.device("meta"):
         model = quantized_skeleton(GPT2(config), lm_head=True)
     model = model.to_empty(device=device)
@@ -341,8 +342,6 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
     config: another model than gpt2 124M (the tests run a tiny one). quantize: "int8" adds gpt2kit
     with int8 weights (gpt2kit.quant, LM head included) as a third column."""
     if quantize is not None:
-        from gpt2kit.quant import check_scheme
-
         check_scheme(quantize)
     device = resolve_device(device)
     config = config or GPT2Config()
@@ -361,8 +360,6 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
     ours32, ours16 = ours32.to(device), ours16.to(device, torch.bfloat16)
     ours8 = None
     if quantize is not None:
-        from gpt2kit.quant import quantize_model
-
         ours8 = GPT2(config).eval()
         ours8.load_state_dict(ours32.state_dict())
         ours8 = quantize_model(ours8.to(device), quantize, lm_head=True)
@@ -398,8 +395,6 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
                                for k, v in results["tok_s"][wl].items()))
     results["greedy_identical"] = greedy["transformers/float32"] == greedy["gpt2kit/float32"]
 
-    from gpt2kit.tokenizer import Tokenizer
-
     ids = torch.tensor([Tokenizer.default().encode(TEXT * 8)[: min(512, config.n_ctx)]], device=device)
     results["dlogprob_next"], results["dlogprob_vocab"] = logprob_drift(ours32, ours16, ids)
     bw = memory_bandwidth(device=device)
@@ -409,9 +404,6 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
     results["bytes_per_token"] = {"float32": weight_bytes_per_token(ours32),
                                   "bfloat16": weight_bytes_per_token(ours16)}
     if ours8 is not None:
-        from gpt2kit.decode.int8 import chosen
-        from gpt2kit.quant import weight_bytes
-
         results["limit_tok_s"]["int8"] = bw / weight_bytes_per_token(ours8)
         results["bytes_per_token"]["int8"] = weight_bytes_per_token(ours8)
         results["weight_MB"] = {"float32": weight_bytes(ours32) / 1e6, "int8": weight_bytes(ours8) / 1e6}

@@ -30,6 +30,7 @@ from gpt2kit.config import PRESETS, GPT2Config
 from gpt2kit.decode.layout import use_decode_layout
 from gpt2kit.devices import resolve_device, resolve_dtype
 from gpt2kit.model import GPT2
+from gpt2kit.quant import is_quantized
 from gpt2kit.tokenizer import Tokenizer
 
 # Names the hub serves without an owner (legacy ids of the released GPT-2 sizes).
@@ -165,8 +166,6 @@ def save_model(model: GPT2, directory: str | os.PathLike[str], *, tokenizer: Tok
     The directory is replaced atomically (built beside it, then swapped in): an existing model
     there is replaced whole or, on any failure, left as it was. Other files in it are kept. An
     int8-quantized model is written in gpt2kit's own int8 format (checkpoint/quantized.py)."""
-    from gpt2kit.quant import is_quantized
-
     if is_quantized(model):
         return quantized.save(model, directory, tokenizer=tokenizer)
     return hf.save_hf_dir(model, directory, tokenizer=tokenizer)

@@ -25,6 +25,9 @@ from gpt2kit._io import atomic_directory, atomic_write, atomic_write_text
 from gpt2kit.checkpoint.errors import CheckpointError
 from gpt2kit.checkpoint.hf import is_model_file
 from gpt2kit.config import GPT2Config
+from gpt2kit.model import GPT2
+from gpt2kit.quant import SCALE_DTYPES, check_scheme, quantization, quantized_skeleton
+from gpt2kit.tokenizer import Tokenizer
 
 WEIGHTS = "model.int8.safetensors"
 KEY = "gpt2kit_quantization"
@@ -39,7 +42,6 @@ def read_scheme(path: Path) -> dict | None:
     q = raw.get(KEY) if isinstance(raw, dict) else None
     if q is None:
         return None
-    from gpt2kit.quant import SCALE_DTYPES, check_scheme
 
     if not isinstance(q, dict):
         raise CheckpointError(f"{path / 'config.json'}: {KEY} must be an object, got {q!r}")
@@ -54,9 +56,6 @@ def read_scheme(path: Path) -> dict | None:
 
 
 def _skeleton(config: GPT2Config, scheme: dict):
-    from gpt2kit.model import GPT2
-    from gpt2kit.quant import quantized_skeleton
-
     with torch.device("meta"):
         return quantized_skeleton(GPT2(config), scheme["lm_head"], scheme["scale_dtype"])
 
@@ -116,9 +115,6 @@ def save(model, directory: str | os.PathLike[str], tokenizer=None) -> Path:
     that replaces `directory` in one step, so an existing model there (float or int8) is replaced
     whole or, on any failure, left as it was; files that are not part of a model are carried over."""
     from safetensors.torch import save as safetensors_bytes
-
-    from gpt2kit.quant import quantization
-    from gpt2kit.tokenizer import Tokenizer
 
     scheme = quantization(model)
     assert scheme is not None, "save() is for quantized models"
