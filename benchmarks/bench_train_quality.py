@@ -156,7 +156,10 @@ def main() -> None:
         recipe = dict(RECIPES["gpt2kit"])
         for kv in changes.split(","):
             k, _, v = kv.partition(":")
-            recipe[k] = v if k in ("optimizer", "schedule", "sampling", "ns") else (v == "1" if k == "fused" else float(v))
+            if k in ("optimizer", "schedule", "sampling", "ns"):
+                recipe[k] = v
+            else:
+                recipe[k] = v == "1" if k == "fused" else float(v)
         recipes[name] = recipe
     B, T = args.batch_size, args.seq_len
     val_loader = ShardLoader(args.data, "val", batch_size=B, seq_len=T)
