@@ -15,7 +15,8 @@ turn, round-robin, so a busy machine slows them alike; time is each contender's 
                the block matrices + AdamW for the rest (make_optimizer), warmup-stable-decay
                (lr_factor), the fused chunked loss over the padded head (TrainingLoss)
     extra contenders for the sweep: --sweep NAME=KEY:VALUE,KEY:VALUE (keys: optimizer, lr, muon_lr,
-               schedule, sampling, fused)
+               schedule, sampling, fused, ns: the Newton-Schulz dtype, bfloat16 or float32; default
+               what make_optimizer picks for this machine)
 
     python benchmarks/bench_train_quality.py --data data/stdlib --steps 300
     python benchmarks/bench_train_quality.py --data data/stdlib --steps 60 --only gpt2kit \\
@@ -106,6 +107,8 @@ def _stepper(c: Contender, data: str, B: int, T: int, steps: int, seed: int):
                 g["lr"] = g["base_lr"] * f
     else:
         opt = make_optimizer(model, r["optimizer"], lr=r["lr"], weight_decay=0.1, muon_lr=r.get("muon_lr", 0.02))
+        if "ns" in r and "muon" in opt.optimizers:
+            opt.optimizers["muon"].ns_dtype = getattr(torch, r["ns"])
         set_factor = opt.set_lr_factor
     loss_fn = TrainingLoss(model) if r["fused"] else (lambda x, y: model(x, targets=y).loss)
     batches = _batches(r, data, B, T, seed)
@@ -153,7 +156,10 @@ def main() -> None:
         recipe = dict(RECIPES["gpt2kit"])
         for kv in changes.split(","):
             k, _, v = kv.partition(":")
-            recipe[k] = v if k in ("optimizer", "schedule", "sampling") else (v == "1" if k == "fused" else float(v))
+            if k in ("optimizer", "schedule", "sampling", "ns"):
+                recipe[k] = v
+            else:
+                recipe[k] = v == "1" if k == "fused" else float(v)
         recipes[name] = recipe
     B, T = args.batch_size, args.seq_len
     val_loader = ShardLoader(args.data, "val", batch_size=B, seq_len=T)

@@ -9,7 +9,14 @@ import torch
 
 from gpt2kit.config import GPT2Config
 from gpt2kit.model import GPT2
-from gpt2kit.optim import lr_factor, make_optimizer, muon_parameters
+from gpt2kit.optim import (
+    Muon,
+    lr_factor,
+    make_optimizer,
+    muon_parameters,
+    newton_schulz_dtype,
+    zeropower_via_newtonschulz,
+)
 
 
 def _model() -> GPT2:
@@ -92,3 +99,84 @@ def test_muon_missing_is_one_clear_error(monkeypatch):
     monkeypatch.delattr(torch.optim, "Muon", raising=False)
     with pytest.raises(ValueError, match=r"needs torch.optim.Muon.*--optimizer adamw"):
         make_optimizer(_model(), "muon", lr=1e-3, weight_decay=0.1)
+
+
+needs_muon = pytest.mark.skipif(Muon is None, reason="this torch has no torch.optim.Muon")
+NS = dict(ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps=5, eps=1e-7)
+
+
+def _reference_muon(param: torch.Tensor, grads: list[torch.Tensor], lr: float, wd: float) -> torch.Tensor:
+    """torch.optim.Muon's update written out in float64 (momentum 0.95, Nesterov, 5 quintic
+    Newton-Schulz iterations, decoupled decay, sqrt(max(1, out/in)) scaling): the exact iteration."""
+    a, b, c = NS["ns_coefficients"]
+    p = param.double().clone()
+    buf = torch.zeros_like(p)
+    for g in grads:
+        g = g.double()
+        buf = buf + 0.05 * (g - buf)  # lerp(g, 1 - 0.95)
+        x = g + 0.95 * (buf - g)  # Nesterov: lerp(g, buf, 0.95)
+        tall = x.size(0) > x.size(1)
+        x = x.T if tall else x
+        x = x / x.norm().clamp(min=NS["eps"])
+        for _ in range(NS["ns_steps"]):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        x = x.T if tall else x
+        p = p * (1 - lr * wd) - lr * math.sqrt(max(1, p.size(0) / p.size(1))) * x
+    return p
+
+
+@needs_muon
+@pytest.mark.parametrize("shape", [(48, 16), (16, 40)])  # tall (orthogonalised transposed) and wide
+def test_float32_muon_is_torchs_update_up_to_the_dtype(shape):
+    """Muon(ns_dtype=float32) against the float64 iteration: 4 steps within 1e-5 relative to the
+    step size. torch's own (bfloat16) Muon is ~1e-2 off the same reference, so the tolerance tells
+    the dtypes apart, and a wrong coefficient, transpose or scaling would be far outside it."""
+    torch.manual_seed(0)
+    w0 = torch.randn(shape) * 0.1
+    grads = [torch.randn(shape) for _ in range(4)]
+    lr, wd = 0.02, 0.1
+    ref = _reference_muon(w0, grads, lr, wd)
+
+    def run(opt_cls, **kw):
+        p = torch.nn.Parameter(w0.clone())
+        opt = opt_cls([p], lr=lr, weight_decay=wd, momentum=0.95, nesterov=True, adjust_lr_fn="original", **kw)
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        return p.detach(), opt
+
+    ours, opt = run(Muon, ns_dtype=torch.float32)
+    theirs, _ = run(torch.optim.Muon)
+    scale = (ref - w0.double()).abs().max()  # the total movement
+    assert ((ours.double() - ref).abs().max() / scale) < 1e-5
+    assert ((theirs.double() - ref).abs().max() / scale) > 1e-3  # bfloat16 rounding, visible at this tolerance
+    # the state is torch's: it loads into torch.optim.Muon and back
+    p2 = torch.nn.Parameter(w0.clone())
+    torch_opt = torch.optim.Muon([p2], lr=lr, weight_decay=wd, adjust_lr_fn="original")
+    torch_opt.load_state_dict(opt.state_dict())
+    assert torch.equal(torch_opt.state_dict()["state"][0]["momentum_buffer"],
+                       opt.state_dict()["state"][0]["momentum_buffer"])
+    assert torch_opt.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+
+
+@needs_muon
+def test_bfloat16_newton_schulz_is_torchs_bit_for_bit():
+    """zeropower_via_newtonschulz(dtype=bfloat16) is torch's private function, operation for operation."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    torch.manual_seed(1)
+    for shape in [(48, 16), (16, 40), (32, 32)]:
+        g = torch.randn(shape)
+        assert torch.equal(zeropower_via_newtonschulz(g, dtype=torch.bfloat16, **NS),
+                           _zeropower_via_newtonschulz(g, **NS))
+
+
+def test_newton_schulz_dtype_follows_the_machine():
+    """bfloat16 off-CPU (torch's choice); on CPU bfloat16 only where oneDNN multiplies it natively."""
+    assert newton_schulz_dtype("meta") == torch.bfloat16
+    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert newton_schulz_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
+    if Muon is not None:
+        opt = make_optimizer(_model(), "muon", lr=1e-3, weight_decay=0.1)
+        assert opt.optimizers["muon"].ns_dtype == newton_schulz_dtype("cpu")

@@ -328,13 +328,17 @@ def test_ctrl_c_saves_a_checkpoint_then_resume_continues(shards, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer, tol", [("adamw", 1e-5), ("muon", 1e-4)])
-def test_two_ranks_match_one_process(shards, tmp_path, optimizer, tol):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_two_ranks_match_one_process(shards, tmp_path, optimizer):
     """torchrun with 2 gloo ranks x batch 2 == 1 process x batch 4 (same global batch, 2 micro-steps).
 
-    Random windows (the default sampling). AdamW within 1e-5. Muon within 1e-4: torch.optim.Muon
-    orthogonalises in bfloat16, so the last-bit difference between an all-reduced and a one-process
-    gradient sum can round to a different bfloat16 and grows to ~3e-5 over six steps."""
+    Random windows (the default sampling). Within 1e-5 — for Muon where it orthogonalises in float32
+    (CPUs without native bfloat16, as here). Where it runs torch's bfloat16 iteration, the last-bit
+    difference between an all-reduced and a one-process gradient sum can round to a different
+    bfloat16 and grows to ~3e-5 over six steps, so the bound there is 1e-4."""
+    from gpt2kit.optim import newton_schulz_dtype
+
+    tol = 1e-4 if optimizer == "muon" and newton_schulz_dtype("cpu") == torch.bfloat16 else 1e-5
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     common = ["--data", str(shards), *TINY_FLAGS, "--seq-len", "32", "--max-steps", "6", "--optimizer", optimizer,

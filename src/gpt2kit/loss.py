@@ -69,21 +69,33 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_h = torch.empty_like(hidden) if want_h else None  # (N, C)
             grad_w = torch.zeros(Vp, weight.shape[1], dtype=torch.float32, device=weight.device) if want_w else None
+            # One logits buffer for every chunk, reused: a fresh 51 MB tensor per chunk is an mmap whose
+            # pages the kernel zeroes on first touch, which cost as much as the softmax itself.
+            buf = torch.empty(min(chunk_rows, N), Vp, dtype=torch.float32, device=hidden.device)
             for s in range(0, N, chunk_rows):
                 h = hidden[s : s + chunk_rows].to(dtype)  # (n, C)
-                rows = torch.arange(h.shape[0], device=h.device)
-                logits = (h @ w.t()).float()  # (n, Vp)
+                n = h.shape[0]
+                rows = torch.arange(n, device=h.device)
+                logits = buf[:n]  # (n, Vp)
+                if dtype == torch.float32:
+                    torch.mm(h, w.t(), out=logits)
+                else:
+                    logits.copy_(h @ w.t())
                 if Vp > n_vocab:
                     logits[:, n_vocab:] = float("-inf")
-                lse = torch.logsumexp(logits, dim=-1)  # (n,)
                 t, sc = safe[s : s + chunk_rows], scale[s : s + chunk_rows]
-                total += ((lse - logits[rows, t]) * sc).sum()
+                picked = logits[rows, t]  # (n,) the targets' logits (a copy)
+                # logsumexp and softmax in the buffer's own memory: max, exp(l - max), sum
+                peak = logits.amax(dim=-1, keepdim=True)  # (n, 1)
+                e = logits.sub_(peak).exp_()  # (n, Vp) exp(logits - max); padded columns exp(-inf) = 0
+                sums = e.sum(dim=-1)  # (n,)
+                lse = peak.squeeze(1) + sums.log()  # (n,)
+                total += ((lse - picked) * sc).sum()
                 if not (want_h or want_w):
                     continue
-                # d loss / d logits = (softmax - one_hot) * scale, built in the logits' own memory.
-                g = logits.sub_(lse[:, None]).exp_()  # (n, Vp): softmax; padded columns exp(-inf) = 0
-                g[rows, t] -= 1.0
-                g.mul_(sc[:, None])
+                # d loss / d logits = (softmax - one_hot) * scale, still in the buffer
+                g = e.mul_((sc / sums)[:, None])  # (n, Vp)
+                g[rows, t] -= sc
                 g = g.to(dtype)
                 if want_h:
                     grad_h[s : s + chunk_rows] = (g @ w).to(hidden.dtype)  # (n, C)

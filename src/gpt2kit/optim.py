@@ -12,6 +12,9 @@ muon: as modded-nanogpt, Muon (torch.optim.Muon: momentum, then Newton-Schulz or
 the update) for the 2-D matrices inside the blocks (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj),
 and AdamW as above for the rest: the embeddings (which are also the tied LM head), biases and gains.
 Muon's learning rate is its own (muon_lr), with Keller Jordan's shape scaling sqrt(max(1, out/in)).
+torch.optim.Muon orthogonalises in bfloat16; on a CPU without native bfloat16 matrix products (AVX2)
+those cost ~25x a float32 product, so there `Muon` (torch's class, its state and update) runs the
+Newton-Schulz iteration in float32 instead (newton_schulz_dtype).
 
 Schedules multiply each group's base rate by a factor:
     cosine  linear warmup to 1, then cosine down to min_lr_ratio at max_steps (GPT-2/3, nanoGPT)
@@ -27,12 +30,94 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpt2kit.decode.kernels import cpu_has_native_bfloat16
 from gpt2kit.train_config import OPTIMIZERS, SCHEDULES, muon_available, require_muon  # noqa: F401
 from gpt2kit.validate import check_choice
 
 ADAM_BETAS = (0.9, 0.95)  # GPT-3's betas (nanoGPT, llm.c); 0.999 is less stable at GPT-2 batch sizes
 ADAM_EPS = 1e-8
 MUON_MOMENTUM = 0.95
+
+
+def newton_schulz_dtype(device: torch.device | str) -> torch.dtype:
+    """bfloat16 (torch.optim.Muon's own choice) where the device multiplies bfloat16 matrices natively:
+    CUDA, and CPUs where oneDNN has bfloat16 kernels (AVX512-BF16 / AMX: decode.kernels.cpu_has_native_bfloat16);
+    float32 elsewhere (an AVX2 CPU emulates bfloat16 products, ~25x slower than float32 ones).
+    A property of the machine, not a timing, so every invocation of a run decides alike."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
+
+
+def zeropower_via_newtonschulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                               eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """torch.optim._muon._zeropower_via_newtonschulz with the working dtype a parameter (torch fixes
+    bfloat16): the same quintic iteration, operation for operation, so dtype=bfloat16 is torch's result."""
+    a, b, c = ns_coefficients
+    x = grad.to(dtype)  # a copy whenever dtype differs; for float32 grads in float32 a view we must not write
+    if dtype == grad.dtype:
+        x = x.clone()
+    if grad.size(0) > grad.size(1):
+        x = x.T  # (small, large): the Gram matrix is the small side's
+    x.div_(x.norm().clamp(min=eps))  # spectral norm <= Frobenius norm <= 1
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, update, x, beta=a)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    return x
+
+
+_TorchMuon = getattr(torch.optim, "Muon", None)
+
+if _TorchMuon is not None:
+    class Muon(_TorchMuon):  # type: ignore[valid-type, misc]
+        """torch.optim.Muon with the Newton-Schulz iteration in `ns_dtype` (torch: always bfloat16).
+
+        Same parameter groups, defaults, state ("momentum_buffer") and state_dict as torch's class, so
+        checkpoints move between the two; with ns_dtype=bfloat16 `step` defers to torch's own."""
+
+        def __init__(self, params, *, ns_dtype: torch.dtype = torch.bfloat16, **kwargs: Any):
+            super().__init__(params, **kwargs)
+            self.ns_dtype = ns_dtype
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            if self.ns_dtype == torch.bfloat16:
+                return super().step(closure)
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            for group in self.param_groups:
+                params: list[torch.Tensor] = []
+                grads: list[torch.Tensor] = []
+                bufs: list[torch.Tensor] = []
+                self._init_group(group, params, grads, bufs)
+                lr, wd, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
+                for param, grad, buf in zip(params, grads, bufs, strict=True):
+                    # torch.optim._muon._single_tensor_muon, step for step, but for the dtype
+                    buf.lerp_(grad, 1 - momentum)
+                    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                    update = zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"],
+                                                        group["eps"], self.ns_dtype)
+                    param.mul_(1 - lr * wd)
+                    param.add_(update, alpha=-_adjusted_lr(lr, group["adjust_lr_fn"], param.shape))
+            return loss
+else:
+    Muon = None  # type: ignore[assignment, misc]
+
+
+def _adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """torch.optim._muon._adjust_lr: the rate scaled so updates of any shape have a comparable RMS."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
 
 
 def lr_factor(step: int, *, schedule: str, warmup_steps: int, max_steps: int, min_lr_ratio: float,
@@ -127,8 +212,9 @@ def make_optimizer(model: nn.Module, name: str, *, lr: float, weight_decay: floa
     if name == "muon":
         require_muon()
         muon_params = muon_parameters(model)
-        optimizers["muon"] = torch.optim.Muon(muon_params, lr=muon_lr, weight_decay=muon_weight_decay,
-                                              momentum=MUON_MOMENTUM, nesterov=True, adjust_lr_fn="original")
+        device = muon_params[0].device if muon_params else torch.device("cpu")
+        optimizers["muon"] = Muon(muon_params, lr=muon_lr, weight_decay=muon_weight_decay, momentum=MUON_MOMENTUM,
+                                  nesterov=True, adjust_lr_fn="original", ns_dtype=newton_schulz_dtype(device))
     taken = {id(p) for p in muon_params}
     rest = [p for p in model.parameters() if id(p) not in taken]
     groups = [g for g in param_groups(rest, weight_decay) if g["params"]]

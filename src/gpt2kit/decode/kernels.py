@@ -81,6 +81,15 @@ def _median_time(fn, trials: int) -> float:
 
 
 @functools.lru_cache(maxsize=1)
+def cpu_has_native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices natively (AVX512-BF16 / AMX, as oneDNN reports);
+    without it bfloat16 products are emulated, far slower than float32 ones. The one such check."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without the op
+        return False
+
+
 def bfloat16_decodes_faster(trials: int = 7) -> bool:
     """Whether products with a GPT-2-sized (3072, 768) matrix run faster in bfloat16 (by the kernel
     choose_half_kernels picks) than in float32 (MKL on the column-major layout) on this CPU, for one

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gpt2kit.decode.kernels import cpu_has_native_bfloat16
+
 _PACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model -> PackedWeights
 
 
@@ -124,10 +126,7 @@ def supported(dtype: torch.dtype, batch_size: int) -> bool:
     if dtype == torch.float32:
         return batch_size >= 2  # MKL's mat-vec is faster for one row
     if dtype == torch.bfloat16:
-        try:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):  # a torch build without the op: no packing
-            return False
+        return cpu_has_native_bfloat16()
     return False
 
 
