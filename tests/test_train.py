@@ -513,8 +513,8 @@ _HOLD_OUT = r"""
 import sys, time
 from pathlib import Path
 from gpt2kit.distributed import setup
-from gpt2kit.train import _claim_out
-with _claim_out(Path(sys.argv[1]), setup("cpu")):
+from gpt2kit.run_dir import claim_out
+with claim_out(Path(sys.argv[1]), setup("cpu")):
     print("holding", flush=True)
     time.sleep(600)
 """

@@ -22,8 +22,9 @@ and ends with its SHA-256, which resuming checks. A non-finite loss stops the ru
 Distributed data parallel: gpt2kit.distributed joins the process group torchrun describes; every
 rank reads its own slice of each batch (the loaders' rank, world_size), DDP averages gradients on the
 last micro-step only (no_sync on the others), and rank 0 alone writes files and logs. metrics.jsonl,
-loss.png and the progress output live in gpt2kit.metrics. This module holds the config, the
-checkpoint (write, read, resume) and the loop.
+loss.png and the progress output live in gpt2kit.metrics, checkpoint.pt's format and the lock on
+OUT in gpt2kit.run_dir, the settings in gpt2kit.train_config. This module holds resuming and the
+loop.
 
 Legend: B batch size, T sequence length, W world size (ranks), A gradient-accumulation micro-steps.
 """
@@ -33,11 +34,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import hashlib
 import math
 import os
 import random
-import re
 import signal
 import sys
 import threading
@@ -53,7 +52,7 @@ import torch
 from torch import nn
 
 from gpt2kit import distributed
-from gpt2kit._io import atomic_write
+from gpt2kit.checkpoint import load_model, save_model
 from gpt2kit.config import PRESETS, GPT2Config
 from gpt2kit.data import RandomWindowLoader, ShardLoader, find_shards
 from gpt2kit.distributed import Dist
@@ -69,11 +68,18 @@ from gpt2kit.optim import (
     muon_available,
     param_groups,  # noqa: F401
 )
+from gpt2kit.run_dir import (  # noqa: F401 - CHECKPOINT_NAME, OutInUse re-exported: train's names before the split (#9)
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_NAME,
+    OutInUse,
+    claim_out,
+    no_space,
+    read_checkpoint,
+    rng_state,
+    set_rng_state,
+    write_checkpoint,
+)
 from gpt2kit.train_config import ARCH_OVERRIDES, TrainConfig, batch_message
-
-CHECKPOINT_NAME = "checkpoint.pt"
-LOCK_NAME = ".lock"  # held (flock) by the run writing OUT
-CHECKPOINT_FORMAT = "gpt2kit-train/1"
 
 # What a checkpoint written before these settings existed ran with.
 _LEGACY = {"optimizer": "adamw", "schedule": "cosine", "sampling": "sequential"}
@@ -114,125 +120,9 @@ def resume_config(out: str | os.PathLike[str], **changes: Any) -> TrainConfig:
     rejects changes outside RESUMABLE_CHANGES.
     """
     # The config only; train() verifies the checksum when it reads the whole file.
-    saved = _saved_config(_read_checkpoint(Path(out) / CHECKPOINT_NAME, mmap=True, verify=False)["config"])
+    saved = _saved_config(read_checkpoint(Path(out) / CHECKPOINT_NAME, mmap=True, verify=False)["config"])
     # stop_at belongs to the invocation that saved, not to the run.
     return TrainConfig(**(saved | {"out": os.fspath(out), "stop_at": None} | changes | {"resume": True}))
-
-
-# ---------------------------------------------------------------------------------------------
-# the checkpoint and RNG states
-
-
-# checkpoint.pt is torch.save's zip archive followed by a trailer holding the SHA-256 of the archive
-# (zip readers find their directory from the end and ignore what follows). One file, so the
-# atomic rename keeps the data and its checksum together.
-_TRAILER_TAG = b"\ngpt2kit-sha256 "
-_TRAILER_LEN = len(_TRAILER_TAG) + 64 + 1
-
-
-class _HashingWriter:
-    """A write-only file wrapper that hashes what passes through it."""
-
-    def __init__(self, f: Any):
-        self.f = f
-        self.sha = hashlib.sha256()
-
-    def write(self, data: Any) -> int:
-        self.sha.update(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _write_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    def write(f: Any) -> None:
-        hashing = _HashingWriter(f)
-        torch.save(state, hashing)
-        f.write(_TRAILER_TAG + hashing.sha.hexdigest().encode() + b"\n")
-
-    try:
-        atomic_write(path, write)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise OSError(e.errno, f"no space left on {path.parent} while writing {path.name}; the previous "
-                                   f"checkpoint is untouched") from None
-        raise
-    except RuntimeError as e:  # torch's zip writer reports a failed write as "[enforce fail at ...]"
-        if _no_space(path.parent):
-            raise OSError(errno.ENOSPC, f"no space left on {path.parent} while writing {path.name}; the "
-                                        f"previous checkpoint is untouched") from e
-        raise
-
-
-def _no_space(directory: Path) -> bool:
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < 1 << 20
-
-
-def _verify_checkpoint(path: Path) -> None:
-    """Check the recorded SHA-256; a mismatch means the file changed after it was written."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        if size < _TRAILER_LEN:
-            return  # too short to hold a trailer: torch.load reports what is wrong with it
-        f.seek(size - _TRAILER_LEN)
-        trailer = f.read()
-        if not trailer.startswith(_TRAILER_TAG):
-            return  # written before checkpoints carried a checksum
-        want = trailer[len(_TRAILER_TAG):-1].decode("ascii", errors="replace")
-        sha = hashlib.sha256()
-        f.seek(0)
-        left = size - _TRAILER_LEN
-        while left:
-            block = f.read(min(left, 1 << 24))
-            if not block:
-                break
-            sha.update(block)
-            left -= len(block)
-    if sha.hexdigest() != want:
-        raise ValueError(f"{path}: checksum mismatch: the file was damaged after it was written (SHA-256 "
-                         f"{sha.hexdigest()[:16]}..., recorded {want[:16]}...); restore it from a copy or "
-                         f"start a new run")
-
-
-def _read_checkpoint(path: Path, *, mmap: bool = False, verify: bool = True) -> dict[str, Any]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no checkpoint to resume from (train without --resume first)")
-    if verify:
-        _verify_checkpoint(path)
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as e:  # noqa: BLE001 - any unreadable file is one user-facing error
-        raise ValueError(f"{path}: not a readable gpt2kit training checkpoint ({e})") from None
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path}: not a gpt2kit training checkpoint (expected format {CHECKPOINT_FORMAT!r})")
-    return ckpt
-
-
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
-        "torch": torch.get_rng_state(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    name, np_keys, np_pos, np_has_gauss, np_cached = state["numpy"]
-    np.random.set_state((name, np_keys.numpy().astype(np.uint32), int(np_pos), int(np_has_gauss), np_cached))
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,8 +234,6 @@ def _build_model(cfg: TrainConfig, log: Callable[[str], None], device: torch.dev
     if arch:
         raise ValueError(f"{', '.join(arch)} only apply to from-scratch runs (--model one of "
                          f"{', '.join(PRESETS)}); {cfg.model!r} is a checkpoint to fine-tune")
-    from gpt2kit.checkpoint import load_model
-
     model = load_model(cfg.model, dtype=torch.float32, device="cpu")
     if cfg.dropout is not None and cfg.dropout != model.config.dropout:
         fresh = GPT2(model.config.replace(dropout=cfg.dropout))
@@ -461,98 +349,16 @@ def train(cfg: TrainConfig) -> TrainResult:
     """
     d = distributed.setup(cfg.device)
     try:
-        with _claim_out(Path(cfg.out), d):
+        with claim_out(Path(cfg.out), d):
             return _train(cfg, d)
     finally:
         distributed.teardown(d)
 
 
-class OutInUse(RuntimeError):
-    """Another training process holds the lock on the output directory."""
-
-
-@contextlib.contextmanager
-def _claim_out(out: Path, d: Dist) -> Iterator[None]:
-    """Create OUT if needed and hold an exclusive lock on it while the run lasts (rank 0 takes it).
-
-    Two runs writing one OUT would interleave their checkpoints and metrics; the second gets
-    OutInUse naming the holder instead. The lock is an flock on OUT/.lock, so the kernel releases it
-    when the holder exits, however it exits. A run that fails before writing anything removes the
-    directories it created.
-    """
-    created = []
-    if d.master:
-        p = out
-        while not p.exists() and p != p.parent:
-            created.append(p)
-            p = p.parent
-        if out.exists() and not out.is_dir():
-            raise NotADirectoryError(f"--out {out} is a file, not a directory")
-    lock, error = None, None
-    if d.master:
-        out.mkdir(parents=True, exist_ok=True)
-        lock, error = _lock(out / LOCK_NAME)
-    error = d.broadcast(error)
-    if error is not None:
-        raise OutInUse(error)
-    if d.master:
-        _remove_stale_temporaries(out)
-    try:
-        yield
-    except BaseException:
-        if d.master and created and {p.name for p in out.iterdir()} <= {LOCK_NAME}:
-            (out / LOCK_NAME).unlink(missing_ok=True)
-            for p in created:  # the leaf first
-                with contextlib.suppress(OSError):
-                    p.rmdir()
-        raise
-    finally:
-        if lock is not None:
-            lock.close()  # closing the file releases the flock
-
-
-# atomic_write's temporaries: mkstemp(prefix=".NAME.", suffix=".tmp") adds 8 characters.
-_TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
-
-
-def _remove_stale_temporaries(out: Path) -> None:
-    """Delete half-written files a killed run left in OUT. Safe: we hold OUT's lock, so no live writer
-    owns them."""
-    for p in out.iterdir():
-        if _TEMPORARY.fullmatch(p.name) and p.is_file():
-            p.unlink(missing_ok=True)
-
-
-def _lock(path: Path) -> tuple[Any, str | None]:
-    """(open lock file, None) with an exclusive flock held, or (None, a message naming the holder)."""
-    import fcntl
-    import socket
-
-    f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open while the run lasts
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        return None, (f"{path.parent} is in use by another training run ({holder}); wait for it to finish, "
-                      f"or choose another --out")
-    except OSError as e:  # a filesystem without locks (some network mounts): run, but say so
-        f.close()
-        warnings.warn(f"{path.parent}: cannot lock the output directory ({e.strerror}); make sure no other "
-                      f"run writes to it", stacklevel=4)
-        return None, None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    f.flush()
-    return f, None
-
-
 def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
     out = Path(cfg.out)
     log = d.print0
-    ckpt = _read_checkpoint(out / CHECKPOINT_NAME) if cfg.resume else None
+    ckpt = read_checkpoint(out / CHECKPOINT_NAME) if cfg.resume else None
     if ckpt is not None:
         saved = TrainConfig(**_saved_config(ckpt["config"]))
         _check_resume(saved, cfg)
@@ -611,7 +417,7 @@ def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
                              f"({run.step}); a run cannot go back: pass --max-steps above {run.step} to extend it")
         rngs = ckpt["rng"]
         if len(rngs) == W:
-            _set_rng_state(rngs[d.rank], d.device)
+            set_rng_state(rngs[d.rank], d.device)
         else:
             log(f"warning: the checkpoint was written by {len(rngs)} ranks, this run has {W}: "
                 f"dropout masks will differ from an uninterrupted run")
@@ -715,7 +521,7 @@ def _non_finite_message(run: _Run, loss: float, grad_norm: float) -> str:
 
 def _saved_step(path: Path) -> str:
     try:
-        return str(_read_checkpoint(path, mmap=True, verify=False)["step"])
+        return str(read_checkpoint(path, mmap=True, verify=False)["step"])
     except (OSError, ValueError, KeyError):
         return "unreadable"
 
@@ -774,7 +580,7 @@ def _evaluate(run: _Run, metrics: Metrics | None, reporter: Reporter) -> float:
 
 def _save(run: _Run, metrics: Metrics | None, *, model_too: bool) -> None:
     """checkpoint.pt (all ranks gather their RNG states, rank 0 writes) and, if model_too, the HF model."""
-    rngs = run.dist.gather(_rng_state(run.dist.device))
+    rngs = run.dist.gather(rng_state(run.dist.device))
     if run.dist.master:
         state = {
             "format": CHECKPOINT_FORMAT,
@@ -787,14 +593,12 @@ def _save(run: _Run, metrics: Metrics | None, *, model_too: bool) -> None:
             "loader": run.train_loader.state_dict(),
             "world_size": run.dist.world_size,
         }
-        _write_checkpoint(run.out / CHECKPOINT_NAME, state)
+        write_checkpoint(run.out / CHECKPOINT_NAME, state)
         if model_too:
-            from gpt2kit.checkpoint import save_model
-
             try:
                 save_model(run.raw, run.out)
             except (OSError, RuntimeError) as e:
-                if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or _no_space(run.out):
+                if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or no_space(run.out):
                     raise OSError(errno.ENOSPC, f"no space left on {run.out} while saving the model; "
                                                 f"{CHECKPOINT_NAME} (step {run.step}) was saved") from e
                 raise
