@@ -565,7 +565,7 @@ def _evaluate(run: _Run, metrics: Metrics | None, reporter: Reporter) -> float:
     with reporter.evaluating(run.eval_batches) as advance:
         for _ in range(run.eval_batches):
             x, y = run.val_loader.next_batch()  # (B, T), (B, T)
-            with run.autocast():
+            with torch.no_grad(), run.autocast():  # no_grad: the fused loss then skips its gradient products
                 total += model(x.to(d.device), y.to(d.device)).float()
             advance()
     model.train()
