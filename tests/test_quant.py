@@ -591,3 +591,17 @@ def test_cli_trace_and_serve_take_quantize(tmp_path, capsys):
         rc = cli_main([*cmd, "-m", str(tmp_path / "f"), "--quantize", "bogus"])
         err = capsys.readouterr().err.strip().splitlines()
         assert rc != 0 and len(err) == 1 and "unknown quantization scheme 'bogus'" in err[0], (cmd, err)
+
+
+def test_prompt_sized_products_get_their_own_kernel_choice():
+    """Prefill (hundreds of rows) is measured apart from decode: dequantize-then-GEMM can win there
+    while the int8 kernel wins for a few rows."""
+    from gpt2kit.decode.int8 import chosen, int8_linear
+
+    w = torch.randint(-127, 128, (96, 64), dtype=torch.int8)
+    s = torch.rand(96) / 127
+    for rows in (1, 200):
+        x = torch.randn(rows, 64)
+        want = x @ (w.float() * s[:, None]).T
+        torch.testing.assert_close(int8_linear(x, w, s), want, atol=5e-2, rtol=2e-2)
+    assert {"cpu float32 1", "cpu float32 prefill"} <= set(chosen())

@@ -44,8 +44,14 @@ _CHOICE: dict[tuple[str, torch.dtype, str], str] = {}  # (device type, activatio
 _UNAVAILABLE: dict[str, str] = {}  # where a kernel failed -> the error (measurement or first use)
 
 
+# Row buckets and the row count each is measured at: decode steps (1, few), small batches of
+# tokens (many) and prompts (prefill), where the winner changes: on an AVX2 CPU the int8 kernel wins
+# at 64 rows and dequantize-then-GEMM at 256 and beyond.
+_BUCKET_ROWS = {"1": 1, "few": 8, "many": 64, "prefill": 512}
+
+
 def _bucket(rows: int) -> str:
-    return "1" if rows == 1 else "few" if rows <= 16 else "many"
+    return "1" if rows == 1 else "few" if rows <= 16 else "many" if rows <= 128 else "prefill"
 
 
 _I8PACK = getattr(torch.ops.aten, "_weight_int8pack_mm", None)  # absent in old torch builds
@@ -147,7 +153,7 @@ def choose(device: torch.device, dtype: torch.dtype, rows: int) -> str:
     key = (device.type, dtype, _bucket(rows))
     kernel = _CHOICE.get(key)
     if kernel is None:
-        times = measure(device, dtype, {"1": 1, "few": 8, "many": 64}[key[2]])
+        times = measure(device, dtype, _BUCKET_ROWS[key[2]])
         kernel = _CHOICE[key] = min(times, key=times.get)
     return kernel
 
