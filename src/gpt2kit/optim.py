@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from gpt2kit.decode.kernels import cpu_has_native_bfloat16
-from gpt2kit.train_config import OPTIMIZERS, SCHEDULES, muon_available, require_muon  # noqa: F401
+from gpt2kit.train_config import OPTIMIZERS, SCHEDULES, require_muon
 from gpt2kit.validate import check_choice
 
 ADAM_BETAS = (0.9, 0.95)  # GPT-3's betas (nanoGPT, llm.c); 0.999 is less stable at GPT-2 batch sizes

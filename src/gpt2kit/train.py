@@ -65,7 +65,6 @@ from gpt2kit.optim import (
     Optimizers,
     lr_factor,
     make_optimizer,
-    muon_available,
     param_groups,  # noqa: F401
 )
 from gpt2kit.run_dir import (  # noqa: F401 - CHECKPOINT_NAME, OutInUse re-exported: train's names before the split (#9)
@@ -79,7 +78,7 @@ from gpt2kit.run_dir import (  # noqa: F401 - CHECKPOINT_NAME, OutInUse re-expor
     set_rng_state,
     write_checkpoint,
 )
-from gpt2kit.train_config import ARCH_OVERRIDES, TrainConfig, batch_message
+from gpt2kit.train_config import ARCH_OVERRIDES, TrainConfig, batch_message, muon_available
 
 # What a checkpoint written before these settings existed ran with.
 _LEGACY = {"optimizer": "adamw", "schedule": "cosine", "sampling": "sequential"}

@@ -23,28 +23,33 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = Field(None, description="send a last chunk with usage and no choices")
 
 
-class CompletionRequest(BaseModel):
-    """POST /v1/completions (the legacy completions API)."""
+class _SamplingRequest(BaseModel):
+    """What completions and chat requests share: the model, the sampling settings, streaming."""
 
     model_config = _STRICT
     model: str
-    prompt: Prompt = Field("<|endoftext|>", description="a string, strings, token ids, or lists of token ids")
-    suffix: str | None = Field(None, description="not supported by GPT-2 (must be null)")
-    max_tokens: int | None = Field(16, ge=0, description="0 only with echo; null: up to the context")
     temperature: float | None = Field(1.0, ge=0, le=2, description="0 = greedy")
     top_p: float | None = Field(1.0, gt=0, le=1)
     n: int | None = Field(1, ge=1, le=128)
-    best_of: int | None = Field(None, ge=1, le=128, description="server-side candidates; n best by mean log-prob")
     stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool | None = False
     stop: Stop = None
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     user: str | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions (the legacy completions API)."""
+
+    prompt: Prompt = Field("<|endoftext|>", description="a string, strings, token ids, or lists of token ids")
+    suffix: str | None = Field(None, description="not supported by GPT-2 (must be null)")
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo; null: up to the context")
+    best_of: int | None = Field(None, ge=1, le=128, description="server-side candidates; n best by mean log-prob")
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = False
     # extensions
     top_k: int | None = Field(None, ge=0, description="extension: keep the k most likely tokens (0 = off)")
     repetition_penalty: float | None = Field(None, gt=0, le=100, description="extension: CTRL's penalty (1 = off)")
@@ -88,24 +93,12 @@ class ChatMessage(BaseModel):
     content: str | None = None
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(_SamplingRequest):
     """POST /v1/chat/completions (only with --chat-template)."""
 
-    model_config = _STRICT
-    model: str
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(1.0, ge=0, le=2)
-    top_p: float | None = Field(1.0, gt=0, le=1)
-    n: int | None = Field(1, ge=1, le=128)
-    stop: Stop = None
-    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    user: str | None = None
-    stream: bool | None = False
 
 
 class ChatChoiceMessage(BaseModel):
