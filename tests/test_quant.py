@@ -18,6 +18,7 @@ from gpt2kit.checkpoint import CheckpointError, describe, load_model, load_state
 from gpt2kit.cli import main as cli_main
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import int8 as quant_kernels
+from gpt2kit.decode import native
 from gpt2kit.generate import SamplingSettings, generate
 from gpt2kit.model import GPT2
 from gpt2kit.quant import (
@@ -80,10 +81,16 @@ def test_bfloat16_scales_are_the_stored_ones():
 # --- kernels -------------------------------------------------------------------------------------
 
 
+def _needs(kernel):
+    if kernel == "native-avx2" and native.int8_linear() is None:
+        pytest.skip(f"native-avx2 unavailable here: {native.why_unavailable()}")
+
+
 @pytest.mark.parametrize("kernel", quant_kernels.KERNELS)
 @pytest.mark.parametrize("shape", [(1, 64, 192), (3, 64, 7), (8, 3072, 768), (5, 40, 33), (2, 13, 9)])
 def test_every_kernel_computes_the_dequantized_product(kernel, shape):
     # tolerance: float32 activations agree to float rounding; bfloat16 activations to bf16's 2^-8
+    _needs(kernel)
     R, K, N = shape
     g = torch.Generator().manual_seed(0)
     w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
@@ -100,6 +107,7 @@ def test_every_kernel_computes_the_dequantized_product(kernel, shape):
 def test_the_bias_is_added_as_a_separate_add_would(kernel):
     # run_kernel adds the bias in the same op that casts the product back (one op fewer per product):
     # bit for bit the cast-then-add it replaces.
+    _needs(kernel)
     g = torch.Generator().manual_seed(1)
     w = torch.randint(-127, 128, (24, 16), dtype=torch.int8, generator=g)
     s, b, x = torch.rand(24, generator=g) / 100, torch.randn(24, generator=g), torch.randn(3, 16, generator=g)
@@ -129,11 +137,12 @@ def test_the_choice_is_measured_and_can_be_forced(monkeypatch):
     k = quant_kernels.choose(torch.device("cpu"), torch.float32, 1)
     assert k in quant_kernels.KERNELS and quant_kernels.chosen()["cpu float32 1"] == k
     times = quant_kernels.measure(torch.device("cpu"), torch.float32, 1, 64, 64, reps=1)
-    assert set(times) == set(quant_kernels.KERNELS) and all(t > 0 for t in times.values())
+    missing = set() if native.int8_linear() else {"native-avx2"}
+    assert set(times) == set(quant_kernels.KERNELS) - missing and all(t > 0 for t in times.values())
     monkeypatch.setenv(quant_kernels.ENV, "dequant")
     assert quant_kernels.choose(torch.device("cpu"), torch.float32, 1) == "dequant"
     monkeypatch.setenv(quant_kernels.ENV, "int3")
-    with pytest.raises(ValueError, match="int3.*valid choices: i8pack-bf16"):
+    with pytest.raises(ValueError, match="int3.*valid choices: native-avx2, i8pack-bf16"):
         quant_kernels.choose(torch.device("cpu"), torch.float32, 1)
 
 
@@ -144,13 +153,18 @@ def test_a_kernel_the_device_lacks_is_left_out_or_falls_back(monkeypatch):
     monkeypatch.delenv(quant_kernels.ENV, raising=False)
     monkeypatch.setattr(quant_kernels, "_CHOICE", {})
     monkeypatch.setattr(quant_kernels, "_UNAVAILABLE", {})
+    monkeypatch.setattr(native, "_STATE", {"why": "no C compiler (set CC, or install gcc)"})
     real = quant_kernels._I8PACK
 
     def refuses(x, w, s):
         raise NotImplementedError("no kernel for this device")
     monkeypatch.setattr(quant_kernels, "_I8PACK", refuses)
     assert quant_kernels.choose(torch.device("cpu"), torch.float32, 1) == "dequant"
-    assert set(quant_kernels.unavailable()) == {"cpu float32 i8pack-bf16", "cpu float32 i8pack"}
+    assert quant_kernels.unavailable() == {
+        "cpu float32 native-avx2": "RuntimeError: gpt2kit's native int8 kernel is unavailable: no C compiler "
+                                   "(set CC, or install gcc)",
+        "cpu float32 i8pack-bf16": "NotImplementedError: no kernel for this device",
+        "cpu float32 i8pack": "NotImplementedError: no kernel for this device"}
 
     def refuses_wide(x, w, s):
         if w.shape[0] > 100:
@@ -166,7 +180,81 @@ def test_a_kernel_the_device_lacks_is_left_out_or_falls_back(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quant_kernels.int8_linear(x, w, s)  # warned once per shape
-    assert len(quant_kernels.unavailable()) == 3
+    assert len(quant_kernels.unavailable()) == 4
+
+
+# --- gpt2kit's own kernel (decode/native.py, csrc/int8_linear.c) ----------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 768, 3072), (2, 3072, 768), (7, 64, 50), (1, 5, 3), (4, 13, 6), (0, 16, 8),
+                                   (3, 0, 4), (1, 16, 0)])
+def test_native_is_the_dequantized_product_in_float32_on_any_thread_count(shape):
+    # Every blocking case: 4-channel blocks and the N % 4 left over, pairs of rows and the odd row,
+    # K % 8 tails, empty inputs. Each output is one thread's sum, so the thread count changes nothing.
+    _needs("native-avx2")
+    R, K, N = shape
+    g = torch.Generator().manual_seed(2)
+    w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    s, b, x = torch.rand(N, generator=g) / 100, torch.randn(N, generator=g), torch.randn(R, K, generator=g)
+    ref = (x.double() @ (w.double() * s.double()[:, None]).t() + b.double()).float()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quant_kernels.run_kernel("native-avx2", x, w, s, b)
+        torch.set_num_threads(2)
+        two = quant_kernels.run_kernel("native-avx2", x, w, s, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert one.shape == (R, N) and one.dtype == torch.float32 and torch.equal(one, two)
+    if one.numel():
+        assert (one - ref).abs().max() <= 1e-5 * max(ref.abs().max().item(), 1.0)
+
+
+def test_native_takes_what_it_can_and_hands_on_the_rest():
+    # Non-contiguous rows and bfloat16 scales are made plain; a bias of another dtype is added after;
+    # bfloat16 activations are not its to take (the measurement then leaves it out); rows that need a
+    # gradient take dequant, so autograd still works.
+    _needs("native-avx2")
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(-127, 128, (12, 16), dtype=torch.int8, generator=g)
+    s, x = torch.rand(12, generator=g) / 100, torch.randn(16, 3, generator=g).t()  # x (3, 16), not contiguous
+    b = torch.randn(12, generator=g, dtype=torch.float64)
+    want = quant_kernels.run_kernel("dequant", x, w, s)
+    assert torch.allclose(quant_kernels.run_kernel("native-avx2", x, w, s), want, atol=1e-6)
+    assert torch.allclose(quant_kernels.run_kernel("native-avx2", x, w, s.bfloat16()),
+                          quant_kernels.run_kernel("dequant", x, w, s.bfloat16()), atol=1e-6)
+    assert torch.allclose(quant_kernels.run_kernel("native-avx2", x, w, s, b), want + b, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="float32 CPU activations, not torch.bfloat16"):
+        quant_kernels.run_kernel("native-avx2", x.bfloat16(), w, s)
+    xg = x.clone().requires_grad_()
+    quant_kernels.run_kernel("native-avx2", xg, w, s).sum().backward()
+    assert torch.allclose(xg.grad, (w.float() * s[:, None]).sum(0).expand(3, 16))
+
+
+def test_native_builds_once_into_the_cache_and_says_why_when_it_cannot(tmp_path, monkeypatch):
+    _needs("native-avx2")
+    monkeypatch.setenv("GPT2KIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_STATE", {})
+    assert native.int8_linear() is not None and native.why_unavailable() is None
+    built = list((tmp_path / "kernels").iterdir())
+    assert [p.suffix for p in built] == [".so"]  # the library alone: no temporary left behind
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_STATE", {})
+    assert native.int8_linear() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+    def reason(**env):
+        monkeypatch.setattr(native, "_STATE", {})
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        return native.int8_linear(), native.why_unavailable()
+    monkeypatch.setenv("GPT2KIT_CACHE", str(tmp_path / "other"))
+    assert reason(CC="false") == (None, "the build failed (false failed: no message)")
+    assert list((tmp_path / "other" / "kernels").iterdir()) == []
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    assert reason() == (None, "no C compiler (set CC, or install gcc)")
+    assert reason(GPT2KIT_NO_NATIVE="1") == (None, "GPT2KIT_NO_NATIVE is set")
+    with pytest.raises(RuntimeError, match="unavailable: GPT2KIT_NO_NATIVE is set"):
+        native.run_int8_linear(torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4), None)
 
 
 # --- the module swap -----------------------------------------------------------------------------

@@ -11,6 +11,9 @@ the product. The formulations this module can run (docs/quantization.md has the 
   dequant      F.linear(x, W.to(x.dtype)) * s: converts the whole matrix each call, then the
                dtype's GEMM; slow for a few rows, the best for many (prefill) where the GEMM
                dominates, and the portable path (any device, any shape)
+  native-avx2  gpt2kit's own C kernel (decode/native.py, csrc/int8_linear.c), float32 activations
+               on an AVX2 CPU: streams the int8 weights near memory bandwidth, ~2x ATen's kernel
+               for a few rows; built with the system's C compiler on first use, absent without one
 
 Which one runs is decided per (device type, activation dtype, row bucket) by timing the
 candidates once per process on a matrix of the model's size (`choose`), unless GPT2KIT_INT8_KERNEL
@@ -18,7 +21,7 @@ names one. `_weight_int8pack_mm` is used only where its contract holds (2-D cont
 in_features a multiple of 8: other sizes crash or return wrong values in torch 2.13's CPU kernel).
 On CUDA the candidates are the same ops, measured the same way (untested: no GPU was lent to the
 sessions that wrote this): a candidate that raises in the measurement (an op or dtype the device
-lacks) is left out, and one that raises later on a shape the measurement did not try falls back to
+lacks, native-avx2 where it could not be built) is left out, and one that raises later on a shape the measurement did not try falls back to
 dequant for that shape with one RuntimeWarning (`unavailable()` lists both), so an int8 model runs
 on any device torch supports, at worst at dequant's speed.
 
@@ -38,7 +41,9 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-KERNELS = ("i8pack-bf16", "i8pack", "dequant")
+from gpt2kit.decode import native
+
+KERNELS = ("native-avx2", "i8pack-bf16", "i8pack", "dequant")
 ENV = "GPT2KIT_INT8_KERNEL"
 _CHOICE: dict[tuple[str, torch.dtype, str], str] = {}  # (device type, activation dtype, rows bucket) -> kernel
 _UNAVAILABLE: dict[str, str] = {}  # where a kernel failed -> the error (measurement or first use)
@@ -85,6 +90,8 @@ def _scale_as(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def run_kernel(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x2 (R, in) float, weight (out, in) int8, scale (out,) [, bias (out,)] -> (R, out) in x2's dtype."""
+    if kernel == "native-avx2":
+        return _native(x2, weight, scale, bias)
     if kernel == "dequant" or not _i8pack_ok(x2, weight):
         y = F.linear(x2, weight.to(x2.dtype)) * _scale_as(scale, x2.dtype)
         return y if bias is None else y + bias
@@ -97,6 +104,21 @@ def run_kernel(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch
         return torch.add(bias, y)
     y = _I8PACK(x2.contiguous(), weight, _scale_as(scale, x2.dtype))
     return y if bias is None else y + bias
+
+
+def _native(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    """The C kernel, for what it takes: CPU, float32 activations, 2-D; anything else (a dtype or device
+    it lacks) raises NotImplementedError, so the measurement leaves it out for that dtype. Inputs that
+    need a gradient take dequant (the C kernel is not differentiable)."""
+    if x2.device.type != "cpu" or x2.dtype != torch.float32 or x2.dim() != 2:
+        raise NotImplementedError(f"native-avx2 takes 2-D float32 CPU activations, not {x2.dtype} on {x2.device}")
+    if torch.is_grad_enabled() and x2.requires_grad:
+        return run_kernel("dequant", x2, weight, scale, bias)
+    plain_bias = bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.device.type == "cpu")
+    y = native.run_int8_linear(x2.contiguous(), weight.contiguous(), _scale_as(scale, torch.float32).contiguous(),
+                               bias if plain_bias else None)
+    return y if plain_bias else y + bias
 
 
 def _time(fn, reps: int) -> float:

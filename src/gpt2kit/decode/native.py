@@ -1,0 +1,139 @@
+"""gpt2kit's own CPU kernel (C, in csrc/), built with the system's C compiler on first use and called
+through ctypes: the int8 weight-only product of csrc/int8_linear.c, for x86-64 CPUs with AVX2 and
+FMA.
+
+Why a kernel of our own: a batch-1 decode step reads every weight once, so an int8 model should run
+at the speed of streaming its int8 bytes from memory. PyTorch's `_weight_int8pack_mm` is compute
+bound on AVX2 (it scales every weight before the FMA, about one weight per cycle per core) and
+reaches ~30% of the memory bandwidth; this kernel widens, converts and multiplies, applying the
+per-channel scale once per output, and prefetches the next rows (docs/quantization.md has the
+measurements). It is one candidate among the kernels gpt2kit.decode.int8 measures: it runs only
+where it wins.
+
+The build: `cc -O3 -mavx2 -mfma -fopenmp -ffp-contract=off -shared -fPIC` (cc is $CC, else gcc, else
+cc) into `$GPT2KIT_CACHE/kernels/` (default `~/.cache/gpt2kit/kernels/`), named by a hash of the
+source, the compiler's version and the flags, so a changed source or compiler builds anew and an
+unchanged one loads in milliseconds. The library is written to a temporary name and renamed into
+place, so processes that build at once never load half a file. It is built only where it can run:
+PyTorch reports AVX2 or AVX-512 for this CPU and runs its threads on OpenMP (the kernel's threads
+are then PyTorch's own pool: both use the libgomp already loaded). Anywhere else, or without a C
+compiler, or when the build fails, `int8_linear()` is None, `why_unavailable()` says why in one line,
+and the other kernels run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+ABI = 1  # csrc/int8_linear.c's gpt2kit_int8_linear_abi(): the signature this module calls
+_STATE: dict[str, object] = {}  # "fn" -> the loaded function, or "why" -> the reason there is none
+
+
+def _source() -> bytes:
+    return resources.files("gpt2kit.decode").joinpath("csrc/int8_linear.c").read_bytes()
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: $GPT2KIT_CACHE/kernels, else ~/.cache/gpt2kit/kernels."""
+    root = os.environ.get("GPT2KIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gpt2kit")
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cannot_run_here() -> str | None:
+    """Why this CPU or PyTorch build cannot run the kernel, or None when it can."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"this CPU has no AVX2 (PyTorch reports {capability})"
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return "PyTorch here does not run its threads on OpenMP"
+    return None
+
+
+def _build(cc: str) -> Path:
+    """The built library's path, compiling it unless a build of this source and compiler is cached."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    source = _source()
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode()])).hexdigest()[:16]
+    out = cache_dir() / f"int8_linear-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
+        src = Path(tmp) / "int8_linear.c"
+        src.write_bytes(source)
+        lib = Path(tmp) / out.name
+        done = subprocess.run([cc, *FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {(done.stderr.strip().splitlines() or ['no message'])[-1][:200]}")
+        os.replace(lib, out)  # atomic: another process sees no file or the whole one
+    return out
+
+
+def _load() -> None:
+    why = _cannot_run_here()
+    cc = None if why else _compiler()
+    if why is None and cc is None:
+        why = "no C compiler (set CC, or install gcc)"
+    if why is None:
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+            if lib.gpt2kit_int8_linear_abi() != ABI:
+                raise RuntimeError("the cached library is of another version")
+            fn = lib.gpt2kit_int8_linear
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+            fn.restype = None
+            _STATE["fn"] = fn
+            return
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            why = f"the build failed ({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]})"
+    _STATE["why"] = why
+
+
+def int8_linear():
+    """The C function (built and loaded on the first call), or None where it cannot run here."""
+    if not _STATE:
+        if os.environ.get("GPT2KIT_NO_NATIVE"):
+            _STATE["why"] = "GPT2KIT_NO_NATIVE is set"
+        else:
+            _load()
+    return _STATE.get("fn")
+
+
+def why_unavailable() -> str | None:
+    """One line on why the kernel is unavailable, or None when it is loaded (after int8_linear())."""
+    int8_linear()
+    return _STATE.get("why")
+
+
+def run_int8_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """x2 (R, K) float32 @ (weight (N, K) int8 * scale (N,) float32)^T [+ bias (N,) float32] -> (R, N)
+    float32, by the C kernel on PyTorch's thread count. Inputs must be CPU, contiguous, these dtypes
+    (gpt2kit.decode.int8 checks before calling); the output is a new tensor."""
+    fn = int8_linear()
+    if fn is None:
+        raise RuntimeError(f"gpt2kit's native int8 kernel is unavailable: {why_unavailable()}")
+    R, K = x2.shape
+    N = weight.shape[0]
+    y = torch.empty(R, N, dtype=torch.float32)  # (R, N)
+    fn(x2.data_ptr(), R, K, weight.data_ptr(), N, scale.data_ptr(),
+       None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y
