@@ -7,6 +7,7 @@ with every formulation this torch build offers for an int8 weight W (out, in) an
 scales s (out,), output = (x @ W^T) * s:
 
   fp32         F.linear(x, W_f32) with W stored (in, out): the float32 peer (transformers' layout)
+  native-avx2  gpt2kit's own C kernel (gpt2kit/decode/native.py) on float32 activations, where built
   bf16         W_bf16 @ x^T (torch.mv / mm): gpt2kit's bfloat16 path
   i8pack-bf16  torch.ops.aten._weight_int8pack_mm(x.bfloat16(), W, s.bfloat16()).float()
   i8pack-fp32  torch.ops.aten._weight_int8pack_mm(x, W, s) with float32 activations
@@ -29,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from gpt2kit.bench import time_alternating
+from gpt2kit.bench.machine import describe_cpu
+from gpt2kit.decode import native
 
 SHAPES = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12  # c_attn, c_proj, c_fc, mlp.c_proj
 HEAD = (50257, 768)
@@ -45,6 +48,10 @@ def formulations(weights: list[torch.Tensor], rows: int, torchao: bool) -> dict:
     fns = {}
     cm = [w.t().contiguous().t() for w in weights]
     fns["fp32"] = lambda: [F.linear(xs[w.shape[1]], w) for w in cm]
+    if native.int8_linear() is not None:
+        fns["native-avx2"] = lambda: [native.run_int8_linear(xs[w.shape[1]], w, s, None) for w, s in q]
+    else:
+        print(f"  native-avx2 unavailable: {native.why_unavailable()}")
     b16 = [w.bfloat16() for w in weights]
     xb = {n: x.bfloat16() for n, x in xs.items()}
     if rows == 1:
@@ -108,7 +115,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"threads {torch.get_num_threads()}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
+    print(f"{describe_cpu()}; threads {torch.get_num_threads()}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
           f"torch {torch.__version__}; ms per decode step's products (best quiet trial), ratio to fp32")
     blocks = [torch.randn(s) * 0.02 for s in SHAPES]
     head = [torch.randn(HEAD) * 0.02]
