@@ -29,7 +29,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from gpt2kit.bench import time_alternating
+from gpt2kit.bench.core import time_alternating
 from gpt2kit.bench.machine import describe_cpu
 from gpt2kit.decode import native
 

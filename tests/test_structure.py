@@ -190,3 +190,16 @@ def test_golden_greedy_generation_runs_in_ci():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0,
                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         assert ref[0, len(prompt):].tolist() == want
+
+
+# --- benchmark scripts ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", sorted((SRC.parents[1] / "benchmarks").glob("*.py")), ids=lambda p: p.name)
+def test_every_benchmark_script_imports(script, monkeypatch):
+    # The scripts in benchmarks/ are not run by CI (they take minutes), but what they import must
+    # still exist: a moved function broke two of them once without a failing test.
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"bench_script_{script.stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)  # top level only: main() is not called
