@@ -242,6 +242,12 @@ def test_native_builds_once_into_the_cache_and_says_why_when_it_cannot(tmp_path,
     monkeypatch.setattr(native, "_STATE", {})
     assert native.int8_linear() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
 
+    blocked = tmp_path / "file"  # a cache path that cannot be a directory: built for this process alone
+    blocked.write_text("")
+    monkeypatch.setenv("GPT2KIT_CACHE", str(blocked))
+    monkeypatch.setattr(native, "_STATE", {})
+    assert native.int8_linear() is not None and native.why_unavailable() is None
+
     def reason(**env):
         monkeypatch.setattr(native, "_STATE", {})
         for k, v in env.items():

@@ -13,7 +13,8 @@ where it wins.
 The build: `cc -O3 -mavx2 -mfma -fopenmp -ffp-contract=off -shared -fPIC` (cc is $CC, else gcc, else
 cc) into `$GPT2KIT_CACHE/kernels/` (default `~/.cache/gpt2kit/kernels/`), named by a hash of the
 source, the compiler's version and the flags, so a changed source or compiler builds anew and an
-unchanged one loads in milliseconds. The library is written to a temporary name and renamed into
+unchanged one loads in milliseconds (a cache that cannot be written to: built for the process alone
+in a private temporary directory, removed at exit). The library is written to a temporary name and renamed into
 place, so processes that build at once never load half a file. It is built only where it can run:
 PyTorch reports AVX2 or AVX-512 for this CPU and runs its threads on OpenMP (the kernel's threads
 are then PyTorch's own pool: both use the libgomp already loaded). Anywhere else, or without a C
@@ -23,6 +24,7 @@ and the other kernels run.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
@@ -74,8 +76,15 @@ def _build(cc: str) -> Path:
     out = cache_dir() / f"int8_linear-{key}.so"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-")
+    except OSError:  # a read-only or unusable cache: build for this process alone, in a private directory
+        own = Path(tempfile.mkdtemp(prefix="gpt2kit-kernels-"))
+        atexit.register(shutil.rmtree, own, True)
+        out = own / out.name
+        probe = tempfile.TemporaryDirectory(dir=own, prefix=".build-")
+    with probe as tmp:
         src = Path(tmp) / "int8_linear.c"
         src.write_bytes(source)
         lib = Path(tmp) / out.name
