@@ -115,7 +115,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"{describe_cpu()}; threads {torch.get_num_threads()}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
+    print(f"{describe_cpu()}; threads {torch.get_num_threads()}, "
+          f"cpu capability {torch.backends.cpu.get_cpu_capability()}, "
           f"torch {torch.__version__}; ms per decode step's products (best quiet trial), ratio to fp32")
     blocks = [torch.randn(s) * 0.02 for s in SHAPES]
     head = [torch.randn(HEAD) * 0.02]

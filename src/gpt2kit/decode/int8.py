@@ -21,9 +21,9 @@ names one. `_weight_int8pack_mm` is used only where its contract holds (2-D cont
 in_features a multiple of 8: other sizes crash or return wrong values in torch 2.13's CPU kernel).
 On CUDA the candidates are the same ops, measured the same way (untested: no GPU was lent to the
 sessions that wrote this): a candidate that raises in the measurement (an op or dtype the device
-lacks, native-avx2 where it could not be built) is left out, and one that raises later on a shape the measurement did not try falls back to
-dequant for that shape with one RuntimeWarning (`unavailable()` lists both), so an int8 model runs
-on any device torch supports, at worst at dequant's speed.
+lacks, native-avx2 where it could not be built) is left out, and one that raises later on a shape
+the measurement did not try falls back to dequant for that shape with one RuntimeWarning
+(`unavailable()` lists both), so an int8 model runs on any device torch supports, at worst at dequant's speed.
 
 This lives with the decode fast path (gpt2kit/decode/) because the choice is about CPU speed; the
 scheme and the modules that call it are gpt2kit.quant.
