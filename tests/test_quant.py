@@ -646,6 +646,7 @@ def test_served_int8_model_answers_what_direct_generation_gives(tmp_path, monkey
         r = httpx.post(url + "/v1/completions", timeout=60,
                        json={"model": "gpt2", "prompt": prompt, "max_tokens": 20, "temperature": 0,
                              "logprobs": 0, "logit_bias": {"50256": -100}}).json()
+        card = httpx.get(url + "/v1/models").json()["data"][0]
     finally:
         servers[0].should_exit = True
         thread.join(10)
@@ -654,6 +655,7 @@ def test_served_int8_model_answers_what_direct_generation_gives(tmp_path, monkey
 
     assert "choices" in r, r
     assert r["choices"][0]["logprobs"]["tokens"] == [token_key(tok, t) for t in want]
+    assert card["quantization"] == "int8"  # /v1/models says what is served
 
 
 def test_trace_of_an_int8_model_records_every_tensor_through_its_hooks(model, monkeypatch):

@@ -128,6 +128,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "gpt2kit"
     max_model_len: int | None = None
+    quantization: str | None = None  # "int8" for a weight-only int8 model (docs/quantization.md), else null
 
 
 class ModelList(BaseModel):
