@@ -15,8 +15,9 @@
  * ahead (25% faster than interleaving 4 channels, measured); with more rows, 4 channels and 2 rows
  * at a time, so each widened weight feeds two FMAs and W is read once per pair of rows, from cache
  * after the first (the first pair prefetches the next 4 channels: faster at 8 rows in 2 of 3
- * interleaved runs on a shared VM, best of 25: 23.5 against 32.1 ms a step). Threads split the output channels (OpenMP: the process's libgomp, the one
- * PyTorch loaded, so the two share one thread pool).
+ * interleaved runs on a shared VM, best of 25: 23.5 against 32.1 ms a step). Threads split the
+ * output channels (OpenMP: the process's libgomp, the one PyTorch loaded, so the two share one
+ * thread pool).
  *
  * Built by gpt2kit/decode/native.py with the system's C compiler on first use; measured against
  * the other kernels like any of them (gpt2kit/decode/int8.py). Legend: R rows, K in, N out. */
