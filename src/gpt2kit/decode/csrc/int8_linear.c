@@ -14,8 +14,8 @@
  * after another, so each thread reads its part of W as one sequential stream, prefetched 4 KiB
  * ahead (25% faster than interleaving 4 channels, measured); with more rows, 4 channels and 2 rows
  * at a time, so each widened weight feeds two FMAs and W is read once per pair of rows, from cache
- * after the first (the first pair prefetches the next 4 channels: faster at 8 rows in 2 of 3
- * interleaved runs on a shared VM, best of 25: 23.5 against 32.1 ms a step). Threads split the
+ * after the first (prefetching the next 4 channels there was faster in some interleaved runs
+ * at 8 rows and slower in others on this shared VM, so it is not done). Threads split the
  * output channels (OpenMP: the process's libgomp, the one PyTorch loaded, so the two share one
  * thread pool).
  *
@@ -26,7 +26,7 @@
 
 /* How far ahead of the single-row loop to prefetch the weights, in bytes: 4 KiB was the fastest of
  * 0.5-16 KiB on a Zen 3 EPYC over a whole GPT-2 124M step's matrices. A prefetch never faults, so
- * prefetching past the end of the matrix (here and in the pairs' loop) is harmless. */
+ * prefetching past the end of the matrix is harmless. */
 #define PREFETCH 4096
 
 static inline __m256 widen8(const int8_t *p) { /* 8 int8 -> 8 float32 */
@@ -62,12 +62,6 @@ static void block4(const float *x, long R, long K, const int8_t *W, long N, cons
         const float *xa = x + r * K, *xb = xa + K;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
         for (long k = 0; k < K8; k += 8) {
-            if (r == 0 && (k & 63) == 0) { /* the first pair reads from memory: fetch the next block meanwhile */
-                _mm_prefetch((const char *)(w0 + 4 * K + k), _MM_HINT_T0);
-                _mm_prefetch((const char *)(w1 + 4 * K + k), _MM_HINT_T0);
-                _mm_prefetch((const char *)(w2 + 4 * K + k), _MM_HINT_T0);
-                _mm_prefetch((const char *)(w3 + 4 * K + k), _MM_HINT_T0);
-            }
             __m256 va = _mm256_loadu_ps(xa + k), vb = _mm256_loadu_ps(xb + k);
             __m256 q0 = widen8(w0 + k), q1 = widen8(w1 + k), q2 = widen8(w2 + k), q3 = widen8(w3 + k);
             a0 = _mm256_fmadd_ps(q0, va, a0); a1 = _mm256_fmadd_ps(q1, va, a1);
