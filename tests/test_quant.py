@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -144,6 +145,29 @@ def test_the_choice_is_measured_and_can_be_forced(monkeypatch):
     monkeypatch.setenv(quant_kernels.ENV, "int3")
     with pytest.raises(ValueError, match="int3.*valid choices: native-avx2, i8pack-bf16"):
         quant_kernels.choose(torch.device("cpu"), torch.float32, 1)
+
+
+def test_rows_buckets_and_a_hopeless_candidate_is_timed_on_a_slice_only(monkeypatch):
+    # Prompts of up to 512 rows and longer ones are measured apart (the winner changes near 512 on an
+    # AVX2 CPU). A candidate 10x slower than the fastest on the 1/16 slice is not run on the whole
+    # matrix (the float32 scalar loop would take seconds at prompt sizes): made slow here on purpose.
+    assert [quant_kernels._bucket(r) for r in (1, 2, 16, 17, 128, 129, 512, 513, 4096)] == [
+        "1", "few", "few", "many", "many", "prefill", "prefill", "long", "long"]
+    real_run, real_pack, seen = quant_kernels.run_kernel, quant_kernels._I8PACK, []
+
+    def slow_pack(x, w, s):
+        time.sleep(0.02)
+        return real_pack(x, w, s)
+
+    def recording_run(kernel, x2, weight, scale, bias=None):
+        seen.append((kernel, weight.shape[0]))
+        return real_run(kernel, x2, weight, scale, bias)
+    monkeypatch.setattr(quant_kernels, "_I8PACK", slow_pack)
+    monkeypatch.setattr(quant_kernels, "run_kernel", recording_run)
+    times = quant_kernels.measure(torch.device("cpu"), torch.float32, 8, 64, 256, reps=1)
+    assert {n for k, n in seen if k.startswith("i8pack")} == {16}  # the slice only
+    assert {n for k, n in seen if k == "dequant"} == {16, 256}
+    assert times["i8pack"] >= 16 * 0.02 and times["dequant"] < 0.02
 
 
 def test_a_kernel_the_device_lacks_is_left_out_or_falls_back(monkeypatch):

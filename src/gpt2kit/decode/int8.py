@@ -50,13 +50,16 @@ _UNAVAILABLE: dict[str, str] = {}  # where a kernel failed -> the error (measure
 
 
 # Row buckets and the row count each is measured at: decode steps (1, few), small batches of
-# tokens (many) and prompts (prefill), where the winner changes: on an AVX2 CPU the int8 kernel wins
-# at 64 rows and dequantize-then-GEMM at 256 and beyond.
-_BUCKET_ROWS = {"1": 1, "few": 8, "many": 64, "prefill": 512}
+# tokens (many), prompts (prefill: 129-512 rows) and long prompts (long), where the winner changes:
+# on an AVX2 CPU native-avx2 wins up to ~512 rows and dequantize-then-GEMM beyond (measured per
+# c_fc product: 26.2 against 30.6 ms at 512 rows, 59.8 against 48.6 at 1,024).
+_BUCKET_ROWS = {"1": 1, "few": 8, "many": 64, "prefill": 256, "long": 1024}
+_HOPELESS = 10.0  # a candidate this many times slower than the fastest on the screening slice is not timed
 
 
 def _bucket(rows: int) -> str:
-    return "1" if rows == 1 else "few" if rows <= 16 else "many" if rows <= 128 else "prefill"
+    return ("1" if rows == 1 else "few" if rows <= 16 else "many" if rows <= 128
+            else "prefill" if rows <= 512 else "long")
 
 
 _I8PACK = getattr(torch.ops.aten, "_weight_int8pack_mm", None)  # absent in old torch builds
@@ -133,40 +136,55 @@ def _time(fn, reps: int) -> float:
 @torch.inference_mode()
 def measure(device: torch.device, dtype: torch.dtype, rows: int, in_features: int = 768,
             out_features: int = 3072, reps: int = 3) -> dict[str, float]:
-    """Seconds per product of each candidate on a random (out, in) int8 matrix and `rows` rows
-    (alternating the candidates, best of `reps`). GPT-2 124M's c_fc size by default: big enough to
-    stream from memory like the real matrices, small enough to time in milliseconds."""
+    """Seconds per product of each candidate on a random (out, in) int8 matrix and `rows` rows,
+    alternating the candidates, best of `reps` rounds (or of more while the rounds take under 0.1 s
+    in all: a few rows). GPT-2 124M's c_fc size by default: big enough to stream from memory like
+    the real matrices, small enough to time in milliseconds. Each candidate first runs once on a
+    slice of 1/16 of the matrix's rows (the warm-up); one more than 10x slower there than the
+    fastest is not run on the whole matrix (its time is the slice's, scaled by 16): the float32
+    scalar loop of `i8pack` would take seconds at prompt sizes. (The whole matrix, not a smaller
+    one, decides: which kernel wins at a few hundred rows depends on whether it fits in cache.)"""
+    if device.type == "cpu":
+        native.int8_linear()  # built (or loaded) before anything is timed
     g = torch.Generator().manual_seed(0)
     w = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=g).to(device)
     s = (torch.rand(out_features, generator=g) / 127).to(device)
     x = torch.randn(rows, in_features, generator=g).to(device, dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fns = {}
+    part = max(1, out_features // 16)
+    fns, screened = {}, {}
     for k in KERNELS:
         if k == "i8pack-bf16" and dtype == torch.bfloat16:
             continue  # the same as i8pack
-        def fn(k=k):
+        def fn(k=k, w=w, s=s):
             run_kernel(k, x, w, s)
             sync()
-        try:
-            fn()  # warm-up; a kernel this device or dtype lacks is left out (dequant runs anywhere)
+        try:  # the warm-up, on the slice; a kernel this device or dtype lacks is left out (dequant runs anywhere)
+            screened[k] = 16 * _time(lambda fn=fn: fn(w=w[:part], s=s[:part]), 1)
         except (NotImplementedError, RuntimeError) as e:
             if k == "dequant" or isinstance(e, torch.OutOfMemoryError):
                 raise
             _UNAVAILABLE[f"{device.type} {str(dtype).removeprefix('torch.')} {k}"] = _first_line(e)
             continue
         fns[k] = fn
-    times = {k: float("inf") for k in fns}
-    for _ in range(reps):
+    fastest = min(screened.values())
+    fns = {k: fn for k, fn in fns.items() if screened[k] <= _HOPELESS * fastest}
+    times = {**screened, **{k: float("inf") for k in fns}}
+    for fn in fns.values():
+        fn()  # the whole matrix once, untimed
+    start, rep = time.perf_counter(), 0
+    # best of `reps` rounds, or of as many as fit in 0.1 s (up to 30) where rounds are cheap (a few rows)
+    while rep < reps or (rep < 30 and time.perf_counter() - start < 0.1):
         for k, fn in fns.items():
             times[k] = min(times[k], _time(fn, 1))
+        rep += 1
     return times
 
 
 def choose(device: torch.device, dtype: torch.dtype, rows: int) -> str:
     """The kernel for products of `rows` rows of `dtype` activations on `device`: GPT2KIT_INT8_KERNEL
     when set, else the fastest in a short measurement, taken once per process and rows bucket
-    (1, 2-16, more), at 1, 8 and 64 rows."""
+    (1, 2-16, 17-128, 129-512, more), at 1, 8, 64, 256 and 1,024 rows."""
     forced = os.environ.get(ENV)
     if forced:
         if forced not in KERNELS:
