@@ -285,6 +285,11 @@ def test_native_builds_once_into_the_cache_and_says_why_when_it_cannot(tmp_path,
     assert reason(GPT2KIT_NO_NATIVE="1") == (None, "GPT2KIT_NO_NATIVE is set")
     with pytest.raises(RuntimeError, match="unavailable: GPT2KIT_NO_NATIVE is set"):
         native.run_int8_linear(torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4), None)
+    monkeypatch.delenv("GPT2KIT_NO_NATIVE")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert reason() == (None, "this CPU has no AVX2 (PyTorch reports DEFAULT)")
+    monkeypatch.setattr(native.sys, "platform", "darwin")
+    assert reason() == (None, "built on Linux only (this is darwin)")
 
 
 # --- the module swap -----------------------------------------------------------------------------

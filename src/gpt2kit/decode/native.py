@@ -13,13 +13,15 @@ where it wins.
 The build: `cc -O3 -mavx2 -mfma -fopenmp -ffp-contract=off -shared -fPIC` (cc is $CC, else gcc, else
 cc) into `$GPT2KIT_CACHE/kernels/` (default `~/.cache/gpt2kit/kernels/`), named by a hash of the
 source, the compiler's version and the flags, so a changed source or compiler builds anew and an
-unchanged one loads in milliseconds (a cache that cannot be written to: built for the process alone
-in a private temporary directory, removed at exit). The library is written to a temporary name and renamed into
-place, so processes that build at once never load half a file. It is built only where it can run:
-PyTorch reports AVX2 or AVX-512 for this CPU and runs its threads on OpenMP (the kernel's threads
-are then PyTorch's own pool: both use the libgomp already loaded). Anywhere else, or without a C
-compiler, or when the build fails, `int8_linear()` is None, `why_unavailable()` says why in one line,
-and the other kernels run.
+unchanged one loads in milliseconds (a cache that cannot be written to: built for the process
+alone in a private temporary directory, removed at exit). The library is written to a temporary
+name and renamed into place, so processes that build at once never load half a file.
+
+It is built only where it can run: on Linux (where PyTorch's wheels carry the libgomp that a gcc
+build links to), where PyTorch reports AVX2 or AVX-512 for the CPU and runs its threads on OpenMP
+(the kernel's threads are then PyTorch's own pool: both use the libgomp already loaded). Anywhere
+else, or without a C compiler, or when the build fails, `int8_linear()` is None,
+`why_unavailable()` says why in one line, and the other kernels run.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
@@ -60,6 +63,8 @@ def _compiler() -> str | None:
 
 def _cannot_run_here() -> str | None:
     """Why this CPU or PyTorch build cannot run the kernel, or None when it can."""
+    if not sys.platform.startswith("linux"):
+        return f"built on Linux only (this is {sys.platform})"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         return f"this CPU has no AVX2 (PyTorch reports {capability})"
