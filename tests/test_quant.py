@@ -111,8 +111,10 @@ def test_the_bias_is_added_as_a_separate_add_would(kernel):
     _needs(kernel)
     g = torch.Generator().manual_seed(1)
     w = torch.randint(-127, 128, (24, 16), dtype=torch.int8, generator=g)
-    s, b, x = torch.rand(24, generator=g) / 100, torch.randn(24, generator=g), torch.randn(3, 16, generator=g)
-    assert torch.equal(quant_kernels.run_kernel(kernel, x, w, s, b), quant_kernels.run_kernel(kernel, x, w, s) + b)
+    s, b = torch.rand(24, generator=g) / 100, torch.randn(24, generator=g)
+    for rows in (3, 8):  # native-avx2: pairs of rows and the odd one; quads
+        x = torch.randn(rows, 16, generator=g)
+        assert torch.equal(quant_kernels.run_kernel(kernel, x, w, s, b), quant_kernels.run_kernel(kernel, x, w, s) + b)
 
 
 def test_converted_scales_follow_writes_and_replacements(model, monkeypatch):
@@ -211,9 +213,9 @@ def test_a_kernel_the_device_lacks_is_left_out_or_falls_back(monkeypatch):
 
 
 @pytest.mark.parametrize("shape", [(1, 768, 3072), (2, 3072, 768), (7, 64, 50), (1, 5, 3), (4, 13, 6), (0, 16, 8),
-                                   (3, 0, 4), (1, 16, 0)])
+                                   (3, 0, 4), (1, 16, 0), (8, 768, 2304), (11, 40, 9)])
 def test_native_is_the_dequantized_product_in_float32_on_any_thread_count(shape):
-    # Every blocking case: 4-channel blocks and the N % 4 left over, pairs of rows and the odd row,
+    # Every blocking case: 4-channel blocks and the N % 4 left over, quads and pairs of rows and the odd row,
     # K % 8 tails, empty inputs. Each output is one thread's sum, so the thread count changes nothing.
     _needs("native-avx2")
     R, K, N = shape
