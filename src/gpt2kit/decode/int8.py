@@ -114,11 +114,11 @@ def _native(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """The C kernel, for what it takes: CPU, float32 activations, 2-D; anything else (a dtype or device
     it lacks) raises NotImplementedError, so the measurement leaves it out for that dtype. Inputs that
     need a gradient take dequant (the C kernel is not differentiable)."""
-    if x2.device.type != "cpu" or x2.dtype != torch.float32 or x2.dim() != 2:
+    if not x2.is_cpu or x2.dtype != torch.float32 or x2.dim() != 2:  # is_cpu: no device object per product
         raise NotImplementedError(f"native-avx2 takes 2-D float32 CPU activations, not {x2.dtype} on {x2.device}")
     if torch.is_grad_enabled() and x2.requires_grad:
         return run_kernel("dequant", x2, weight, scale, bias)
-    plain_bias = bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.device.type == "cpu")
+    plain_bias = bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.is_cpu)
     y = native.run_int8_linear(x2.contiguous(), weight.contiguous(), _scale_as(scale, torch.float32).contiguous(),
                                bias if plain_bias else None)
     return y if plain_bias else y + bias

@@ -90,6 +90,7 @@ def cpu_has_native_bfloat16() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1)
 def bfloat16_decodes_faster(trials: int = 7) -> bool:
     """Whether products with a GPT-2-sized (3072, 768) matrix run faster in bfloat16 (by the kernel
     choose_half_kernels picks) than in float32 (MKL on the column-major layout) on this CPU, for one
