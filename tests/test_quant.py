@@ -512,6 +512,34 @@ def test_cli_quantize_info_generate_score(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["nll"] > 0
 
 
+def test_quantize_never_replaces_a_model_unasked_nor_its_own_source(model, tmp_path, capsys):
+    from gpt2kit.checkpoint import quantize_checkpoint
+
+    f, q = tmp_path / "f", tmp_path / "q"
+    save_model(model, f)
+    (tmp_path / "link").symlink_to(f)
+    assert cli_main(["quantize", str(f), str(q), "--int8"]) == 0
+    capsys.readouterr()
+    floats = {p.name: p.read_bytes() for p in f.iterdir()}
+    int8 = {p.name: p.read_bytes() for p in q.iterdir()}
+    for argv, words in [([str(f), str(q)], "already holds a model; pass --overwrite"),
+                        ([str(f), str(f)], "is the source being quantized"),
+                        ([str(f), str(f), "--overwrite"], "is the source being quantized"),
+                        ([str(f), str(tmp_path / "link"), "--overwrite"], "is the source being quantized"),
+                        ([str(tmp_path / "link"), f"{f}/../f/", "--overwrite"], "is the source being quantized")]:
+        assert cli_main(["quantize", *argv, "--int8"]) == 1
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and words in err, err
+    assert {p.name: p.read_bytes() for p in f.iterdir()} == floats and not is_quantized(load_model(f))
+    assert {p.name: p.read_bytes() for p in q.iterdir()} == int8
+    with pytest.raises(ValueError, match="is the source being quantized"):
+        quantize_checkpoint(f, tmp_path / "link", overwrite=True)  # the Python API keeps the same rules
+    with pytest.raises(FileExistsError, match="already holds a model"):
+        quantize_checkpoint(f, q)
+    assert cli_main(["quantize", str(f), str(q), "--int8", "--overwrite", "--no-lm-head"]) == 0
+    assert describe(q)["quantization"]["lm_head"] is False
+
+
 @pytest.mark.parametrize("argv,words", [
     (["quantize", "{q}", "{o}", "--int8"], "already int8-quantized"),
     (["quantize", "{f}", "{o}", "--scheme", "int4"], "unknown quantization scheme 'int4'"),

@@ -209,16 +209,13 @@ def _register_convert(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from gpt2kit.checkpoint import load_model, load_tokenizer, save_model
-    from gpt2kit.quant import check_scheme, quantize_model, weight_bytes
+    from gpt2kit.checkpoint import quantize_checkpoint
 
-    scheme = check_scheme("int8" if args.int8 else args.scheme or "")  # before the model loads
-    model = load_model(args.src)
-    before = weight_bytes(model)
-    quantize_model(model, scheme, lm_head=args.lm_head, scale_dtype=args.scale_dtype)
-    out = save_model(model, args.dst, tokenizer=load_tokenizer(args.src))
-    after = weight_bytes(model)
-    print(f"wrote {out} ({scheme}, LM head {'quantized' if args.lm_head else 'float32'}, {args.scale_dtype} "
+    scheme = "int8" if args.int8 else args.scheme or ""
+    r = quantize_checkpoint(args.src, args.dst, scheme, lm_head=args.lm_head, scale_dtype=args.scale_dtype,
+                            overwrite=args.overwrite)
+    after, before = r["int8_bytes"], r["float_bytes"]
+    print(f"wrote {r['path']} ({scheme}, LM head {'quantized' if args.lm_head else 'float32'}, {args.scale_dtype} "
           f"scales): weights {after / 1e6:.1f} MB, {after / before:.0%} of float32's {before / 1e6:.1f} MB")
     return 0
 
@@ -226,7 +223,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def _register_quantize(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="write an int8 weight-only copy of a checkpoint (docs/quantization.md)")
     p.add_argument("src", help="hub id, HF directory or OpenAI TF release directory (float weights)")
-    p.add_argument("dst", help="output directory")
+    p.add_argument("dst", help="output directory (replaced atomically; never the source)")
+    p.add_argument("--overwrite", action="store_true", help="replace a model already in DST")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--int8", action="store_true", help="symmetric per-output-channel int8 weights")
     g.add_argument("--scheme", default=None, help="the scheme by name (int8)")

@@ -11,6 +11,7 @@ from gpt2kit.checkpoint.api import (
     load_model,
     load_state,
     load_tokenizer,
+    quantize_checkpoint,
     resolve_source,
     save_model,
 )
@@ -18,4 +19,4 @@ from gpt2kit.checkpoint.errors import CheckpointError
 from gpt2kit.devices import resolve_dtype
 
 __all__ = ["CheckpointError", "describe", "holds_model", "load_model", "load_state", "load_tokenizer",
-           "resolve_dtype", "resolve_source", "save_model"]
+           "quantize_checkpoint", "resolve_dtype", "resolve_source", "save_model"]

@@ -171,6 +171,43 @@ def save_model(model: GPT2, directory: str | os.PathLike[str], *, tokenizer: Tok
     return hf.save_hf_dir(model, directory, tokenizer=tokenizer)
 
 
+def quantize_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], scheme: str = "int8", *,
+                        lm_head: bool = True, scale_dtype: str = "float32", overwrite: bool = False) -> dict:
+    """Write an int8 weight-only copy of the float checkpoint `src` into `dst` (docs/quantization.md).
+
+    Refused before anything is loaded: `dst` holding a model unless `overwrite`, and `dst` being
+    `src` (through a symlink or another spelling too) even with `overwrite`, since the float
+    weights would be lost. Returns {"path", "float_bytes", "int8_bytes"}."""
+    from gpt2kit.quant import SCALE_DTYPES, check_scheme, quantize_model, weight_bytes
+
+    check_scheme(scheme)
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"unknown scale dtype {scale_dtype!r}; valid choices: {', '.join(SCALE_DTYPES)}")
+    out = Path(dst).expanduser()
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{dst}: exists and is not a directory")
+    local = Path(src).expanduser()
+    if local.exists():
+        _refuse_same(local, out, dst)
+    if holds_model(out) and not overwrite:
+        raise FileExistsError(f"{dst} already holds a model; pass --overwrite (overwrite=True) to replace it")
+    _, path = resolve_source(src)
+    _refuse_same(path, out, dst)  # a hub id resolves to its cache directory
+    model = load_model(path)
+    float_bytes = weight_bytes(model)
+    quantize_model(model, scheme, lm_head=lm_head, scale_dtype=scale_dtype)
+    written = save_model(model, out, tokenizer=load_tokenizer(path))
+    return {"path": written, "float_bytes": float_bytes, "int8_bytes": weight_bytes(model)}
+
+
+def _refuse_same(src: Path, out: Path, dst: str | os.PathLike[str]) -> None:
+    from gpt2kit._io import same_path
+
+    if same_path(src, out):
+        raise ValueError(f"{dst} is the source being quantized; its float weights would be lost: "
+                         "write to another directory")
+
+
 def holds_model(path: str | os.PathLike[str]) -> bool:
     """Whether a directory holds a model (config, weights or an OpenAI release) a save would replace."""
     p = Path(path)
