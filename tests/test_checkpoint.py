@@ -97,6 +97,27 @@ def test_strict_loading_names_the_tensor(tmp_path, edit, needle):
         load_model(tmp_path)
 
 
+def test_nan_or_infinite_float_tensors_are_refused_naming_file_and_tensor(tmp_path):
+    random_hf_model().save_pretrained(tmp_path / "st")
+    _rewrite_safetensors(tmp_path / "st", lambda sd: sd["transformer.h.1.attn.c_proj.bias"].__setitem__(3, torch.nan))
+    with pytest.raises(CheckpointError, match=r"st/model.safetensors: tensor h.1.attn.c_proj.bias holds 1 NaN"):
+        load_model(tmp_path / "st")
+    hf = random_hf_model()
+    with torch.no_grad():
+        hf.transformer.wpe.weight[2, :4] = torch.inf
+    hf.config.save_pretrained(tmp_path / "bin")
+    torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"bin/pytorch_model.bin: tensor wpe.weight holds 4 infinite"):
+        load_model(tmp_path / "bin")
+    hf = random_hf_model()
+    with torch.no_grad():
+        hf.transformer.ln_f.weight[0] = 1e6  # finite in float32, beyond float16's 65,504
+    hf.save_pretrained(tmp_path / "big")
+    assert load_model(tmp_path / "big").ln_f.weight[0] == 1e6
+    with pytest.raises(CheckpointError, match=r"tensor ln_f.weight holds 1 infinite value\(s\) once cast to float16"):
+        load_model(tmp_path / "big", dtype="float16")
+
+
 def test_truncated_safetensors_names_the_file(tmp_path):
     random_hf_model().save_pretrained(tmp_path)
     f = tmp_path / "model.safetensors"
@@ -391,6 +412,40 @@ def test_info_reads_headers_only(tmp_path, monkeypatch):
     assert describe(d)["parameters"] == 59520
     with pytest.raises(CheckpointError, match="model.ckpt.data"):
         load_model(d)
+
+
+def test_info_imports_no_torch_and_reads_headers_only(tmp_path):
+    # `gpt2kit info` is arithmetic on headers: without torch's import (most of what it cost) it takes a
+    # fraction of a second, whatever the config claims (a million layers: refused from the layer count).
+    import subprocess
+    import sys
+
+    from helpers import random_model
+
+    from gpt2kit.quant import quantize_model
+
+    save_model(random_model(TINY), tmp_path / "f")
+    save_model(quantize_model(random_model(TINY)), tmp_path / "q")
+    shutil.copytree(tmp_path / "f", tmp_path / "huge")
+    _edit_config(tmp_path / "huge", n_layer=1_000_000)
+    code = ("import sys\nfrom gpt2kit.cli import main\nrc = [main(['info', d]) for d in sys.argv[1:]]\n"
+            "print(rc, 'TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)")
+    dirs = [str(tmp_path / n) for n in ("f", "q", "huge")] + [str(FIXTURE_TF)]
+    proc = subprocess.run([sys.executable, "-c", code, *dirs], capture_output=True, text=True, timeout=120)
+    assert proc.stderr.strip().splitlines()[-1] == "[0, 0, 1, 0] NO-TORCH", proc.stderr
+    assert "says n_layer=1000000, but the weights hold 2 layer(s)" in proc.stderr
+    assert proc.stdout.count("parameters: 59,520") == 3, proc.stdout  # the int8 one counts as its float model
+
+
+def test_a_safetensors_header_that_does_not_fit_its_file_is_named(tmp_path):
+    random_hf_model().save_pretrained(tmp_path)
+    f = tmp_path / "model.safetensors"
+    data = f.read_bytes()
+    for cut, needle in ((data[:5], "shorter than its 8-byte header length"), (data[:200], "a header of"),
+                        (data[:-4], "tensor .* lies at bytes")):
+        f.write_bytes(cut)
+        with pytest.raises(CheckpointError, match=f"model.safetensors: cannot read safetensors file \\({needle}"):
+            describe(tmp_path)
 
 
 def test_expected_shapes_equal_the_models_own():

@@ -26,10 +26,12 @@ from gpt2kit.quant import (
     QuantEmbedding,
     QuantLinear,
     is_quantized,
+    parameter_count,
     quality,
     quantization,
     quantize_model,
     quantize_weight,
+    quantized_skeleton,
     weight_bytes,
 )
 
@@ -441,7 +443,11 @@ def _rewrite(path: Path, edit) -> None:
     (lambda s: s.__setitem__("h.0.attn.c_attn.scale", torch.ones(5)), "h.0.attn.c_attn.scale has shape \\(5,\\)"),
     (lambda s: s.__setitem__("h.0.attn.c_proj.weight", s["h.0.attn.c_proj.weight"].float()),
      "h.0.attn.c_proj.weight has dtype torch.float32, the int8 scheme needs int8"),
-    (lambda s: s.__setitem__("wte.scale", torch.full_like(s["wte.scale"], float("nan"))), "not finite and positive"),
+    (lambda s: s.__setitem__("wte.scale", torch.full_like(s["wte.scale"], float("nan"))), "wte.scale holds .* NaN"),
+    (lambda s: s["h.0.attn.c_proj.scale"].__setitem__(3, 3e38), "c_proj.scale has scales that are not finite and pos"),
+    (lambda s: s["h.1.mlp.c_fc.scale"].__setitem__(0, -1.0), "c_fc.scale has scales that are not finite and pos"),
+    (lambda s: s["h.0.attn.c_attn.bias"].__setitem__(5, float("nan")), "tensor h.0.attn.c_attn.bias holds 1 NaN"),
+    (lambda s: s["ln_f.weight"].__setitem__(0, float("inf")), "tensor ln_f.weight holds 1 infinite"),
     (lambda s: s.__setitem__("extra.scale", torch.ones(3)), "unexpected tensor.*extra.scale"),
 ])
 def test_a_broken_quantized_checkpoint_fails_to_load_naming_the_tensor(model, tmp_path, edit, words):
@@ -449,6 +455,95 @@ def test_a_broken_quantized_checkpoint_fails_to_load_naming_the_tensor(model, tm
     _rewrite(path, edit)
     with pytest.raises(CheckpointError, match=words):
         load_model(path)
+
+
+def test_the_int8_header_is_checked_by_arithmetic_before_any_data_or_model(model, tmp_path, monkeypatch):
+    # A config claiming a million layers is refused from the header's layer count: no tensor data is
+    # read, no per-layer table or skeleton is built (the work done is a bounded number of calls).
+    import sys
+
+    import safetensors.torch
+
+    path = _saved(model, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {"n_layer": 1_000_000}))
+
+    def refuse(*a, **k):
+        raise AssertionError("tensor data was read")
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+    for call in (load_model, describe):
+        calls = 0
+
+        def count(frame, event, arg):
+            nonlocal calls
+            calls += event == "call"
+        sys.setprofile(count)
+        try:
+            with pytest.raises(CheckpointError, match=r"config.json says n_layer=1000000, but model.int8.safetensors "
+                                                      r"holds 2 layer\(s\) \(h.0 .. h.1\)"):
+                call(path)
+        finally:
+            sys.setprofile(None)
+        assert calls < 5_000, calls
+
+
+@pytest.mark.parametrize("lm_head,scale_dtype", [(True, "float32"), (False, "bfloat16")])
+def test_the_int8_table_by_arithmetic_equals_a_quantized_skeletons_own(lm_head, scale_dtype):
+    from gpt2kit.checkpoint.int8_format import expected_int8
+
+    scheme = {"scheme": "int8", "lm_head": lm_head, "scale_dtype": scale_dtype}
+    with torch.device("meta"):
+        skeleton = quantized_skeleton(GPT2(CFG.replace(n_layer=3)), lm_head, scale_dtype)
+    want = {k: (tuple(t.shape), "int8" if t.dtype == torch.int8 else "scale" if k.endswith(".scale") else "float")
+            for k, t in skeleton.state_dict().items()}
+    assert expected_int8(CFG.replace(n_layer=3), scheme) == want
+
+
+def test_info_counts_the_float_models_parameters_and_shows_int8_storage_apart(model, tmp_path, capsys):
+    q = quantize_model(copy.deepcopy(model))
+    path = _saved(copy.deepcopy(model), tmp_path)
+    info = describe(path)
+    assert info["parameters"] == model.num_parameters() == parameter_count(q)  # scales are not parameters
+    assert info["weight_bytes"] == weight_bytes(q) < model.num_parameters() * 4 / 2
+    assert info["dtype"] == "float32"
+    assert cli_main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"parameters: {model.num_parameters():,}\n" in out
+    assert f"weights:    {weight_bytes(q) / 1e6:,.1f} MB as stored (int8 codes, scales: " in out
+
+
+def test_a_dir_with_int8_weights_but_no_scheme_in_its_config_says_so(model, tmp_path):
+    path = _saved(model, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["gpt2kit_quantization"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    for call in (load_model, describe):
+        with pytest.raises(CheckpointError, match=r'holds model.int8.safetensors .*no "gpt2kit_quantization" entry'):
+            call(path)
+
+
+def test_convert_copies_an_int8_checkpoint_and_says_so(model, tmp_path, capsys):
+    path = _saved(copy.deepcopy(model), tmp_path / "q")
+    assert cli_main(["convert", str(path), str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert f"(an int8 copy: {model.num_parameters():,} parameters as int8 weights with float32 scales" in out
+    a, b = load_model(path).state_dict(), load_model(tmp_path / "o").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_training_from_an_int8_checkpoint_is_refused_up_front(model, tmp_path, capsys):
+    from gpt2kit.data import write_shard
+
+    path = _saved(model, tmp_path / "q")
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shard(data / "train_000000.bin", torch.randint(0, CFG.n_vocab, (2_000,)).numpy())
+    rc = cli_main(["train", "--model", str(path), "--data", str(data), "--out", str(tmp_path / "o"),
+                   "--max-steps", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert "int8-quantized model (gpt2kit quantize), which is for inference only; training needs the float" in err
+    assert "parameters" not in out + err and "optimizer" not in err
 
 
 def test_unknown_scheme_in_config_and_training_from_int8_are_refused(model, tmp_path):

@@ -387,6 +387,17 @@ def test_fine_tune_a_saved_checkpoint(shards, tmp_path):
     assert _losses(out)[0][1] == pytest.approx(want, abs=1e-5)
 
 
+def test_a_mistyped_model_name_lists_the_presets_and_the_published_names(shards, tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        train(TrainConfig(data=str(shards), out=str(tmp_path / "o"), model="gpt2-huge", max_steps=1))
+    msg = str(e.value)
+    assert "neither a preset to train from scratch (gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-tiny, " \
+           "gpt2-mini)" in msg
+    assert "a published GPT-2 name: gpt2, gpt2-medium, gpt2-large, gpt2-xl, distilgpt2" in msg, msg
+    with pytest.raises(FileNotFoundError, match="did you mean gpt2-tiny"):
+        train(TrainConfig(data=str(shards), out=str(tmp_path / "o"), model="gpt2-tinny", max_steps=1))
+
+
 def test_cli_prepare_then_train(tmp_path, capsys):
     from gpt2kit.cli import main
 

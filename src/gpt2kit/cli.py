@@ -195,7 +195,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise CLIError(f"{args.dst} is the source being converted; write to another directory")
     model = load_model(src, dtype=args.dtype)
     out = save_model(model, dst, tokenizer=load_tokenizer(src))
-    print(f"wrote {out} ({model.num_parameters():,} parameters, {args.dtype or 'float32'})")
+    from gpt2kit.quant import parameter_count, quantization
+
+    q = quantization(model)  # an int8 checkpoint is copied as int8 (docs/quantization.md), not dequantized
+    what = (f"an {q['scheme']} copy: {parameter_count(model):,} parameters as {q['scheme']} weights with "
+            f"{q['scale_dtype']} scales, other tensors {args.dtype or 'float32'}") if q else \
+        f"{model.num_parameters():,} parameters, {args.dtype or 'float32'}"
+    print(f"wrote {out} ({what})")
     return 0
 
 
@@ -248,6 +254,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"parameters: {info['parameters']:,}")
     print(f"dtype:      {info['dtype']}")
     q = info.get("quantization")
+    stored, full = f"{info['weight_bytes'] / 1e6:,.1f} MB as stored", info["parameters"] * 4
+    if q:  # the parameters are the float model's count; the int8 codes and scales are their storage
+        stored += f" ({q['scheme']} codes, scales: {info['weight_bytes'] / full:.0%} of float32's {full / 1e6:,.1f} MB)"
+    print(f"weights:    {stored}")
     if q:
         print(f"quantized:  {q['scheme']} weight-only, per output channel, {q['scale_dtype']} scales, "
               f"LM head {'quantized' if q['lm_head'] else 'not quantized'}")

@@ -24,6 +24,18 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32",
                "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16", "half": "float16"}
 
+# The int8 weight-only scheme's names (gpt2kit.quant has the scheme; torch-free here so that reading a
+# quantized checkpoint's header, as `gpt2kit info` does, needs no torch).
+QUANT_SCHEMES = ("int8",)
+QUANT_SCALE_DTYPES = ("float32", "bfloat16")
+
+
+def check_scheme(scheme: str) -> str:
+    if scheme not in QUANT_SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; valid choices: {', '.join(QUANT_SCHEMES)}")
+    return scheme
+
+
 # Beyond these a config is a typo or an attack, not a model (GPT-2 XL: 48 layers, 1600 wide, 25 heads).
 # Checked before anything is allocated. A loader compares the layer count with the checkpoint before
 # it builds anything, and train sizes a new model against memory, so n_layer's own bound can stay loose.

@@ -27,17 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpt2kit.config import QUANT_SCALE_DTYPES, QUANT_SCHEMES, check_scheme
 from gpt2kit.decode.int8 import int8_linear
 
-SCHEMES = ("int8",)
-SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+__all__ = ["SCALE_DTYPES", "SCHEMES", "QuantEmbedding", "QuantLinear", "check_scheme", "is_quantized",
+           "parameter_count", "quality", "quantization", "quantize_model", "quantize_weight", "quantized_skeleton",
+           "weight_bytes"]
+
+SCHEMES = QUANT_SCHEMES
+SCALE_DTYPES = {name: getattr(torch, name) for name in QUANT_SCALE_DTYPES}
 BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-
-
-def check_scheme(scheme: str) -> str:
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown quantization scheme {scheme!r}; valid choices: {', '.join(SCHEMES)}")
-    return scheme
 
 
 def _scale_dtype(scale_dtype: str | torch.dtype) -> torch.dtype:
@@ -210,6 +209,13 @@ def quantized_skeleton(model: nn.Module, lm_head: bool, scale_dtype: str = "floa
                               device=m.weight.device)
     _swap(model, lm_head, linear, embedding)
     return model
+
+
+def parameter_count(model: nn.Module) -> int:
+    """The parameters the model stands for, as its float model counts them: an int8 code is the
+    weight it stands for, a scale is not a parameter (for a float model: num_parameters())."""
+    codes = sum(m.weight.numel() for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding)))
+    return sum(p.numel() for p in model.parameters()) + codes
 
 
 def weight_bytes(model: nn.Module) -> int:

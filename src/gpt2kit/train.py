@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import errno
 import math
 import os
@@ -52,7 +53,8 @@ import torch
 from torch import nn
 
 from gpt2kit import distributed
-from gpt2kit.checkpoint import load_model, save_model
+from gpt2kit.checkpoint import load_model, resolve_source, save_model
+from gpt2kit.checkpoint.source import HUB_NAMES
 from gpt2kit.config import PRESETS, GPT2Config
 from gpt2kit.data import RandomWindowLoader, ShardLoader, find_shards
 from gpt2kit.distributed import Dist
@@ -233,13 +235,28 @@ def _build_model(cfg: TrainConfig, log: Callable[[str], None], device: torch.dev
     if arch:
         raise ValueError(f"{', '.join(arch)} only apply to from-scratch runs (--model one of "
                          f"{', '.join(PRESETS)}); {cfg.model!r} is a checkpoint to fine-tune")
-    model = load_model(cfg.model, dtype=torch.float32, device="cpu")
+    model = load_model(_fine_tune_source(cfg.model), dtype=torch.float32, device="cpu", allow_int8=False)
     if cfg.dropout is not None and cfg.dropout != model.config.dropout:
         fresh = GPT2(model.config.replace(dropout=cfg.dropout))
         fresh.load_state_dict(model.state_dict())
         model = fresh
     log(f"fine-tuning {cfg.model}: {model.num_parameters() / 1e6:.1f}M parameters")
     return model
+
+
+def _fine_tune_source(name: str) -> Path:
+    """The local directory of the checkpoint to fine-tune; a name that is none names the presets too."""
+    try:
+        return resolve_source(name)[1]
+    except FileNotFoundError as e:
+        if "/" in name or os.sep in name or name.startswith((".", "~")):
+            raise  # a path: its own message says what is missing
+        close = difflib.get_close_matches(name, [*PRESETS, *HUB_NAMES], n=1, cutoff=0.75)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise FileNotFoundError(
+            f"{name}: neither a preset to train from scratch ({', '.join(PRESETS)}) nor a checkpoint to "
+            f"fine-tune (a directory, a published GPT-2 name: {', '.join(HUB_NAMES)}, or a hub id owner/name)"
+            f"{hint}") from e
 
 
 def _make_contiguous(model: nn.Module) -> None:

@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, TypeVar
-
-import torch
 
 from gpt2kit._io import atomic_directory, atomic_write_path, atomic_write_text
 from gpt2kit.checkpoint.contract import TensorInfo
@@ -25,13 +24,20 @@ from gpt2kit.config import GPT2Config
 from gpt2kit.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    import torch
+
     from gpt2kit.model import GPT2
+
+# torch is imported where tensors are read or written, not here: headers (what `gpt2kit info`
+# reads) come from the files alone, so describing a checkpoint costs no torch import.
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_BIN = "pytorch_model.bin"
 TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
 WEIGHT_FILES = (SAFETENSORS, SAFETENSORS_INDEX, TORCH_BIN, TORCH_BIN_INDEX)
+INT8_WEIGHTS = "model.int8.safetensors"  # gpt2kit's int8 format (checkpoint/quantized.py)
+INT8_KEY = "gpt2kit_quantization"  # config.json's entry naming the int8 scheme
 
 # What makes up a model in a directory: replaced as a whole by a save; anything else in the
 # directory (a training run's checkpoint.pt, metrics, notes) is carried over untouched.
@@ -41,6 +47,8 @@ _MODEL_FILE = re.compile(
     r"|pytorch_model(-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index\.json|vocab\.json|merges\.txt"
     r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|added_tokens\.json)$")
 
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+               "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
                        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
                        "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
@@ -72,6 +80,8 @@ def read_header(path: Path) -> tuple[GPT2Config, dict[str, TensorInfo]]:
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor, renamed to our names and laid out as nn.Linear holds them."""
+    import torch
+
     tensors, tied = _collect(path, _read_weight_file)
     out = {name: (t.t() if is_transposed(name) and t.dim() == 2 else t) for name, (t, _) in tensors.items()}
     for key, (head, file) in tied.items():
@@ -116,6 +126,11 @@ def _weight_files(path: Path) -> list[Path]:
     for name in (SAFETENSORS, TORCH_BIN):
         if (path / name).is_file():
             return [path / name]
+    if (path / INT8_WEIGHTS).is_file():
+        raise CheckpointError(
+            f"{path}: holds {INT8_WEIGHTS} (gpt2kit's int8 weights) but config.json has no \"{INT8_KEY}\" entry "
+            f"naming the scheme it was written with, e.g. {{\"scheme\": \"int8\", \"lm_head\": true, "
+            f"\"scale_dtype\": \"float32\"}}; restore it from the config `gpt2kit quantize` wrote")
     raise CheckpointError(
         f"{path}: no weights found; expected one of {', '.join(WEIGHT_FILES)} next to config.json")
 
@@ -157,20 +172,57 @@ def require_readable(file: Path) -> None:
 def _file_header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     require_readable(file)
     if file.suffix == ".safetensors":
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(file, framework="pt") as f:
-                out = {}
-                for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    s = f.get_slice(key)
-                    out[key] = (tuple(s.get_shape()), _SAFETENSORS_DTYPES.get(s.get_dtype(), s.get_dtype().lower()))
-                return out
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{file}: cannot read safetensors file ({e}); is it truncated or corrupt?") from None
+        return safetensors_header(file)
     # A .bin has no header: map it (tensor data is paged in only if touched) and read the shapes.
     data = _torch_load(file, mmap=True)
     return {k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in data.items()}
+
+
+_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+
+
+def safetensors_header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{key: (shape, dtype)} from a safetensors file's JSON header alone (no torch, no tensor data).
+
+    Checked as safetensors checks it: a header that fits the file, every tensor's byte range
+    inside the data and of the size its shape and dtype need, so a truncated file is named here."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{file}: cannot read safetensors file ({why}); is it truncated or corrupt?")
+
+    try:
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise bad("shorter than its 8-byte header length")
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(_MAX_HEADER, size - 8):
+                raise bad(f"a header of {n:,} bytes in a file of {size:,}")
+            header = json.loads(f.read(n).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"the header is not JSON: {e}") from None
+    except OSError as e:
+        raise bad(str(e)) from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    data = size - 8 - n
+    out = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            itemsize = DTYPE_BYTES[_SAFETENSORS_DTYPES[dtype]]
+            if not all(isinstance(d, int) and d >= 0 for d in (*shape, start, end)):
+                raise TypeError
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {key!r} has a malformed entry {entry!r}") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end > data or end - start != numel * itemsize:
+            raise bad(f"tensor {key!r} lies at bytes {start}..{end} of {data:,} data bytes")
+        out[key] = (shape, _SAFETENSORS_DTYPES[dtype])
+    return out
 
 
 def _read_weight_file(file: Path) -> dict[str, torch.Tensor]:
@@ -187,6 +239,8 @@ def _read_weight_file(file: Path) -> dict[str, torch.Tensor]:
 
 
 def _torch_load(file: Path, *, mmap: bool) -> dict[str, torch.Tensor]:
+    import torch
+
     try:
         try:
             data = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)

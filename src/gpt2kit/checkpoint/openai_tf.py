@@ -9,14 +9,16 @@ index only) and `read_tensors`, keyed by our names in our layout.
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from gpt2kit.checkpoint.contract import TensorInfo
 from gpt2kit.checkpoint.errors import CheckpointError
 from gpt2kit.checkpoint.keymap import is_transposed, tf_to_ours
 from gpt2kit.checkpoint.tf_bundle import checkpoint_prefix, list_tf_checkpoint, read_tf_checkpoint
 from gpt2kit.config import GPT2Config
+
+if TYPE_CHECKING:
+    import torch  # imported where tensors are read: the header (gpt2kit info) needs none
 
 __all__ = ["checkpoint_prefix", "is_openai_dir", "read_header", "read_tensors"]
 
@@ -55,6 +57,8 @@ def read_header(path: Path) -> tuple[GPT2Config, dict[str, TensorInfo]]:
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor, renamed to our names and laid out as nn.Linear holds them."""
+    import torch
+
     prefix = _prefix(path)
     out: dict[str, torch.Tensor] = {}
     for tf_name, array in read_tf_checkpoint(prefix).items():

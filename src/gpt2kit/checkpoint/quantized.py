@@ -7,9 +7,10 @@ as in the model), generation_config.json and the tokenizer files. The weights fi
 model.safetensors on purpose: transformers and other HF readers then report a missing weights file
 instead of loading int8 codes as if they were float weights.
 
-Loading is as strict as every other format: every tensor is read and checked (names, shapes,
-dtypes: int8 where the scheme puts int8, finite positive scales) against a quantized skeleton of
-the config on the meta device before the model is built, so nothing half-loaded is ever returned.
+Loading is as strict as every other format: the safetensors header is checked against the config
+by arithmetic first (int8_format.py: layer count, names, shapes, dtypes: int8 where the scheme puts
+int8), then every tensor is read and checked (finite; scales positive, 127 x scale finite) before
+the model is built, so nothing half-loaded is ever returned.
 Saving then loading gives the same tensors bit for bit.
 """
 
@@ -22,37 +23,16 @@ from pathlib import Path
 import torch
 
 from gpt2kit._io import atomic_directory, atomic_write, atomic_write_text
+from gpt2kit.checkpoint.contract import check_finite
 from gpt2kit.checkpoint.errors import CheckpointError
 from gpt2kit.checkpoint.hf import is_model_file
+from gpt2kit.checkpoint.int8_format import KEY, WEIGHTS, read_header, read_scheme
 from gpt2kit.config import GPT2Config
 from gpt2kit.model import GPT2
-from gpt2kit.quant import SCALE_DTYPES, check_scheme, quantization, quantized_skeleton
+from gpt2kit.quant import quantization, quantized_skeleton
 from gpt2kit.tokenizer import Tokenizer
 
-WEIGHTS = "model.int8.safetensors"
-KEY = "gpt2kit_quantization"
-
-
-def read_scheme(path: Path) -> dict | None:
-    """The quantization config.json records for an HF-style directory, or None for a float one."""
-    try:
-        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return None  # the float reader reports unreadable configs, with the file and the byte
-    q = raw.get(KEY) if isinstance(raw, dict) else None
-    if q is None:
-        return None
-
-    if not isinstance(q, dict):
-        raise CheckpointError(f"{path / 'config.json'}: {KEY} must be an object, got {q!r}")
-    try:
-        check_scheme(q.get("scheme"))
-    except ValueError as e:
-        raise CheckpointError(f"{path / 'config.json'}: {e}") from None
-    if not isinstance(q.get("lm_head"), bool) or q.get("scale_dtype") not in SCALE_DTYPES:
-        raise CheckpointError(f"{path / 'config.json'}: {KEY} needs lm_head (true/false) and scale_dtype "
-                              f"({', '.join(SCALE_DTYPES)}), got {q!r}")
-    return q
+__all__ = ["KEY", "WEIGHTS", "load", "read_scheme", "read_state", "save"]
 
 
 def _skeleton(config: GPT2Config, scheme: dict):
@@ -61,37 +41,25 @@ def _skeleton(config: GPT2Config, scheme: dict):
 
 
 def read_state(path: Path) -> tuple[GPT2Config, dict, dict[str, torch.Tensor]]:
-    """(config, scheme, state dict) of a quantized directory, every tensor checked."""
+    """(config, scheme, state dict) of a quantized directory: the header checked against the config
+    first (int8_format.read_header), then every tensor read and checked to be finite, and every
+    scale positive with 127 x scale finite in float32 (the weights it stands for)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    scheme = read_scheme(path)
-    config = GPT2Config.from_hf(path / "config.json")
+    config, scheme, infos = read_header(path)
     file = path / WEIGHTS
-    if not file.is_file():
-        raise CheckpointError(f"{path}: config.json records {scheme['scheme']} quantization but {WEIGHTS} is missing")
     try:
         state = load_file(file)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{file}: cannot read safetensors file ({e}); is it truncated or corrupt?") from None
-    expected = _skeleton(config, scheme).state_dict()
-    missing = [k for k in expected if k not in state]
-    if missing:
-        raise CheckpointError(f"{file}: missing tensor(s): {', '.join(missing)}")
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        raise CheckpointError(f"{file}: unexpected tensor(s): {', '.join(unexpected)}")
-    for k, want in expected.items():
-        t = state[k]
-        if t.shape != want.shape:
-            raise CheckpointError(
-                f"{file}: tensor {k} has shape {tuple(t.shape)}, the config needs {tuple(want.shape)}")
-        if want.dtype == torch.int8 and t.dtype != torch.int8:
-            raise CheckpointError(f"{file}: tensor {k} has dtype {t.dtype}, the int8 scheme needs int8")
-        if want.dtype != torch.int8 and not t.dtype.is_floating_point:
-            raise CheckpointError(f"{file}: tensor {k} has dtype {t.dtype}, expected a floating-point tensor")
-        if k.endswith(".scale") and not bool(torch.isfinite(t).all() and (t > 0).all()):
-            raise CheckpointError(f"{file}: tensor {k} has scales that are not finite and positive")
+    if set(state) != set(infos):  # the data must say what its header said
+        raise CheckpointError(f"{file}: the tensors read differ from those its header lists")
+    check_finite(state, dict.fromkeys(state, file))
+    for k, t in state.items():
+        if k.endswith(".scale") and not bool(((t > 0) & (t.float() * 127).isfinite()).all()):
+            raise CheckpointError(f"{file}: tensor {k} has scales that are not finite and positive "
+                                  "(or so large that 127 x scale, the largest weight, overflows float32)")
     return config, scheme, state
 
 
