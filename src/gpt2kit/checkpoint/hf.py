@@ -211,7 +211,7 @@ def safetensors_header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
             continue
         try:
             dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            itemsize = DTYPE_BYTES[_SAFETENSORS_DTYPES[dtype]]
+            dtype = _SAFETENSORS_DTYPES.get(dtype, str(dtype).lower())  # an unknown one is refused by the check
             if not all(isinstance(d, int) and d >= 0 for d in (*shape, start, end)):
                 raise TypeError
         except (KeyError, TypeError, ValueError):
@@ -219,9 +219,10 @@ def safetensors_header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
         numel = 1
         for d in shape:
             numel *= d
-        if end > data or end - start != numel * itemsize:
+        itemsize = DTYPE_BYTES.get(dtype)
+        if end > data or start > end or (itemsize is not None and end - start != numel * itemsize):
             raise bad(f"tensor {key!r} lies at bytes {start}..{end} of {data:,} data bytes")
-        out[key] = (shape, _SAFETENSORS_DTYPES[dtype])
+        out[key] = (shape, dtype)
     return out
 
 
