@@ -259,7 +259,7 @@ def test_api_key_from_the_environment_is_not_on_the_command_line(model_dir):
         proc.stop()
 
 
-def test_api_key_sources(tmp_path, capsys):
+def test_api_key_sources(tmp_path, capsys, monkeypatch):
     f = tmp_path / "key"
     f.write_text("file-s3cret\n")
     f.chmod(0o600)
@@ -276,16 +276,12 @@ def test_api_key_sources(tmp_path, capsys):
     f.chmod(0o644)
     from gpt2kit.cli import main
 
-    env_key = os.environ.pop("GPT2KIT_API_KEY", None)
-    try:
-        assert main(["serve", "--model", "/no/such/model", "--port", "0", "--api-key-file", str(f)]) == 1
-        err = capsys.readouterr().err
-        assert "readable by other users" in err and "chmod 600" in err
-        assert main(["serve", "--model", "/no/such/model", "--api-key-file", str(tmp_path / "nope")]) == 1
-        assert "cannot read the API key file" in capsys.readouterr().err.strip().splitlines()[-1]
-    finally:
-        if env_key is not None:
-            os.environ["GPT2KIT_API_KEY"] = env_key
+    monkeypatch.delenv("GPT2KIT_API_KEY", raising=False)
+    assert main(["serve", "--model", "/no/such/model", "--port", "0", "--api-key-file", str(f)]) == 1
+    err = capsys.readouterr().err
+    assert "readable by other users" in err and "chmod 600" in err
+    assert main(["serve", "--model", "/no/such/model", "--api-key-file", str(tmp_path / "nope")]) == 1
+    assert "cannot read the API key file" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 # --- 4. the Host check ----------------------------------------------------------------------------
