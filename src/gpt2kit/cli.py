@@ -641,8 +641,9 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most (default 8)")
     p.add_argument("--max-queue", type=int, default=64, help="rows waiting at most; beyond: 429 (default 64)")
     p.add_argument("--max-tokens-per-request", type=int, default=None, help="cap on max_tokens (default: n_ctx)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health); "
-                   "visible in the process list: prefer --api-key-file or $GPT2KIT_API_KEY")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (all but /health); visible in the process list: "
+                        "prefer --api-key-file or $GPT2KIT_API_KEY")
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="read the API key from PATH (one line; keep it chmod 600)")
     p.add_argument("--allowed-hosts", default=None, metavar="NAMES",

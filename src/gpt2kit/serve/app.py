@@ -504,7 +504,7 @@ class Server:
             yield f"data: {json.dumps(error_body(e.status, e.message, e.param, e.code))}\n\n"
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:  # Starlette saw the client leave (or uvicorn gave up at shutdown)
-            self.cancel(job, "stream cancelled")
+            self.cancel(job, "stream cancelled (client gone, or the server stopping)")
             raise
         finally:
             self.cancel(job)
