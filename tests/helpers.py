@@ -113,16 +113,15 @@ def varied_model(cfg: GPT2Config = SMALL, seed: int = 0, scale: float = 2.0) -> 
 @contextlib.contextmanager
 def live_server(loader, opts=None, *, wait_ready: bool = True):
     import httpx
-    import uvicorn
 
-    from gpt2kit.serve import create_app
+    from gpt2kit.serve import create_app, make_server
 
     app = create_app(loader, opts)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    server = make_server(app, log_level="warning")  # the CLI's server: its timeouts, drain and Host check
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

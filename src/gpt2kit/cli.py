@@ -603,12 +603,16 @@ def _register_trace(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError:
-        raise CLIError("gpt2kit serve needs FastAPI and uvicorn: pip install 'gpt2kit[serve]'") from None
+    import importlib
+
+    for module in ("fastapi", "uvicorn", "prometheus_client"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise CLIError(f"gpt2kit serve needs FastAPI, uvicorn and prometheus_client ({module} is missing): "
+                           f"pip install 'gpt2kit[serve]'") from None
     from gpt2kit.serve import ServeOptions, serve
+    from gpt2kit.serve.auth import resolve_api_key
 
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue)):
         if value < (1 if flag == "--max-batch" else 0):
@@ -620,10 +624,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         check_scheme(args.quantize)  # before the "loading" line
     template = _read_text(args.chat_template) if args.chat_template is not None else None
+    api_key, warnings = resolve_api_key(args.api_key, args.api_key_file)
+    for w in warnings:
+        print(f"gpt2kit serve: warning: {w}", file=sys.stderr)
+    hosts = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     opts = ServeOptions(served_model_name=args.served_model_name or args.model, max_batch=args.max_batch,
                         max_queue=args.max_queue, max_tokens_per_request=args.max_tokens_per_request,
-                        api_key=args.api_key, chat_template=template,
-                        pack_weights=False if args.no_pack_weights else None)
+                        api_key=api_key, chat_template=template,
+                        pack_weights=False if args.no_pack_weights else None, shutdown_grace=args.shutdown_grace,
+                        read_timeout=args.read_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                        allowed_hosts=hosts)
     print(f"gpt2kit serve: loading {args.model} as {opts.served_model_name!r} on http://{args.host}:{args.port}"
           f" (/health answers 503 until it is ready)", file=sys.stderr, flush=True)
     serve(args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device, opts=opts,
@@ -639,7 +649,21 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most (default 8)")
     p.add_argument("--max-queue", type=int, default=64, help="rows waiting at most; beyond: 429 (default 64)")
     p.add_argument("--max-tokens-per-request", type=int, default=None, help="cap on max_tokens (default: n_ctx)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (all but /health); visible in the process list: "
+                        "prefer --api-key-file or $GPT2KIT_API_KEY")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from PATH (one line; keep it chmod 600)")
+    p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                   help="comma list of Host names (name or name:port) accepted besides localhost, 127.0.0.1 and "
+                        "[::1]; checked on loopback addresses always, elsewhere only if given; '*': any")
+    p.add_argument("--shutdown-grace", type=float, default=20.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT: refuse new requests (503) and let in-flight ones finish for up to "
+                        "SECONDS, then end them with an error (default 20)")
+    p.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request's headers, then its body, must arrive within SECONDS, else 408 (default 30)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="close a connection idle this long after a response (default 5)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja2 template over `messages`: enables /v1/chat/completions")

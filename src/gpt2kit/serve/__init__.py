@@ -12,18 +12,18 @@ from __future__ import annotations
 import socket
 
 from gpt2kit.serve.app import ServeOptions, create_app
+from gpt2kit.serve.runner import make_server
 
-__all__ = ["ServeOptions", "create_app", "serve"]
+__all__ = ["ServeOptions", "create_app", "make_server", "serve"]
 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
           device: str | None = None, opts: ServeOptions | None = None, log_level: str = "info",
           sock: socket.socket | None = None, quantize: str | None = None) -> None:
     """Load checkpoint `model` (in the background: /health answers 503 until it is ready) and serve
-    it until interrupted. A model that fails to load stops the server and raises here. quantize:
-    "int8" quantizes the loaded weights (gpt2kit.quant, LM head included; docs/quantization.md)."""
-    import uvicorn
-
+    it until interrupted (SIGTERM/SIGINT: a drain of opts.shutdown_grace seconds, docs/serving.md).
+    A model that fails to load stops the server and raises here. quantize: "int8" quantizes the
+    loaded weights (gpt2kit.quant, LM head included; docs/quantization.md)."""
     from gpt2kit.checkpoint import load_model, load_tokenizer
 
     if quantize is not None:
@@ -40,8 +40,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str |
         return m, load_tokenizer(model)
 
     app = create_app(loader, opts)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+    server = make_server(app, host=host, port=port, log_level=log_level)
 
     def failed(exc: BaseException) -> None:
         server.should_exit = True

@@ -33,6 +33,8 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 import gpt2kit.serve.schemas as S
 from gpt2kit.serve.errors import APIError, error_body, install
+from gpt2kit.serve.gate import Gate
+from gpt2kit.serve.lifecycle import DISCONNECTED, SHUTDOWN, Lifecycle
 from gpt2kit.serve.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -65,6 +67,19 @@ class ServeOptions:
     chat_template: str | None = None  # the template's text (Jinja2), or None: no chat endpoint
     max_body_bytes: int = 1 << 20
     pack_weights: bool | None = None
+    # Connection lifecycle (serve/gate.py, serve/runner.py; docs/serving.md): seconds.
+    shutdown_grace: float = 20.0  # after SIGTERM: in-flight requests may finish; then they are ended
+    read_timeout: float = 30.0  # for a request's headers, then again for its body
+    keep_alive_timeout: float = 5.0  # an idle connection after a response
+    allowed_hosts: tuple[str, ...] = ()  # Host names besides the loopback ones; "*": any
+
+    def __post_init__(self) -> None:
+        for name, least in (("shutdown_grace", 0.0), ("read_timeout", 1e-3), ("keep_alive_timeout", 1e-3)):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not least <= value < float("inf"):
+                raise ValueError(f"ServeOptions.{name} must be a finite number of seconds >= {least:g}, "
+                                 f"got {value!r}")
+        self.allowed_hosts = tuple(self.allowed_hosts)
 
 
 # --- per-request state ------------------------------------------------------------------------
@@ -100,6 +115,7 @@ class _Job:
     choices: dict[Row, _Choice] = field(default_factory=dict)
     pending: set = field(default_factory=set)
     first_token: bool = False
+    watcher: asyncio.Task | None = None  # waits for the client to disconnect (serve/lifecycle.py)
 
 
 class _Offsets:
@@ -155,6 +171,7 @@ class Server:
         self.on_load_error: Callable[[BaseException], None] | None = None
         self.outstanding = 0  # rows admitted and not finished (event-loop thread only)
         self.started = int(time.time())
+        self.life = Lifecycle()
         self.aloop: asyncio.AbstractEventLoop | None = None
         self.metrics = Metrics(lambda: self.engine_loop.engine.n_running if self.engine_loop else 0,
                                lambda: self.engine_loop.engine.n_waiting if self.engine_loop else 0)
@@ -328,27 +345,36 @@ class Server:
             ids.append(t)
         return ids, texts
 
-    def cancel(self, job: _Job) -> None:
+    def cancel(self, job: _Job, why: str | None = None) -> None:
+        """Drop the job's unfinished rows (the engine leaves them at its next step); why: logged
+        as one line when rows were still running."""
+        if job.watcher is not None:
+            job.watcher.cancel()
+        if why is not None and job.pending:
+            log.info("%s: %s; cancelled %d unfinished row(s)", job.id, why, len(job.pending))
         for row in job.pending:
             self.engine_loop.cancel(row)
         self.outstanding -= len(job.pending)
         job.pending = set()
 
     async def next_event(self, job: _Job, request: Request):
-        """The job's next row event; cancels the job and raises if the client went away."""
-        while True:
-            try:
-                ev = await asyncio.wait_for(job.queue.get(), 0.1)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self.cancel(job)
-                    raise asyncio.CancelledError from None
-                continue
-            if isinstance(ev, tuple):  # (row, exception) from a failed step
-                self.cancel(job)
-                raise APIError(500, "generation failed", code="internal_error")
-            self._account(job, ev)
-            return ev
+        """The job's next row event; cancels the job and raises APIError if the client went away
+        (noticed at once: a watcher waits on the connection) or the shutdown grace ran out."""
+        if job.watcher is None:
+            job.watcher = self.life.watch(request.receive, job.queue)
+        ev = await job.queue.get()
+        if ev is DISCONNECTED:
+            self.cancel(job, "client disconnected")
+            raise APIError(499, "the client disconnected", code="client_disconnected")  # sent to no one
+        if ev is SHUTDOWN:
+            self.cancel(job, "the server's shutdown grace ran out")
+            raise APIError(503, "the server shut down before this request finished (its --shutdown-grace ran "
+                                "out); retry", code="server_shutting_down")
+        if isinstance(ev, tuple):  # (row, exception) from a failed step
+            self.cancel(job)
+            raise APIError(500, "generation failed", code="internal_error")
+        self._account(job, ev)
+        return ev
 
     def _account(self, job: _Job, ev: RowEvent) -> None:
         now = time.monotonic()
@@ -474,8 +500,12 @@ class Server:
             if include_usage:
                 yield chunk([], self.usage(job))
             yield "data: [DONE]\n\n"
-        except APIError as e:
+        except APIError as e:  # an error event, then [DONE]: the stream ends as every stream does
             yield f"data: {json.dumps(error_body(e.status, e.message, e.param, e.code))}\n\n"
+            yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:  # Starlette saw the client leave (or uvicorn gave up at shutdown)
+            self.cancel(job, "stream cancelled (client gone, or the server stopping)")
+            raise
         finally:
             self.cancel(job)
 
@@ -642,6 +672,7 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
         return app.openapi_schema
 
     app.openapi = openapi
+    app.add_middleware(Gate, server=server)  # inside _Guard: its answers are counted and need the key
     app.add_middleware(_Guard, server=server)
     return app
 
