@@ -181,7 +181,7 @@ def test_openai_dir_tokenizer_files_win(tmp_path):
     d = tmp_path / "124M"
     shutil.copytree(FIXTURE_TF, d)
     assert load_tokenizer(d).encode("Hello world") == [15496, 995]  # packaged files
-    pkg = Path(__file__).parents[1] / "src" / "gpt2kit" / "data"
+    pkg = Path(__file__).parents[1] / "src" / "gpt2kit" / "vocab"
     (d / "vocab.bpe").write_text((pkg / "vocab.bpe").read_text(encoding="utf-8"), encoding="utf-8")
     (d / "encoder.json").write_text("{broken", encoding="utf-8")
     with pytest.raises(ValueError, match="encoder.json"):

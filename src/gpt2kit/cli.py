@@ -279,7 +279,7 @@ def _one_line_warnings(command: str) -> Iterator[None]:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from gpt2kit.data import prepare
+    from gpt2kit.data.corpus import prepare
 
     with _one_line_warnings("prepare"):
         s = prepare(args.inputs, args.out, val_fraction=args.val_fraction, glob=args.glob,
