@@ -615,9 +615,9 @@ def test_a_lock_held_on_a_file_in_the_dir_survives_a_save(tmp_path):
 
     d = tmp_path / "run"
     d.mkdir()
-    lock = open(d / ".lock", "w")  # noqa: SIM115
+    lock = open(d / ".lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    metrics = open(d / "metrics.jsonl", "a")  # noqa: SIM115
+    metrics = open(d / "metrics.jsonl", "a")
     try:
         save_model(random_model(TINY), d)
         save_model(random_model(TINY, seed=3), d)

@@ -162,7 +162,7 @@ def _file_header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
         try:
             with safe_open(file, framework="pt") as f:
                 out = {}
-                for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                for key in f.keys():  # safe_open is not a dict
                     s = f.get_slice(key)
                     out[key] = (tuple(s.get_shape()), _SAFETENSORS_DTYPES.get(s.get_dtype(), s.get_dtype().lower()))
                 return out
