@@ -546,7 +546,6 @@ def test_checkpoint_api_is_typed_and_its_init_only_reexports():
     assert all(getattr(obj, "__module__", "") != "gpt2kit.checkpoint" for obj in public)
 
 
-@pytest.mark.slow
 def test_kill_9_during_saves_leaves_one_whole_model(tmp_path):
     """A writer killed at arbitrary moments while replacing a model: the directory always loads as
     exactly one of the two models, and the next save clears what the dead writer left."""

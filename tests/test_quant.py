@@ -577,7 +577,6 @@ def trained():
     return model, windows
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kernel", [None, "native-avx2", "i8pack-bf16"])
 @pytest.mark.parametrize("lm_head", [False, True])
 def test_quality_gate_on_a_trained_model(trained, lm_head, kernel, monkeypatch):
