@@ -558,6 +558,8 @@ def test_cli_bad_values_one_line_nonzero(capsys, monkeypatch, model_dir, tmp_pat
 
 def test_bench_transformers_copy_and_table(model):
     from gpt2kit.bench import core as bench
+    from gpt2kit.bench.report import format_table
+    from gpt2kit.bench.timing import time_alternating
 
     hf = bench.to_transformers(model)
     ids = torch.tensor([PROMPTS[2]])
@@ -567,7 +569,7 @@ def test_bench_transformers_copy_and_table(model):
     bench.hf_decode(hf, ids, 5, out)()
     assert out == [generate(model, [PROMPTS[2]], SamplingSettings(temperature=0, max_new_tokens=5,
                                                                   stop_token_ids=()))[0].tokens]
-    timings = bench.time_alternating({"a": lambda: None, "b": lambda: sum(range(1000))}, trials=2, max_trials=3)
+    timings = time_alternating({"a": lambda: None, "b": lambda: sum(range(1000))}, trials=2, max_trials=3)
     assert set(timings) == {"a", "b"} and all(t.trials >= 2 and t.seconds < 1 for t in timings.values())
     assert bench.weight_bytes_per_token(model) == 4 * (model.num_parameters() - model.wpe.weight[1:].numel())
     tok_s = {wl: {"transformers/float32": 10.0, "gpt2kit/float32": 12.0, "gpt2kit/bfloat16": 20.0}
@@ -577,7 +579,7 @@ def test_bench_transformers_copy_and_table(model):
             "peak_MiB": {"transformers/float32": 100.0, "gpt2kit/float32": 90.0, "gpt2kit/bfloat16": 50.0},
             "limit_tok_s": {"float32": 40.0, "bfloat16": 80.0}, "bytes_per_token": {"float32": 5e8, "bfloat16": 2.5e8},
             "bandwidth_GBs": 20.0, "dlogprob_next": 1e-3, "dlogprob_vocab": 2e-3, "greedy_identical": True}
-    table = bench.format_table(fake)
+    table = format_table(fake)
     assert "| decode tok/s, batch 1 (128 new) | 10.0 | 12.0 | 1.20x | 20.0 | 2.00x |" in table
     assert "decode_b1 float32 1.20x >= 1.1" in table and "decode_b8 float32 1.20x < 1.6" in table
 
@@ -592,13 +594,14 @@ def test_cli_bench_bad_threads(capsys):
 
 def test_bench_full_run_on_a_tiny_model():
     from gpt2kit.bench import core as bench
+    from gpt2kit.bench.report import format_table
 
     cfg = GPT2Config(n_vocab=50257, n_ctx=64, n_embd=32, n_head=4, n_layer=2)
     r = bench.run(quick=True, memory=False, config=cfg, log=lambda s: None, device="cpu")
     assert r["T"] == 64 and r["new_tokens"] == 32 and r["greedy_identical"]
     assert all(v > 0 for wl in r["tok_s"].values() for v in wl.values())
     assert r["machine"]["device_type"] == "cpu" and r["bandwidth_GBs"] > 0
-    assert "| prefill tok/s (T=64) |" in bench.format_table(r)
+    assert "| prefill tok/s (T=64) |" in format_table(r)
 
 
 @pytest.mark.parametrize("device,needle", [("cuda", "CUDA is not available"), ("tpu", "not a device")])

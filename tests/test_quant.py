@@ -700,7 +700,6 @@ def trained():
     return model, windows
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kernel", [None, "native-avx2", "i8pack-bf16"])
 @pytest.mark.parametrize("lm_head", [False, True])
 def test_quality_gate_on_a_trained_model(trained, lm_head, kernel, monkeypatch):
@@ -725,13 +724,14 @@ def test_quality_gate_on_a_trained_model(trained, lm_head, kernel, monkeypatch):
 
 def test_bench_int8_column_on_a_tiny_model():
     from gpt2kit.bench import core as bench
+    from gpt2kit.bench.report import format_table
 
     cfg = GPT2Config(n_vocab=50257, n_ctx=64, n_embd=64, n_head=4, n_layer=2)
     r = bench.run(quick=True, memory=False, config=cfg, log=lambda s: None, device="cpu", quantize="int8")
     assert all(r["tok_s"][wl]["gpt2kit/int8"] > 0 for wl in ("prefill", "decode_b1", "decode_b8"))
     assert r["weight_MB"]["int8"] <= 0.30 * r["weight_MB"]["float32"]
     assert r["bytes_per_token"]["int8"] < 0.3 * r["bytes_per_token"]["float32"]
-    table = bench.format_table(r)
+    table = format_table(r)
     assert "| gpt2kit int8 | ratio | quiet trials |" in table and "decode_b1 int8" in table
     assert "physical limit" in table and "weight memory" in table
     with pytest.raises(ValueError, match="unknown quantization scheme 'int2'"):

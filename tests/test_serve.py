@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 import torch  # noqa: E402
 from helpers import (  # noqa: E402
     SMALL,
-    live_server,  # noqa: E402
+    live_server,
     varied_model,
 )
 

@@ -112,7 +112,6 @@ def test_cli_trace_bad_input_is_one_line(model_dir, tmp_path, capsys, monkeypatc
     assert not (tmp_path / "x.html").exists()
 
 
-@pytest.mark.slow
 def test_report_size_for_gpt2_small_at_64_tokens():
     """64 tokens through a gpt2-124M-sized network: at most 3 MB of HTML."""
     from gpt2kit.model import GPT2

@@ -327,7 +327,6 @@ def test_ctrl_c_saves_a_checkpoint_then_resume_continues(shards, tmp_path):
 # --- data parallel ----------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_two_ranks_match_one_process(shards, tmp_path, optimizer):
     """torchrun with 2 gloo ranks x batch 2 == 1 process x batch 4 (same global batch, 2 micro-steps).

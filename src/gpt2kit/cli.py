@@ -287,7 +287,7 @@ def _one_line_warnings(command: str) -> Iterator[None]:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from gpt2kit.data import prepare
+    from gpt2kit.data.corpus import prepare
 
     with _one_line_warnings("prepare"):
         s = prepare(args.inputs, args.out, val_fraction=args.val_fraction, glob=args.glob,
@@ -725,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`gpt2kit tokenize big.txt | head`): stop quietly
         _detach_stdout()
         return 141  # what a shell reports for a process ended by SIGPIPE (128 + 13)
-    except Exception as e:  # noqa: BLE001 - the CLI's one place that turns errors into exit codes
+    except Exception as e:  # the CLI's one place that turns errors into exit codes
         if debug:
             raise
         print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)

@@ -436,12 +436,12 @@ class EngineLoop:
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn(*args, **kwargs))
-                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    except BaseException as e:  # handed to the caller
                         fut.set_exception(e)
             if self.engine.has_work:
                 try:
                     events = self.engine.step()
-                except Exception as e:  # noqa: BLE001 - fail the rows, keep serving
+                except Exception as e:  # fail the rows, keep serving
                     self.on_error(self.engine.reset(), e)
                     continue
                 self.on_events(events)

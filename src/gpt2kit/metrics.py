@@ -42,7 +42,7 @@ class Metrics:
                     lines.append(line)
                     self._remember(rec)
         atomic_write(self.path, lambda f: f.write("".join(x + "\n" for x in lines).encode()))
-        self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.file = open(self.path, "a", encoding="utf-8")  # closed in close()
 
     def _remember(self, rec: dict[str, Any]) -> None:
         if rec.get("loss") is not None:

@@ -52,7 +52,7 @@ class SamplingSettings:
     num_samples: int = 1  # rows per prompt
     strict: bool = False  # past n_ctx: raise up front instead of re-encoding a window
     window: int | None = None  # tokens kept when re-encoding past n_ctx; None = n_ctx // 2
-    # CPU decode steps with oneDNN-prepacked copies of the weight matrices (gpt2kit.packed: faster,
+    # CPU decode steps with oneDNN-prepacked copies of the weight matrices (gpt2kit.decode.packed: faster,
     # a second copy of them in memory); None = where it is faster and the copy fits, True/False.
     pack_weights: bool | None = None
 

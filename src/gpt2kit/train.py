@@ -56,7 +56,8 @@ from gpt2kit import distributed
 from gpt2kit.checkpoint import load_model, resolve_source, save_model
 from gpt2kit.checkpoint.source import HUB_NAMES
 from gpt2kit.config import PRESETS, GPT2Config
-from gpt2kit.data import RandomWindowLoader, ShardLoader, find_shards
+from gpt2kit.data.loaders import RandomWindowLoader, ShardLoader
+from gpt2kit.data.shard import find_shards
 from gpt2kit.distributed import Dist
 from gpt2kit.loss import TrainingLoss
 from gpt2kit.metrics import PLOT_NAME, Metrics, Reporter

@@ -1,4 +1,5 @@
-"""`gpt2kit bench`: generation speed against transformers, side by side (the measurement: core.py).
+"""`gpt2kit bench`: generation speed against transformers, side by side (measured by core.py,
+timed by timing.py, printed by report.py).
 
 This module owns the command's options and is light to import (no torch), so the CLI can build its
 parser without loading the benchmark; `python -m gpt2kit.bench` runs it on its own too.

@@ -192,7 +192,7 @@ class Server:
             self.engine_loop = EngineLoop(engine, self._on_events, self._on_error).start()
             self.model, self.tokenizer = model, tokenizer
             self.ready = True
-        except Exception as e:  # noqa: BLE001 - reported by /health and to the CLI
+        except Exception as e:  # reported by /health and to the CLI
             self.load_error = e
             if self.on_load_error is not None:
                 self.on_load_error(e)
@@ -694,6 +694,6 @@ def _render_chat(template: str, body: S.ChatRequest) -> str:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(template).render(messages=[m.model_dump() for m in body.messages],
                                                 add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001 - a template error is the request's (or the operator's) problem
+    except Exception as e:  # a template error is the request's (or the operator's) problem
         raise APIError(400, f"the chat template failed on these messages: {type(e).__name__}: {e}",
                        param="messages") from None
