@@ -149,3 +149,18 @@ def test_engine_loop_reports_a_failed_row_alone():
     assert [(rows, type(e)) for rows, e in errors] == [([bad], ValueError)]
     assert sorted(finished, key=id) == sorted(good, key=id)
     assert [r.tokens for r in good] == [_alone(model, p, s) for p, s in zip(PROMPTS[1:3], SETTINGS[:2], strict=True)]
+
+
+def test_a_hooked_model_keeps_rows_that_fit_when_the_padded_width_reaches_n_ctx():
+    """A long row joins a short one and leaves early; the short one goes on until the cache's padded
+    width would pass n_ctx. A hooked model decodes through its own forward, which refused that
+    width (ValueError for every row) before the cache was trimmed there."""
+    model = varied_model(SMALL, seed=0)
+    model.wte.register_forward_hook(lambda *a: None)
+    short_s = SamplingSettings(temperature=0, max_new_tokens=40, stop_token_ids=())
+    long_s = SamplingSettings(temperature=0, max_new_tokens=3, stop_token_ids=())
+    engine = Engine(model)
+    short, long = engine.new_row([15496], short_s), engine.new_row(list(range(300, 350)), long_s)
+    _run(engine, {0: [short], 2: [long]})
+    assert long.tokens == _alone(model, list(range(300, 350)), long_s)
+    assert short.finish_reason == "length" and short.tokens == _alone(model, [15496], short_s)

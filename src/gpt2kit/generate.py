@@ -390,7 +390,10 @@ class Engine:
 
     def _feed(self, tok: torch.Tensor) -> None:
         """Feed each running row's newest token tok (B,); their next logits become pending."""
-        if self._cache.length == self._cache.max_len:
+        # Rebuilt when full, or when its padded width reaches n_ctx (every row fits, but rows that
+        # left held the leading columns): the trim keeps a model's own forward, which checks the
+        # width against n_ctx (hooks decode through it), from refusing rows that all fit.
+        if self._cache.length == self._cache.max_len or self._cache.length >= self.model.config.n_ctx:
             self._rebuild([self._used()])
         P, B = self._cache.length, len(self.rows)
         padded = any(row.ctx_len < P for row in self.rows)
