@@ -667,3 +667,21 @@ def test_cli_bench_size_runs_a_small_preset_and_names_bad_ones(capsys):
     assert main(["bench", "--size", "gpt2-tiny", "--quick", "--no-memory"]) == 0
     out = capsys.readouterr().out
     assert "| decode tok/s, batch 1" in out and "| workload |" in out
+
+
+def test_cli_a_distribution_that_is_not_finite_is_one_line(capsys, monkeypatch, tmp_path):
+    """torch's 'probability tensor contains either inf, nan or element < 0' never reaches the user."""
+    from helpers import SMALL, varied_model
+
+    from gpt2kit.checkpoint import save_model
+
+    broken = varied_model(SMALL, seed=0)
+    with torch.no_grad():
+        broken.wpe.weight[3] = float("nan")
+    save_model(broken, tmp_path / "nan")
+    for extra in ([], ["--greedy"]):
+        code, _, err = run_cli(capsys, monkeypatch, ["-m", str(tmp_path / "nan"), "--seed", "1", "-n", "8",
+                                                     *extra, "Hello world"])
+        assert code != 0 and len(err.strip().splitlines()) == 1, err
+        assert "probability tensor" not in err and "Traceback" not in err
+        assert "finite" in err or "nan" in err.lower()  # at the draw, or (should loading check it) at load

@@ -164,3 +164,16 @@ def test_a_hooked_model_keeps_rows_that_fit_when_the_padded_width_reaches_n_ctx(
     _run(engine, {0: [short], 2: [long]})
     assert long.tokens == _alone(model, list(range(300, 350)), long_s)
     assert short.finish_reason == "length" and short.tokens == _alone(model, [15496], short_s)
+
+
+def test_a_greedy_row_with_non_finite_logits_fails_alone_too():
+    """The plain greedy path (one batched argmax) would pick a NaN's index silently."""
+    model = _nan_at_position(20)
+    s = SamplingSettings(temperature=0, max_new_tokens=20, stop_token_ids=())
+    engine = Engine(model)
+    bad, good = engine.new_row(list(range(300, 316)), s), engine.new_row(PROMPTS[1], s)
+    engine.submit([bad, good])
+    while engine.has_work:
+        engine.step()
+    assert bad.finish_reason == "error" and len(bad.tokens) == 5 and "not finite" in str(bad.error)
+    assert good.finish_reason == "length" and good.tokens == _alone(model, PROMPTS[1], s)

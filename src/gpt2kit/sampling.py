@@ -242,6 +242,15 @@ def resolve_seed(settings: SamplingSettings) -> int | None:
     return settings.seed
 
 
+def check_finite(logits: torch.Tensor, settings: SamplingSettings) -> None:
+    """ValueError unless one row's logits (1, V) can be drawn from: its max is NaN if any logit is,
+    +inf breaks the softmax, -inf means no token is left."""
+    if not torch.isfinite(logits.amax()):
+        raise ValueError(f"the sampling distribution is not finite (NaN, +inf or no token left) with "
+                         f"temperature={settings.temperature}, repetition_penalty={settings.repetition_penalty}: "
+                         f"the model's logits are not finite, or the settings overflow them")
+
+
 class RowSampler:
     """One row's sampling state: its settings, its generator and the token sets its penalties need.
 
@@ -266,13 +275,10 @@ class RowSampler:
         """The next token (1,) from the row's raw logits (1, V)."""
         s = self.settings
         if s.plain_greedy:
+            check_finite(logits, s)
             return logits.argmax(dim=-1)  # no float32 copy: the conversion is exact, the argmax the same
         warped = warp(logits, s, self.seen, self.counts)
-        # One check per row: the max is NaN if any logit is, +inf breaks the softmax, -inf means no token left.
-        if not torch.isfinite(warped.amax()):
-            raise ValueError(f"the sampling distribution is not finite (NaN, +inf or no token left) with "
-                             f"temperature={s.temperature}, repetition_penalty={s.repetition_penalty}: the "
-                             f"model's logits are not finite, or the settings overflow them")
+        check_finite(warped, s)
         return sample(warped, None if s.greedy else [self.generator])
 
     def observe(self, token: int) -> None:
