@@ -33,7 +33,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 import gpt2kit.serve.schemas as S
 from gpt2kit.serve.errors import APIError, error_body, install
-from gpt2kit.serve.limits import check_work, logit_bias_ids, work_tokens
+from gpt2kit.serve.limits import check_work, logit_bias_ids, read_body, replay, work_tokens
 from gpt2kit.serve.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -534,41 +534,14 @@ class _Guard:
             if length is not None and (not length.isdigit() or int(length) > opts.max_body_bytes):
                 return await _send_error(send_counted, 413, f"the request body is larger than "
                                          f"{opts.max_body_bytes} bytes", code="request_too_large")
-            body = await _read_body(receive, opts.max_body_bytes)  # whole, so a chunked body is limited too
+            body = await read_body(receive, opts.max_body_bytes)  # whole, so a chunked body is limited too
             if body is None:
                 return await _send_error(send_counted, 413, f"the request body is larger than "
                                          f"{opts.max_body_bytes} bytes", code="request_too_large")
-            await self.app(scope, _replay(body, receive), send_counted)
+            await self.app(scope, replay(body, receive), send_counted)
         finally:
             if path in _ENDPOINTS:
                 self.server.metrics.requests.labels(path, str(status["code"])).inc()
-
-
-async def _read_body(receive, limit: int) -> list[dict] | None:
-    """The request's messages up to the end of its body (or a disconnect), read before the app sees
-    any; None once the body passes limit bytes. Reading it here, not where FastAPI parses it (which
-    turns any error into 400 "error parsing the body"), makes a chunked body over the limit a 413."""
-    messages, n = [], 0
-    while True:
-        message = await receive()
-        messages.append(message)
-        if message["type"] != "http.request":
-            return messages
-        n += len(message.get("body", b""))
-        if n > limit:
-            return None
-        if not message.get("more_body", False):
-            return messages
-
-
-def _replay(messages: list[dict], receive):
-    """A receive that gives back the messages already read, then the connection's own (disconnects)."""
-    pending = list(reversed(messages))
-
-    async def replay() -> dict:
-        return pending.pop() if pending else await receive()
-
-    return replay
 
 
 async def _send_error(send, status: int, message: str, code: str | None = None) -> None:

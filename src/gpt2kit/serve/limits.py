@@ -1,5 +1,6 @@
-"""What one request may ask of the server: its logit_bias keys (canonical token ids only) and its
-work, counted in tokens so that scoring (echo + logprobs) and generation share one limit.
+"""What one request may ask of the server: its body (read whole, up to the byte limit, before the
+app sees it), its logit_bias keys (canonical token ids only) and its work, counted in tokens so
+that scoring (echo + logprobs) and generation share one limit.
 
 Work is what a request holds while it runs: each generation row its prompt + max_tokens, each
 prompt scored for echo log-probs its tokens. The server admits at most (max_batch + max_queue) x
@@ -50,3 +51,30 @@ def check_work(tokens: int, admitted: int, limit: int) -> None:
     if admitted + tokens > limit:
         raise APIError(429, f"the server is at capacity ({admitted} tokens of work admitted, limit {limit}); "
                             f"retry shortly", code="server_overloaded", headers={"Retry-After": "1"})
+
+
+async def read_body(receive, limit: int) -> list[dict] | None:
+    """The request's messages up to the end of its body (or a disconnect), read before the app sees
+    any; None once the body passes limit bytes. Reading it here, not where FastAPI parses it (which
+    turns any error into 400 "error parsing the body"), makes a chunked body over the limit a 413."""
+    messages, n = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages
+        n += len(message.get("body", b""))
+        if n > limit:
+            return None
+        if not message.get("more_body", False):
+            return messages
+
+
+def replay(messages: list[dict], receive):
+    """A receive that gives back the messages already read, then the connection's own (disconnects)."""
+    pending = list(reversed(messages))
+
+    async def receive_again() -> dict:
+        return pending.pop() if pending else await receive()
+
+    return receive_again
