@@ -286,12 +286,12 @@ class Server:
         if rows > limit:
             raise APIError(400, f"this request needs {rows} rows (prompts x best_of/n); this server runs at most "
                                 f"{limit} (--max-batch + --max-queue)", param="n")
-        if rows and self.outstanding + rows > limit:
-            raise APIError(429, f"the server is at capacity ({self.outstanding} rows running or queued, limit "
-                                f"{limit}); retry shortly", code="server_overloaded", headers={"Retry-After": "1"})
         scored = sum(map(len, prompts)) if echo and body.logprobs is not None else 0
         work = work_tokens(prompts, max_tokens, best_of, bool(scored))
         check_work(work, self.work_tokens, limit * cfg.n_ctx)  # scoring counts as generation does
+        if rows and self.outstanding + rows > limit:
+            raise APIError(429, f"the server is at capacity ({self.outstanding} rows running or queued, limit "
+                                f"{limit}); retry shortly", code="server_overloaded", headers={"Retry-After": "1"})
         job = _Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), time.monotonic(), prompts, texts, body, n, best_of,
                    asyncio.Queue(), work=work, scoring=scored)
         self.work_tokens += work
