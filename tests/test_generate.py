@@ -57,6 +57,14 @@ def tokens_of(completions):
     ({"max_new_tokens": 0}, r"max_new_tokens must be an integer >= 1.*0"),
     ({"max_new_tokens": 2.5}, "max_new_tokens"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-45}, r"repetition_penalty must be a number >= 0\.01 .*1e-45"),
+    ({"frequency_penalty": 1e30}, r"frequency_penalty must be a number in \[-1e9, 1e9\]"),
+    ({"presence_penalty": -1e30}, "presence_penalty"),
+    ({"logit_bias": {5: 1e30}}, r"logit_bias\[5\] must be a number in \[-1e9, 1e9\]"),
+    ({"logit_bias": [(5, 1.0), (5, 2.0)]}, "logit_bias names token id 5 more than once"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias token id must be an integer"),
+    ({"logit_bias": {True: 1.0}}, "logit_bias token id must be an integer"),
+    ({"logit_bias": [(5,)]}, "logit_bias must map token ids to biases"),
     ({"top_p_mode": "nucleus"}, "openai, hf"),
     ({"num_samples": 0}, "num_samples"),
     ({"stop_strings": ("",)}, "stop_strings"),
@@ -66,6 +74,19 @@ def tokens_of(completions):
 def test_settings_reject_bad_values(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         SamplingSettings(**kwargs)
+
+
+def test_tiny_temperatures_are_greedy_and_never_overflow(model):
+    """Dividing by 1e-45 made the logits inf and the draw raise; below GREEDY_BELOW it is the argmax."""
+    from gpt2kit.sampling import GREEDY_BELOW
+
+    greedy = generate(model, [[464, 2068]], SamplingSettings(max_new_tokens=8, temperature=0, stop_token_ids=()))
+    for t in (1e-45, 5e-324, GREEDY_BELOW / 2):
+        s = SamplingSettings(max_new_tokens=8, temperature=t, seed=3, stop_token_ids=())
+        assert s.greedy and tokens_of(generate(model, [[464, 2068]], s)) == tokens_of(greedy)
+    s = SamplingSettings(max_new_tokens=8, temperature=GREEDY_BELOW, seed=3, stop_token_ids=(),
+                         repetition_penalty=0.01, logit_bias={13: 1e9}, frequency_penalty=-1e9)
+    assert not s.greedy and len(generate(model, [[464, 2068]], s)[0].tokens) == 8  # the extremes stay finite
 
 
 def test_prompt_checks(model):
@@ -538,6 +559,7 @@ def test_cli_interactive_reads_prompts_until_eof(capsys, monkeypatch, model_dir,
     (["--prompts-file", "MISSING"], "no such file"),
     (["--strict", "--max-new-tokens", "60", "a b c d e f g h i j"], "strict"),
     (["--top-p-mode", "nucleus"], "invalid choice"),
+    (["--repetition-penalty", "1e-45"], "repetition_penalty must be a number >= 0.01"),
 ])
 def test_cli_bad_values_one_line_nonzero(capsys, monkeypatch, model_dir, tmp_path, argv, needle):
     empty = tmp_path / "empty.txt"
@@ -648,3 +670,21 @@ def test_cli_bench_size_runs_a_small_preset_and_names_bad_ones(capsys):
     assert main(["bench", "--size", "gpt2-tiny", "--quick", "--no-memory"]) == 0
     out = capsys.readouterr().out
     assert "| decode tok/s, batch 1" in out and "| workload |" in out
+
+
+def test_cli_a_distribution_that_is_not_finite_is_one_line(capsys, monkeypatch, tmp_path):
+    """torch's 'probability tensor contains either inf, nan or element < 0' never reaches the user."""
+    from helpers import SMALL, varied_model
+
+    from gpt2kit.checkpoint import save_model
+
+    broken = varied_model(SMALL, seed=0)
+    with torch.no_grad():
+        broken.wpe.weight[3] = float("nan")
+    save_model(broken, tmp_path / "nan")
+    for extra in ([], ["--greedy"]):
+        code, _, err = run_cli(capsys, monkeypatch, ["-m", str(tmp_path / "nan"), "--seed", "1", "-n", "8",
+                                                     *extra, "Hello world"])
+        assert code != 0 and len(err.strip().splitlines()) == 1, err
+        assert "probability tensor" not in err and "Traceback" not in err
+        assert "finite" in err or "nan" in err.lower()  # at the draw, or (should loading check it) at load

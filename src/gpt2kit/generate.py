@@ -65,11 +65,24 @@ if TYPE_CHECKING:
 # --- sampling a step ------------------------------------------------------------------------
 
 
-def next_tokens(logits: torch.Tensor, samplers: Sequence[RowSampler]) -> torch.Tensor:
-    """Each row's next token (B,): row r chooses from logits[r] (B, V) with samplers[r]."""
-    if all(s.settings.plain_greedy for s in samplers):
+def next_tokens(logits: torch.Tensor, samplers: Sequence[RowSampler],
+                failed: dict[int, Exception] | None = None) -> torch.Tensor:
+    """Each row's next token (B,): row r chooses from logits[r] (B, V) with samplers[r].
+
+    With failed (a dict), a row whose choice raises is recorded there (row -> exception) and given
+    token 0, so one row's failure never costs its neighbours their tokens; without, it raises."""
+    if all(s.settings.plain_greedy for s in samplers) and torch.isfinite(logits.amax(dim=-1)).all():
         return logits.argmax(dim=-1)  # one batched argmax: the same as row by row
-    return torch.cat([s.choose(logits[r:r + 1]) for r, s in enumerate(samplers)])
+    out = []  # row by row (RowSampler.choose checks each row's distribution)
+    for r, s in enumerate(samplers):
+        try:
+            out.append(s.choose(logits[r:r + 1]))
+        except Exception as e:
+            if failed is None:
+                raise
+            failed[r] = e
+            out.append(torch.zeros(1, dtype=torch.long, device=logits.device))
+    return torch.cat(out)
 
 
 # --- rows and their text ----------------------------------------------------------------------
@@ -123,7 +136,8 @@ class Row:
     logprobs: int | None = None  # report each token's log-prob and the top N alternatives; None: no
     key: object = None  # the caller's label (generate_stream: the sequence index)
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled", once finished
+    finish_reason: str | None = None  # "stop" | "length" | "error", once finished
+    error: Exception | None = None  # why its sampling failed (finish_reason "error")
     cancelled: bool = False
     start: int = 0  # the context is (prompt + tokens)[start:]
     ctx_len: int = 0  # tokens of this row in the engine's cache (its real, unpadded columns)
@@ -140,7 +154,8 @@ class RowEvent:
     """What one row did in one step: the token it added, the text that token made safe to emit
     ('' without a tokenizer), and with Row.logprobs its log-prob and the top N (id, log-prob)
     alternatives, all under the model's raw distribution (log_softmax of the logits, before any
-    warper). finish_reason is set on the row's last event."""
+    warper). finish_reason is set on the row's last event: "error" when choosing its token raised
+    (error holds the exception, token is -1); that row alone leaves the batch."""
 
     row: Row
     token: int
@@ -148,6 +163,7 @@ class RowEvent:
     finish_reason: str | None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    error: Exception | None = None
 
 
 # --- the engine -------------------------------------------------------------------------------
@@ -231,11 +247,15 @@ class Engine:
         self._admit()
         if not self.rows:
             return []
-        rows = self.rows
-        tok = next_tokens(self._logits, [row.sampler for row in rows])  # (B,)
+        rows, failed = self.rows, {}
+        tok = next_tokens(self._logits, [row.sampler for row in rows], failed)  # (B,)
         scores = self._logprobs(tok)
         events, keep = [], []
         for r, (row, t) in enumerate(zip(rows, tok.tolist(), strict=True)):
+            if r in failed:  # this row alone fails; its neighbours go on (issue 18)
+                row.finish_reason, row.error = "error", failed[r]
+                events.append(RowEvent(row, -1, "", "error", error=failed[r]))
+                continue
             row.tokens.append(t)
             row.sampler.observe(t)
             piece, reason = self._advance(row, t)
@@ -370,7 +390,10 @@ class Engine:
 
     def _feed(self, tok: torch.Tensor) -> None:
         """Feed each running row's newest token tok (B,); their next logits become pending."""
-        if self._cache.length == self._cache.max_len:
+        # Rebuilt when full, or when its padded width reaches n_ctx (every row fits, but rows that
+        # left held the leading columns): the trim keeps a model's own forward, which checks the
+        # width against n_ctx (hooks decode through it), from refusing rows that all fit.
+        if self._cache.length == self._cache.max_len or self._cache.length >= self.model.config.n_ctx:
             self._rebuild([self._used()])
         P, B = self._cache.length, len(self.rows)
         padded = any(row.ctx_len < P for row in self.rows)
@@ -385,7 +408,8 @@ class Engine:
 class EngineLoop:
     """Runs an :class:`Engine` in a worker thread, so that the caller's thread (an event loop) never
     waits on the model. on_events(events) is called from the worker after every step; on_error(rows,
-    exc) when a step raises (the rows are dropped, the loop goes on). :meth:`call` runs a function
+    exc) when a step raises (every row is dropped, the loop goes on) and, with just that row, for a
+    row whose own sampling raised (its neighbours go on). :meth:`call` runs a function
     in the worker between steps (e.g. scoring a prompt) and returns a concurrent Future."""
 
     def __init__(self, engine: Engine, on_events: Callable[[list[RowEvent]], None],
@@ -444,7 +468,10 @@ class EngineLoop:
                 except Exception as e:  # fail the rows, keep serving
                     self.on_error(self.engine.reset(), e)
                     continue
-                self.on_events(events)
+                for ev in events:
+                    if ev.error is not None:
+                        self.on_error([ev.row], ev.error)
+                self.on_events([ev for ev in events if ev.error is None])
 
 
 # --- the generator API ------------------------------------------------------------------------
@@ -525,6 +552,9 @@ def _stream(model: GPT2, engine: Engine) -> Iterator[Step]:
     try:
         while engine.has_work:
             events = engine.step()
+            failed = next((e for e in events if e.error is not None), None)
+            if failed is not None:  # the caller asked for every row: no silent gaps
+                raise failed.error
             yield Step({e.row.key: e.token for e in events},
                        {e.row.key: e.text for e in events if e.row.text is not None},
                        {e.row.key: e.finish_reason for e in events if e.finish_reason})

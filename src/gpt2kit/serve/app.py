@@ -35,6 +35,7 @@ import gpt2kit.serve.schemas as S
 from gpt2kit.serve.errors import APIError, error_body, install
 from gpt2kit.serve.gate import Gate
 from gpt2kit.serve.lifecycle import DISCONNECTED, SHUTDOWN, Lifecycle
+from gpt2kit.serve.limits import check_work, logit_bias_ids, work_tokens
 from gpt2kit.serve.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -116,6 +117,8 @@ class _Job:
     pending: set = field(default_factory=set)
     first_token: bool = False
     watcher: asyncio.Task | None = None  # waits for the client to disconnect (serve/lifecycle.py)
+    work: int = 0  # tokens of work it holds against the server's limit (gpt2kit.serve.limits)
+    scoring: int = 0  # of which prompt tokens still to score for echo log-probs
 
 
 class _Offsets:
@@ -170,11 +173,13 @@ class Server:
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
         self.outstanding = 0  # rows admitted and not finished (event-loop thread only)
+        self.work_tokens = 0  # tokens of work admitted and not finished (gpt2kit.serve.limits; event loop)
         self.started = int(time.time())
         self.life = Lifecycle()
         self.aloop: asyncio.AbstractEventLoop | None = None
         self.metrics = Metrics(lambda: self.engine_loop.engine.n_running if self.engine_loop else 0,
                                lambda: self.engine_loop.engine.n_waiting if self.engine_loop else 0)
+        self.metrics.work_tokens.set_function(lambda: self.work_tokens)
 
     # -- lifecycle --
 
@@ -228,7 +233,8 @@ class Server:
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.opts.served_model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves "
-                                f"`{self.opts.served_model_name}`", param="model", code="model_not_found")
+                                f"`{self.opts.served_model_name}` (send that name, or start the server with "
+                                f"--served-model-name to choose it)", param="model", code="model_not_found")
 
     def token_key(self, t: int) -> str:
         return token_key(self.tokenizer, t)
@@ -279,12 +285,7 @@ class Server:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stops):
             raise APIError(400, "stop strings must not be empty", param="stop")
-        bias = {}
-        for k, v in (body.logit_bias or {}).items():
-            if not k.isdigit() or int(k) >= cfg.n_vocab:
-                raise APIError(400, f"logit_bias key {k!r} is not a token id in [0, {cfg.n_vocab})",
-                               param="logit_bias")
-            bias[int(k)] = float(v)
+        bias = logit_bias_ids(body.logit_bias, cfg.n_vocab)
         temperature = 1.0 if body.temperature is None else body.temperature
         try:
             settings = SamplingSettings(
@@ -302,11 +303,17 @@ class Server:
         if rows > limit:
             raise APIError(400, f"this request needs {rows} rows (prompts x best_of/n); this server runs at most "
                                 f"{limit} (--max-batch + --max-queue)", param="n")
+        scored = sum(map(len, prompts)) if echo and body.logprobs is not None else 0
+        work = work_tokens(prompts, max_tokens, best_of, bool(scored))
+        check_work(work, self.work_tokens, limit * cfg.n_ctx)  # scoring counts as generation does
         if rows and self.outstanding + rows > limit:
             raise APIError(429, f"the server is at capacity ({self.outstanding} rows running or queued, limit "
                                 f"{limit}); retry shortly", code="server_overloaded", headers={"Retry-After": "1"})
         job = _Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), time.monotonic(), prompts, texts, body, n, best_of,
-                   asyncio.Queue())
+                   asyncio.Queue(), work=work, scoring=scored)
+        self.work_tokens += work
+        self.metrics.scoring_tokens.inc(scored)
+        self.metrics.prompt_tokens.inc(sum(map(len, prompts)))
         if rows:
             seed = resolve_seed(settings)
             want = body.logprobs if body.logprobs is not None else (0 if best_of > n else None)
@@ -318,7 +325,6 @@ class Server:
                     job.choices[row] = _Choice(i, j)
             job.pending = set(job.rows)
             self.outstanding += rows
-            self.metrics.prompt_tokens.inc(sum(map(len, prompts)))
             self.engine_loop.submit(job.rows)
         return job
 
@@ -356,6 +362,9 @@ class Server:
             self.engine_loop.cancel(row)
         self.outstanding -= len(job.pending)
         job.pending = set()
+        self.work_tokens -= job.work
+        self.metrics.scoring_tokens.dec(job.scoring)
+        job.work = job.scoring = 0
 
     async def next_event(self, job: _Job, request: Request):
         """The job's next row event; cancels the job and raises APIError if the client went away
@@ -415,10 +424,23 @@ class Server:
                                                                              best.values.tolist(), strict=True)]
         return [None, *lps], tops
 
-    async def echo_logprobs(self, job: _Job) -> list[tuple[list, list]] | None:
+    async def echo_logprobs(self, job: _Job, request: Request) -> list[tuple[list, list]] | None:
+        """The prompts' log-probs for echo, scored one prompt per worker job (between decode steps);
+        a client gone stops it before the next prompt."""
         if not job.body.echo or job.body.logprobs is None:
             return None
-        return [await self.run_in_worker(self.prompt_logprobs, p, job.body.logprobs) for p in job.prompts]
+        out = []
+        for p in job.prompts:
+            if await request.is_disconnected():
+                self.cancel(job)
+                raise asyncio.CancelledError
+            out.append(await self.run_in_worker(self.prompt_logprobs, p, job.body.logprobs))
+            job.scoring -= len(p)
+            job.work -= len(p)
+            self.work_tokens -= len(p)
+            self.metrics.scoring_tokens.dec(len(p))
+            self.metrics.scored_tokens.inc(len(p))
+        return out
 
     def logprobs_obj(self, tokens, lps, tops, offsets: _Offsets) -> dict:
         return {"tokens": [self.token_key(t) for t in tokens], "token_logprobs": list(lps),
@@ -430,8 +452,8 @@ class Server:
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
     async def complete(self, job: _Job, request: Request) -> dict:
-        prompt_lp = await self.echo_logprobs(job)
         try:
+            prompt_lp = await self.echo_logprobs(job, request)
             while job.pending:
                 await self.next_event(job, request)
         finally:
@@ -474,7 +496,7 @@ class Server:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
         try:
-            prompt_lp = await self.echo_logprobs(job)
+            prompt_lp = await self.echo_logprobs(job, request)
             for i, p in enumerate(job.prompts):
                 for j in range(job.n):
                     off = offsets[(i, j)] = _Offsets(self.tokenizer)
@@ -538,32 +560,10 @@ class _Guard:
                 if not hmac.compare_digest(got.encode(), f"Bearer {opts.api_key}".encode()):
                     return await _send_error(send_counted, 401, "Incorrect or missing API key: send "
                                              "'Authorization: Bearer KEY'", code="invalid_api_key")
-            length = headers.get(b"content-length")
-            if length is not None and (not length.isdigit() or int(length) > opts.max_body_bytes):
-                return await _send_error(send_counted, 413, f"the request body is larger than "
-                                         f"{opts.max_body_bytes} bytes", code="request_too_large")
-            seen = {"n": 0}
-
-            async def receive_limited():
-                message = await receive()
-                if message["type"] == "http.request":
-                    seen["n"] += len(message.get("body", b""))
-                    if seen["n"] > opts.max_body_bytes:
-                        raise _TooLarge
-                return message
-
-            try:
-                await self.app(scope, receive_limited, send_counted)
-            except _TooLarge:
-                await _send_error(send_counted, 413, f"the request body is larger than {opts.max_body_bytes} bytes",
-                                  code="request_too_large")
+            await self.app(scope, receive, send_counted)  # the body's size and deadline: serve/gate.py
         finally:
             if path in _ENDPOINTS:
                 self.server.metrics.requests.labels(path, str(status["code"])).inc()
-
-
-class _TooLarge(Exception):
-    pass
 
 
 async def _send_error(send, status: int, message: str, code: str | None = None) -> None:
@@ -626,7 +626,7 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
         server.require_ready()
         return {"object": "list", "data": [_card(server)]}
 
-    @app.get("/v1/models/{model}", response_model=S.ModelCard, responses=_ERRORS)
+    @app.get("/v1/models/{model:path}", response_model=S.ModelCard, responses=_ERRORS)  # names may hold "/"
     async def model_card(model: str):
         server.require_ready()
         server.check_model(model)
