@@ -35,6 +35,10 @@ from gpt2kit.tokenizer import Tokenizer
 
 # Names the hub serves without an owner (legacy ids of the released GPT-2 sizes).
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "distilgpt2")
+# OpenAI's four released sizes under both hub names: one vocabulary, the one packaged in gpt2kit/data,
+# so their tokenizer never needs the hub.
+GPT2_TOKENIZER_NAMES = frozenset(n for size in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+                                  for n in (size, f"openai-community/{size}"))
 
 
 def resolve_source(name_or_path: str | os.PathLike[str]) -> tuple[str, Path]:
@@ -153,8 +157,14 @@ def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str
 
 
 def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None) -> Tokenizer:
-    """The checkpoint's own vocab files when it has them, else GPT-2's packaged ones."""
+    """The checkpoint's own vocab files when it has them, else GPT-2's packaged ones.
+
+    A published GPT-2 name (GPT2_TOKENIZER_NAMES) that is not a local path gets the packaged files
+    without asking the hub: they are the files those repos publish, so this works offline."""
     if name_or_path is None:
+        return Tokenizer.default()
+    raw = os.fspath(name_or_path)
+    if raw in GPT2_TOKENIZER_NAMES and not os.path.lexists(Path(raw).expanduser()):
         return Tokenizer.default()
     _, path = resolve_source(name_or_path)
     return Tokenizer.from_dir(path)
