@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpt2kit._io import atomic_write_text
 from gpt2kit.bench.machine import cpu_info
 from gpt2kit.checkpoint.keymap import to_hf_state
 from gpt2kit.config import GPT2Config
@@ -504,7 +505,6 @@ def run_from_args(args: argparse.Namespace) -> int:
                   config=None if size == "gpt2" else config)
     print(format_table(results))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2)
+        atomic_write_text(args.json, json.dumps(results, indent=2))
     return 0
 
