@@ -57,9 +57,11 @@ def _quantize_loaded(model, args: argparse.Namespace):
 
 def _load_for(args: argparse.Namespace):
     """--model's model (--dtype, --device, --quantize applied) and tokenizer, the status line saying so.
-    The source is resolved first, so a download shows only huggingface_hub's own bars."""
+    The line is off while the source is resolved, so a download shows only huggingface_hub's own bars."""
+    args.status.show(f"loading {args.model}")  # importing torch is part of the wait
     from gpt2kit.checkpoint import load_model, load_tokenizer, resolve_source
 
+    args.status.hide()
     _, path = resolve_source(args.model)
     args.status.show(f"loading {args.model}")
     model = _quantize_loaded(load_model(path, dtype=args.dtype, device=args.device), args)

@@ -35,18 +35,21 @@ class Status:
         self.stream = sys.stderr if stream is None else stream
         self.enabled = is_terminal(self.stream)
         self.interval = interval
-        self._text: str | None = None
+        self._text: str | None = None  # what is shown now (None: nothing)
+        self._last: str | None = None  # the stage _since belongs to
         self._since = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def show(self, text: str) -> None:
-        """Replace the line with `text` and its own elapsed time (a no-op off a terminal)."""
+        """Replace the line with `text` and the time since that stage began (a no-op off a terminal)."""
         if not self.enabled:
             return
         with self._lock:
-            self._text, self._since = text, time.monotonic()
+            if text != self._last:  # the same stage shown again after a hide keeps its clock
+                self._last, self._since = text, time.monotonic()
+            self._text = text
         self._draw()
         if self._thread is None:
             self._thread = threading.Thread(target=self._redraw, name="gpt2kit-status", daemon=True)
