@@ -553,8 +553,10 @@ def test_cli_interactive_ctrl_c_stops_the_sample_and_at_the_prompt_quits(model_d
         for chunk in iter(lambda: stream.read1(4096), b""):
             q.put(chunk)
 
-    for name, stream in (("out", proc.stdout), ("err", proc.stderr)):
-        threading.Thread(target=pump, args=(stream, chunks[name]), daemon=True).start()
+    pumps = {name: threading.Thread(target=pump, args=(stream, chunks[name]), daemon=True)
+             for name, stream in (("out", proc.stdout), ("err", proc.stderr))}
+    for t in pumps.values():
+        t.start()
     seen = {"out": b"", "err": b""}
 
     def wait_for(name, done, timeout=180.0):
@@ -565,10 +567,10 @@ def test_cli_interactive_ctrl_c_stops_the_sample_and_at_the_prompt_quits(model_d
             try:
                 seen[name] += chunks[name].get(timeout=1.0)
             except queue.Empty:
-                if proc.poll() is None and time.monotonic() < deadline:
+                if pumps[name].is_alive() and time.monotonic() < deadline:  # not at the stream's end yet
                     continue
                 proc.kill()
-                raise AssertionError(f"exited {proc.returncode} or timed out; stdout {seen['out'][-200:]!r}, "
+                raise AssertionError(f"ended ({proc.poll()}) or timed out; stdout {seen['out'][-200:]!r}, "
                                      f"stderr {seen['err'][-500:]!r}") from None
 
     try:
@@ -581,9 +583,10 @@ def test_cli_interactive_ctrl_c_stops_the_sample_and_at_the_prompt_quits(model_d
             wait_for("out", lambda b, before=before: len(b) > before + 1)
             proc.send_signal(signal.SIGINT)
             wait_for("err", lambda b, n=n: b.count(b"quits)\n") == n)  # back at the prompt, still running
-            assert proc.poll() is None
+            assert proc.poll() is None, seen
         proc.send_signal(signal.SIGINT)  # Ctrl-C at the prompt quits
-        assert proc.wait(timeout=60) == 130
+        wait_for("err", lambda b: b.endswith(b"gpt2kit: interrupted\n"))
+        assert proc.wait(timeout=120) == 130, seen
     finally:
         if proc.poll() is None:
             proc.kill()
