@@ -683,3 +683,33 @@ def test_a_lock_held_on_a_file_in_the_dir_survives_a_save(tmp_path):
     finally:
         lock.close()
         metrics.close()
+
+
+# --- the published GPT-2 names' tokenizer is the packaged one ------------------------------------
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "openai-community/gpt2",
+                                  "openai-community/gpt2-xl"])
+def test_published_gpt2_tokenizer_needs_no_hub(name, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError(f"the hub was asked for {args} {kwargs}")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_hub)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    tok = load_tokenizer(name)
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.n_vocab == 50257
+
+
+def test_a_local_directory_named_gpt2_keeps_its_own_tokenizer(tmp_path, monkeypatch):
+    d = tmp_path / "gpt2"
+    shutil.copytree(FIXTURE_TF, d)
+    (d / "encoder.json").write_text("{broken", encoding="utf-8")
+    pkg = Path(__file__).parents[1] / "src" / "gpt2kit" / "data"
+    (d / "vocab.bpe").write_text((pkg / "vocab.bpe").read_text(encoding="utf-8"), encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="encoder.json"):  # its own (broken) files were read
+        load_tokenizer("gpt2")

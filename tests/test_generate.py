@@ -480,10 +480,11 @@ def test_cli_json_matches_library(capsys, monkeypatch, model_dir, model, tok):
                                                    "--max-new-tokens", "10", "--ignore-eot"])
     assert code == 0, err
     lines = [json.loads(line) for line in out.splitlines()]
-    assert len(lines) == 1 and set(lines[0]) == {"prompt_tokens", "tokens", "text", "finish_reason"}
+    assert len(lines) == 1
     want = generate(model, "Hello world", SamplingSettings(temperature=0, max_new_tokens=10, stop_token_ids=()),
                     tokenizer=tok)[0]
-    assert lines[0] == {"prompt_tokens": tok.encode("Hello world"), "tokens": want.tokens, "text": want.text,
+    assert lines[0] == {"prompt_index": 0, "sample_index": 0, "prompt": "Hello world",
+                        "prompt_tokens": tok.encode("Hello world"), "tokens": want.tokens, "text": want.text,
                         "finish_reason": "length"}
 
 
@@ -516,6 +517,100 @@ def test_cli_prompts_file_plain_and_jsonl_in_order(capsys, monkeypatch, model_di
         assert [x["prompt_tokens"] for x in lines] == [tok.encode(p) for p in prompts for _ in range(2)]
         results.append(lines)
     assert results[0] == results[1]
+
+
+def test_cli_prompts_file_headers_and_json_lines_name_their_prompt(capsys, monkeypatch, model_dir, tmp_path):
+    prompts = ["The", "A much longer prompt than the others, long enough to be cut in the header line"]
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(prompts) + "\n", encoding="utf-8")
+    common = ["-m", str(model_dir), "--prompts-file", str(f), "--greedy", "--max-new-tokens", "3"]
+    code, out, err = run_cli(capsys, monkeypatch, [*common, "--num-samples", "2", "--json"])
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [(x["prompt_index"], x["sample_index"], x["prompt"]) for x in lines] == [
+        (0, 0, prompts[0]), (0, 1, prompts[0]), (1, 0, prompts[1]), (1, 1, prompts[1])]
+    code, out, err = run_cli(capsys, monkeypatch, common)
+    assert code == 0, err
+    headers = [line for line in out.splitlines() if line.startswith("=" * 40)]
+    cut = json.dumps(prompts[1][:59] + "\u2026", ensure_ascii=False)
+    assert headers == [f"{'=' * 40} PROMPT 1 SAMPLE 1: \"The\" {'=' * 40}",
+                       f"{'=' * 40} PROMPT 2 SAMPLE 1: {cut} {'=' * 40}"]
+    one = tmp_path / "one.txt"
+    one.write_text("Only\n", encoding="utf-8")  # one prompt from a file still says which
+    code, out, err = run_cli(capsys, monkeypatch, ["-m", str(model_dir), "--prompts-file", str(one), "--greedy",
+                                                   "-n", "2"])
+    assert code == 0 and out.startswith(f"{'=' * 40} PROMPT 1 SAMPLE 1: \"Only\" {'=' * 40}\n"), out
+
+
+def test_cli_generate_help_shows_every_default(capsys):
+    from gpt2kit.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    text = text[text.index("options:"):]  # past the usage line
+    for flag, default in [("-n MAX_NEW_TOKENS", "(default: 128)"), ("--top-k TOP_K", "(default: 0)"),
+                          ("--top-p TOP_P", "(default: 1.0)"), ("--top-p-mode {openai,hf}", "(default: openai)"),
+                          ("--repetition-penalty REPETITION_PENALTY", "(default: 1.0)"),
+                          ("--num-samples NUM_SAMPLES", "(default: 1)"), ("--batch-size BATCH_SIZE", "(default 8)"),
+                          ("--temperature TEMPERATURE, -t TEMPERATURE", "(default 1)"),
+                          ("--seed SEED", "default: none"), ("--window WINDOW", "(default n_ctx/2)")]:
+        start = text.index(flag)
+        assert default in text[start:start + 200], (flag, text[start:start + 200])
+
+
+def test_cli_interactive_ctrl_c_stops_the_sample_and_at_the_prompt_quits(model_dir):
+    import queue
+    import signal
+    import subprocess
+    import threading
+
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2kit", "generate", "-m", str(model_dir), "--interactive",
+                             "--max-new-tokens", "100000000", "--ignore-eot", "--seed", "0"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    chunks: dict[str, queue.Queue] = {"out": queue.Queue(), "err": queue.Queue()}
+
+    def pump(stream, q):
+        for chunk in iter(lambda: stream.read1(4096), b""):
+            q.put(chunk)
+
+    pumps = {name: threading.Thread(target=pump, args=(stream, chunks[name]), daemon=True)
+             for name, stream in (("out", proc.stdout), ("err", proc.stderr))}
+    for t in pumps.values():
+        t.start()
+    seen = {"out": b"", "err": b""}
+
+    def wait_for(name, done, timeout=180.0):
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not done(seen[name]):
+            try:
+                seen[name] += chunks[name].get(timeout=1.0)
+            except queue.Empty:
+                if pumps[name].is_alive() and time.monotonic() < deadline:  # not at the stream's end yet
+                    continue
+                proc.kill()
+                raise AssertionError(f"ended ({proc.poll()}) or timed out; stdout {seen['out'][-200:]!r}, "
+                                     f"stderr {seen['err'][-500:]!r}") from None
+
+    try:
+        for n, prompt in enumerate((b"Hello\n", b"Again\n"), start=1):
+            before = len(seen["out"])
+            proc.stdin.write(prompt)
+            proc.stdin.flush()
+            # The sample is streaming (it never ends). +1: the newline that ended the stopped sample may
+            # reach this pipe after its stderr notice did.
+            wait_for("out", lambda b, before=before: len(b) > before + 1)
+            proc.send_signal(signal.SIGINT)
+            wait_for("err", lambda b, n=n: b.count(b"quits)\n") == n)  # back at the prompt, still running
+            assert proc.poll() is None, seen
+        proc.send_signal(signal.SIGINT)  # Ctrl-C at the prompt quits
+        wait_for("err", lambda b: b.endswith(b"gpt2kit: interrupted\n"))
+        assert proc.wait(timeout=120) == 130, seen
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_cli_unconditional_starts_from_endoftext(capsys, monkeypatch, model_dir):

@@ -46,3 +46,21 @@ def test_full_disk_is_named_as_such_and_the_old_file_survives(tmp_path, monkeypa
     with pytest.raises(RuntimeError, match="enforce fail"):  # plenty of space: the real error, unchanged
         atomic_write(f, torch_like)
     assert f.read_bytes() == b"old"
+
+
+def test_errors_name_the_users_path_never_the_temporary_file(tmp_path):
+    missing = tmp_path / "nonexistent" / "x.html"
+    with pytest.raises(FileNotFoundError) as e:
+        atomic_write_text(missing, "x")
+    assert str(e.value) == f"{missing}: cannot write it: the directory {missing.parent} does not exist"
+    assert e.value.errno == errno.ENOENT
+
+    with pytest.raises(IsADirectoryError) as e:
+        atomic_write_text(tmp_path, "x")  # a directory where the file should go
+    assert str(e.value) == f"{tmp_path}: is a directory; give a file name"
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError) as e:
+        atomic_write(tmp_path / "file" / "x.json", lambda f: f.write(b"x"))
+    assert str(e.value).startswith(f"{tmp_path / 'file' / 'x.json'}: cannot write it: {tmp_path / 'file'} is not")
+    assert not [p for p in tmp_path.rglob("*.tmp")]  # and nothing is left behind

@@ -50,7 +50,10 @@ def atomic_write_path(path: str | os.PathLike[str], write: Callable[[str], None]
     half a file.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise _naming(path, e) from None
     try:
         os.close(fd)
         write(tmp)
@@ -68,8 +71,26 @@ def atomic_write_path(path: str | os.PathLike[str], write: Callable[[str], None]
         if full:
             raise OSError(errno.ENOSPC, f"no space left on the device holding {path.parent} while writing "
                           f"{path.name}; the previous {path.name}, if any, is untouched", str(path)) from None
+        if isinstance(e, OSError) and tmp in (e.filename, e.filename2):
+            raise _naming(path, e) from None  # the user named `path`, never our temporary file
         raise
     fsync_dir(path.parent)
+
+
+def _naming(path: Path, e: OSError) -> OSError:
+    """`e` (about the temporary file beside `path`) said about `path`, in one line, same type and errno."""
+    where = path.parent
+    reasons = {
+        errno.ENOENT: f"cannot write it: the directory {where} does not exist",
+        errno.ENOTDIR: f"cannot write it: {where} is not a directory (or a directory above it is a file)",
+        errno.EISDIR: "is a directory; give a file name",
+        errno.EACCES: f"cannot write it: permission denied in {where}",
+        errno.EPERM: f"cannot write it: permission denied in {where}",
+        errno.EROFS: f"cannot write it: {where} is on a read-only file system",
+    }
+    err = type(e)(f"{path}: {reasons.get(e.errno, f'cannot write it: {e.strerror}')}")
+    err.errno = e.errno  # no filename or strerror set: str(err) stays the one line above
+    return err
 
 
 def _out_of_space(e: BaseException, directory: Path) -> bool:

@@ -55,6 +55,19 @@ def _quantize_loaded(model, args: argparse.Namespace):
     return quantize_model(model, args.quantize)
 
 
+def _load_for(args: argparse.Namespace):
+    """--model's model (--dtype, --device, --quantize applied) and tokenizer, the status line saying so.
+    The line is off while the source is resolved, so a download shows only huggingface_hub's own bars."""
+    args.status.show(f"loading {args.model}")  # importing torch is part of the wait
+    from gpt2kit.checkpoint import load_model, load_tokenizer, resolve_source
+
+    args.status.hide()
+    _, path = resolve_source(args.model)
+    args.status.show(f"loading {args.model}")
+    model = _quantize_loaded(load_model(path, dtype=args.dtype, device=args.device), args)
+    return model, load_tokenizer(path)
+
+
 def _read_text(path: str | None) -> str:
     """A text file (or stdin for None / "-") as str; bytes that are not UTF-8 become U+FFFD, with a warning."""
     name = "stdin" if path is None or path == "-" else path
@@ -153,7 +166,6 @@ def _register_detokenize(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from gpt2kit.checkpoint import load_model, load_tokenizer
     from gpt2kit.score import score_text
 
     text = _read_text(args.file)
@@ -161,8 +173,10 @@ def cmd_score(args: argparse.Namespace) -> int:
         from gpt2kit.quant import check_scheme
 
         check_scheme(args.quantize)  # before reading the text and loading the model
-    model = _quantize_loaded(load_model(args.model, dtype=args.dtype, device=args.device), args)
-    result = score_text(model, load_tokenizer(args.model), text, stride=args.stride)
+    model, tok = _load_for(args)
+    args.status.show(f"scoring {len(text):,} characters")
+    result = score_text(model, tok, text, stride=args.stride)
+    args.status.hide()
     if args.json:
         print(json.dumps(result.to_json()))
     else:
@@ -193,8 +207,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     _, src = resolve_source(args.src)
     if same_path(src, dst):
         raise CLIError(f"{args.dst} is the source being converted; write to another directory")
+    args.status.show(f"loading {args.src}")
     model = load_model(src, dtype=args.dtype)
+    args.status.show(f"writing {args.dst}")
     out = save_model(model, dst, tokenizer=load_tokenizer(src))
+    args.status.hide()
     from gpt2kit.quant import parameter_count, quantization
 
     q = quantization(model)  # an int8 checkpoint is copied as int8 (docs/quantization.md), not dequantized
@@ -218,8 +235,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from gpt2kit.checkpoint import quantize_checkpoint
 
     scheme = "int8" if args.int8 else args.scheme or ""
+    args.status.show(f"quantizing {args.src}")
     r = quantize_checkpoint(args.src, args.dst, scheme, lm_head=args.lm_head, scale_dtype=args.scale_dtype,
                             overwrite=args.overwrite)
+    args.status.hide()
     after, before = r["int8_bytes"], r["float_bytes"]
     print(f"wrote {r['path']} ({scheme}, LM head {'quantized' if args.lm_head else 'float32'}, {args.scale_dtype} "
           f"scales): weights {after / 1e6:.1f} MB, {after / before:.0%} of float32's {before / 1e6:.1f} MB")
@@ -422,9 +441,18 @@ def _read_prompts(path: str) -> list[str]:
     return prompts
 
 
+def _quoted(prompt: str, limit: int = 60) -> str:
+    """A prompt for a header line: JSON-quoted (newlines visible), cut to `limit` characters."""
+    return json.dumps(prompt if len(prompt) <= limit else prompt[: limit - 1] + "…", ensure_ascii=False)
+
+
 def _generate_and_print(model, tok, texts: list[str], settings, args: argparse.Namespace) -> None:
-    """Run one generation and print its samples in order; the first unfinished one streams live."""
+    """Run one generation and print its samples in order; the first unfinished one streams live.
+
+    Headers (several samples, or --prompts-file) and --json lines name the prompt each sample
+    belongs to; with stdout redirected and stderr a terminal, a bar counts the tokens."""
     from gpt2kit.generate import encode_prompts, generate_stream
+    from gpt2kit.progress import is_terminal
 
     ids = encode_prompts(tok, texts)
     n_rows = len(ids) * settings.num_samples
@@ -432,43 +460,52 @@ def _generate_and_print(model, tok, texts: list[str], settings, args: argparse.N
     text = [""] * n_rows
     done: dict[int, str] = {}
     head = 0  # the next sample to print; its text goes out as it arrives
+    many_prompts = len(ids) > 1 or args.prompts_file is not None
 
     def header(k: int) -> None:
-        if n_rows > 1 and not args.json:
+        if (n_rows > 1 or many_prompts) and not args.json:
             i, j = divmod(k, settings.num_samples)
-            label = f"PROMPT {i + 1} SAMPLE {j + 1}" if len(ids) > 1 else f"SAMPLE {k + 1}"
+            label = f"PROMPT {i + 1} SAMPLE {j + 1}: {_quoted(texts[i])}" if many_prompts else f"SAMPLE {k + 1}"
             print(f"{'=' * 40} {label} {'=' * 40}")
 
     def finish(k: int) -> None:
         if args.json:
-            print(json.dumps({"prompt_tokens": ids[k // settings.num_samples], "tokens": tokens[k],
-                              "text": text[k], "finish_reason": done[k]}), flush=True)
+            i, j = divmod(k, settings.num_samples)
+            print(json.dumps({"prompt_index": i, "sample_index": j, "prompt": texts[i], "prompt_tokens": ids[i],
+                              "tokens": tokens[k], "text": text[k], "finish_reason": done[k]}), flush=True)
         else:
             print(flush=True)
 
-    header(0)
-    for step in generate_stream(model, ids, settings, tokenizer=tok, batch_size=args.batch_size):
-        for k, t in step.tokens.items():
-            tokens[k].append(t)
-        for k, piece in step.text.items():
-            text[k] += piece
-            if k == head and piece and not args.json:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-        done.update(step.finished)
-        while head in done:
-            finish(head)
-            head += 1
-            if head < n_rows:
-                header(head)
-                if not args.json and text[head]:
-                    sys.stdout.write(text[head])  # buffered while an earlier sample was printing
+    args.status.hide()  # the samples (or the token bar) take the terminal from here
+    bar = None if is_terminal(sys.stdout) else args.status.bar(n_rows * settings.max_new_tokens, unit="token",
+                                                                  desc="generating")
+    try:
+        header(0)
+        for step in generate_stream(model, ids, settings, tokenizer=tok, batch_size=args.batch_size):
+            for k, t in step.tokens.items():
+                tokens[k].append(t)
+            if bar is not None:
+                bar.update(len(step.tokens))
+            for k, piece in step.text.items():
+                text[k] += piece
+                if k == head and piece and not args.json:
+                    sys.stdout.write(piece)
                     sys.stdout.flush()
+            done.update(step.finished)
+            while head in done:
+                finish(head)
+                head += 1
+                if head < n_rows:
+                    header(head)
+                    if not args.json and text[head]:
+                        sys.stdout.write(text[head])  # buffered while an earlier sample was printing
+                        sys.stdout.flush()
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from gpt2kit.checkpoint import load_model, load_tokenizer
-
     settings = _sampling_settings(args)  # bad values fail before the model loads
     if args.prompt is not None and args.prompts_file is not None:
         raise CLIError("give a PROMPT or --prompts-file, not both")
@@ -481,23 +518,40 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         check_scheme(args.quantize)  # before the model loads
     texts = _read_prompts(args.prompts_file) if args.prompts_file is not None else [args.prompt or ""]
-    model = _quantize_loaded(load_model(args.model, dtype=args.dtype, device=args.device), args)
-    tok = load_tokenizer(args.model)
+    model, tok = _load_for(args)
     if not args.interactive:  # no prompt: unconditional samples from <|endoftext|>
         _generate_and_print(model, tok, texts, settings, args)
         return 0
-    while True:  # as openai/gpt-2's interactive_conditional_samples.py, until EOF
+    while True:  # as openai/gpt-2's interactive_conditional_samples.py, until EOF or Ctrl-C at the prompt
         if sys.stdin.isatty():
             print("Model prompt >>> ", end="", file=sys.stderr, flush=True)
         line = sys.stdin.readline()
         if not line:
             return 0
-        if line.strip():
+        if not line.strip():
+            continue
+        try:
             _generate_and_print(model, tok, [line.rstrip("\r\n")], settings, args)
+        except KeyboardInterrupt:  # Ctrl-C stops this sample only
+            print(flush=True)
+            print("(sample stopped; Ctrl-C at the prompt or end of input quits)", file=sys.stderr, flush=True)
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """Help lines that name each option's default (argparse's ArgumentDefaultsHelpFormatter also
+    tags the flags whose default is None or False, and repeats a default the text already gives)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not unset and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def _register_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="sample text from a model (KV-cached, batched, streamed)")
+    p = sub.add_parser("generate", help="sample text from a model (KV-cached, batched, streamed)",
+                       formatter_class=_DefaultsShown)
     p.add_argument("prompt", nargs="?", default=None,
                    help="prompt text (default: unconditional samples starting from <|endoftext|>)")
     _add_model_args(p)
@@ -508,7 +562,8 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p-mode", choices=("openai", "hf"), default="openai",
                    help="openai: keep tokens with cumulative prob <= p (sample.py); hf: also the one crossing p")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's penalty (1 = off; >= 0.01)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed (same seed, same text; default: none, a different sample each run)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
     p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     p.add_argument("--batch-size", type=int, default=8, help="rows generated together (default 8)")
@@ -517,8 +572,10 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts-file", default=None, metavar="FILE",
                    help='one prompt per line, or JSONL with a "prompt" field')
     p.add_argument("--json", action="store_true",
-                   help='one line per sample: {"prompt_tokens", "tokens", "text", "finish_reason"}')
-    p.add_argument("--interactive", "-i", action="store_true", help="read prompts from stdin until EOF")
+                   help='one line per sample: {"prompt_index", "sample_index", "prompt", "prompt_tokens", '
+                        '"tokens", "text", "finish_reason"} (indexes from 0)')
+    p.add_argument("--interactive", "-i", action="store_true",
+                   help="read prompts from stdin until EOF; Ctrl-C stops a sample, Ctrl-C at the prompt quits")
     p.add_argument("--strict", action="store_true",
                    help="error if prompt + new tokens exceed the context (default: re-encode a recent window)")
     p.add_argument("--window", type=int, default=None,
@@ -544,7 +601,6 @@ def _register_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from gpt2kit.checkpoint import load_model, load_tokenizer
     from gpt2kit.trace import parse_what, trace
 
     if args.text is not None and args.file is not None:
@@ -561,11 +617,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
         from gpt2kit.quant import check_scheme
 
         check_scheme(args.quantize)
-    model = _quantize_loaded(load_model(args.model, dtype=args.dtype, device=args.device), args)
-    tok = load_tokenizer(args.model)
+    model, tok = _load_for(args)
+    args.status.show(f"tracing {len(text):,} characters")
     tr = trace(model, tok, text, top_k=args.top_k, layers=args.layers, what=args.what,
                prepend_eot=args.prepend_eot, patch_from=args.compare, name=str(args.model))
     wrote = []
+    args.status.show("writing " + ", ".join(p for p in (args.out, args.json, args.npz) if p))
     if args.out:
         tr.save_html(args.out)
         wrote.append(args.out)
@@ -578,6 +635,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.npz:
         tr.save_npz(args.npz)
         wrote.append(args.npz)
+    args.status.hide()
     print(f"traced {len(tr.ids)} tokens, {len(tr.tensors)} tensors; wrote {', '.join(wrote)}")
     return 0
 
@@ -715,8 +773,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.debug = debug
     _PROG = f"gpt2kit {args.command}"
+    from gpt2kit.progress import Status
+
     try:
-        code = int(args.func(args) or 0)
+        with Status(_PROG) as args.status:  # a status line while the command works, on a terminal only
+            code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed stdout shows up here, not at interpreter exit
         return code
     except KeyboardInterrupt:

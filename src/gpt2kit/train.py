@@ -466,7 +466,9 @@ def _val_loader(cfg: TrainConfig, d: Dist) -> tuple[ShardLoader | None, int]:
 def _loop(run: _Run, *, fresh: bool) -> TrainResult:
     cfg, d = run.cfg, run.dist
     metrics = Metrics(run.out, None if fresh else run.step) if d.master else None
-    reporter = Reporter(d.master, run.step, cfg.max_steps, cfg.log_every)
+    eval_tokens = run.eval_batches * cfg.batch_size * cfg.seq_len * d.world_size if run.val_loader else 0
+    reporter = Reporter(d.master, run.step, cfg.max_steps, cfg.log_every, eval_every=cfg.eval_every,
+                        eval_tokens=eval_tokens)
     last_loss = val_loss = None
     tokens, seconds = 0, 0.0
     end = cfg.max_steps if cfg.stop_at is None else min(cfg.max_steps, cfg.stop_at)

@@ -29,9 +29,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if not getattr(args, "_memory_worker", None):
+        require_transformers()
     from gpt2kit.bench.core import run_from_args as run
 
     return run(args)
+
+
+def require_transformers() -> None:
+    """ImportError naming the extra that installs transformers, the peer every run measures against."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise ImportError("gpt2kit bench compares with transformers, which is not installed: "
+                          "pip install 'gpt2kit[bench]'")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run_from_args(args)
-    except ValueError as e:  # bad values: one line, as the gpt2kit CLI does
+    except (ValueError, ImportError) as e:  # bad values, a missing peer: one line, as the gpt2kit CLI does
         print(f"gpt2kit bench: error: {e}", file=sys.stderr)
         return 2

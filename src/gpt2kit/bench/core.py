@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 
+from gpt2kit._io import atomic_write_text
 from gpt2kit.bench.machine import cpu_info
 from gpt2kit.bench.report import format_table
 from gpt2kit.bench.timing import synced, time_alternating, trial
@@ -347,7 +348,6 @@ def run_from_args(args: argparse.Namespace) -> int:
                   config=None if size == "gpt2" else config)
     print(format_table(results))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2)
+        atomic_write_text(args.json, json.dumps(results, indent=2))
     return 0
 

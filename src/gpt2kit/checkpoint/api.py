@@ -34,6 +34,11 @@ from gpt2kit.tokenizer import Tokenizer
 __all__ = ["HUB_NAMES", "describe", "holds_model", "load_model", "load_state", "load_tokenizer",
            "quantize_checkpoint", "read_checked_header", "resolve_source", "save_model"]
 
+# OpenAI's four released sizes under both hub names: one vocabulary, the one packaged in gpt2kit/vocab,
+# so their tokenizer never needs the hub.
+GPT2_TOKENIZER_NAMES = frozenset(n for size in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+                                  for n in (size, f"openai-community/{size}"))
+
 
 def _refuse_int8(path: Path) -> None:
     # Float state dicts (training, load_state) cannot come from int8 codes: say so, in one line.
@@ -84,8 +89,14 @@ def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str
 
 
 def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None) -> Tokenizer:
-    """The checkpoint's own vocab files when it has them, else GPT-2's packaged ones."""
+    """The checkpoint's own vocab files when it has them, else GPT-2's packaged ones.
+
+    A published GPT-2 name (GPT2_TOKENIZER_NAMES) that is not a local path gets the packaged files
+    without asking the hub: they are the files those repos publish, so this works offline."""
     if name_or_path is None:
+        return Tokenizer.default()
+    raw = os.fspath(name_or_path)
+    if raw in GPT2_TOKENIZER_NAMES and not os.path.lexists(Path(raw).expanduser()):
         return Tokenizer.default()
     _, path = resolve_source(name_or_path)
     return Tokenizer.from_dir(path)
