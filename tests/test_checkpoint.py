@@ -708,7 +708,7 @@ def test_a_local_directory_named_gpt2_keeps_its_own_tokenizer(tmp_path, monkeypa
     d = tmp_path / "gpt2"
     shutil.copytree(FIXTURE_TF, d)
     (d / "encoder.json").write_text("{broken", encoding="utf-8")
-    pkg = Path(__file__).parents[1] / "src" / "gpt2kit" / "data"
+    pkg = Path(__file__).parents[1] / "src" / "gpt2kit" / "vocab"
     (d / "vocab.bpe").write_text((pkg / "vocab.bpe").read_text(encoding="utf-8"), encoding="utf-8")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="encoder.json"):  # its own (broken) files were read

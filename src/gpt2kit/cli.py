@@ -235,9 +235,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from gpt2kit.checkpoint import quantize_checkpoint
 
     scheme = "int8" if args.int8 else args.scheme or ""
-    args.status.show(f"quantizing {args.src}")
     r = quantize_checkpoint(args.src, args.dst, scheme, lm_head=args.lm_head, scale_dtype=args.scale_dtype,
-                            overwrite=args.overwrite)
+                            overwrite=args.overwrite, progress=args.status.show)
     args.status.hide()
     after, before = r["int8_bytes"], r["float_bytes"]
     print(f"wrote {r['path']} ({scheme}, LM head {'quantized' if args.lm_head else 'float32'}, {args.scale_dtype} "
