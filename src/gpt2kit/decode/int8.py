@@ -18,7 +18,8 @@ the product. The formulations this module can run (docs/quantization.md has the 
 Which one runs is decided per (device type, activation dtype, row bucket) by timing the
 candidates once per process on a matrix of the model's size (`choose`), unless GPT2KIT_INT8_KERNEL
 names one. `_weight_int8pack_mm` is used only where its contract holds (2-D contiguous input,
-in_features a multiple of 8: other sizes crash or return wrong values in torch 2.13's CPU kernel).
+in_features a multiple of 16: other sizes crash or return wrong values in torch 2.13's CPU kernel; on
+AVX-512, a multiple of 8 that is not of 16 segfaults with 2+ rows).
 On CUDA the candidates are the same ops, measured the same way (untested: no GPU was lent to the
 sessions that wrote this): a candidate that raises in the measurement (an op or dtype the device
 lacks, native-avx2 where it could not be built) is left out, and one that raises later on a shape
@@ -66,7 +67,7 @@ _I8PACK = getattr(torch.ops.aten, "_weight_int8pack_mm", None)  # absent in old 
 
 
 def _i8pack_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
-    return _I8PACK is not None and weight.shape[1] % 8 == 0 and weight.is_contiguous() and x2.dim() == 2
+    return _I8PACK is not None and weight.shape[1] % 16 == 0 and weight.is_contiguous() and x2.dim() == 2
 
 
 # A decode step makes ~50 products of one row, each a few microseconds of Python around the kernel,
