@@ -17,9 +17,11 @@ the product. The formulations this module can run (docs/quantization.md has the 
 
 Which one runs is decided per (device type, activation dtype, row bucket) by timing the
 candidates once per process on a matrix of the model's size (`choose`), unless GPT2KIT_INT8_KERNEL
-names one. `_weight_int8pack_mm` is used only where its contract holds (2-D contiguous input,
-in_features a multiple of 16: other sizes crash or return wrong values in torch 2.13's CPU kernel; on
-AVX-512, a multiple of 8 that is not of 16 segfaults with 2+ rows).
+names one; a candidate whose product on the measurement's own input differs from a float32 reference
+is left out before it is timed (a wrong kernel is fast, and would otherwise win).
+`_weight_int8pack_mm` is used only where its contract holds (2-D contiguous input, in_features a
+multiple of 16: other sizes crash or return wrong values in torch 2.13's CPU kernel; on AVX-512, a
+multiple of 8 that is not of 16 segfaults with 2+ rows).
 On CUDA the candidates are the same ops, measured the same way (untested: no GPU was lent to the
 sessions that wrote this): a candidate that raises in the measurement (an op or dtype the device
 lacks, native-avx2 where it could not be built) is left out, and one that raises later on a shape
@@ -38,6 +40,7 @@ import os
 import time
 import warnings
 import weakref
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -134,17 +137,49 @@ def _time(fn, reps: int) -> float:
     return best
 
 
+def screen(screened: Mapping[str, float], hopeless: float = _HOPELESS) -> set[str]:
+    """The candidates worth timing on the whole matrix, from their times on the screening slice: all
+    but those more than `hopeless` times slower than the fastest."""
+    fastest = min(screened.values())
+    return {k for k, t in screened.items() if t <= hopeless * fastest}
+
+
+TOLERANCE = 3e-2  # of the reference's largest value: bfloat16 rounding passes, a wrong kernel does not
+
+
+def disagreement(y: torch.Tensor, reference: torch.Tensor) -> str | None:
+    """Why a candidate's product `y` is not `reference` (float32, computed apart), or None when every
+    value is within TOLERANCE of the reference's largest value: bfloat16 activations round to 2^-8,
+    while zeros, garbage, a wrong shape or NaNs are off by the product itself."""
+    if y.shape != reference.shape:
+        return f"shape {tuple(y.shape)}, expected {tuple(reference.shape)}"
+    err = (y.float() - reference).abs().max().item() if y.numel() else 0.0
+    scale = reference.abs().max().item() if reference.numel() else 0.0
+    if not err <= TOLERANCE * scale + 1e-6:  # `not <=`: a NaN fails too
+        return f"off by up to {err:.3g} where the product's largest value is {scale:.3g}"
+    return None
+
+
 @torch.inference_mode()
 def measure(device: torch.device, dtype: torch.dtype, rows: int, in_features: int = 768,
-            out_features: int = 3072, reps: int = 3) -> dict[str, float]:
+            out_features: int = 3072, reps: int = 3, *, hopeless: float = _HOPELESS,
+            candidates: Mapping[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] | None = None,
+            ) -> dict[str, float]:
     """Seconds per product of each candidate on a random (out, in) int8 matrix and `rows` rows,
     alternating the candidates, best of `reps` rounds (or of more while the rounds take under 0.1 s
     in all: a few rows). GPT-2 124M's c_fc size by default: big enough to stream from memory like
-    the real matrices, small enough to time in milliseconds. Each candidate first runs once on a
-    slice of 1/16 of the matrix's rows (the warm-up); one more than 10x slower there than the
-    fastest is not run on the whole matrix (its time is the slice's, scaled by 16): the float32
-    scalar loop of `i8pack` would take seconds at prompt sizes. (The whole matrix, not a smaller
-    one, decides: which kernel wins at a few hundred rows depends on whether it fits in cache.)"""
+    the real matrices, small enough to time in milliseconds. `candidates` (name -> fn(x, w, s)) are
+    KERNELS through run_kernel unless given.
+
+    Before any timing, each candidate's product on a slice of 1/16 of the matrix's rows (its warm-up)
+    is compared with the float32 reference (`disagreement`); one that differs is left out, with a
+    RuntimeWarning, and listed by `unavailable()` (a wrong kernel must never win by being fast), as is
+    one that raises. Each is then timed once on the slice; one more than `hopeless` times slower
+    there than the fastest (`screen`) is not run on the whole matrix (its time is the slice's, scaled
+    by 16): the float32 scalar loop of `i8pack` would take seconds at prompt sizes. The rest run on
+    the whole matrix once, untimed, checked against the reference again, then timed. (The whole
+    matrix, not a smaller one, decides: which kernel wins at a few hundred rows depends on whether
+    it fits in cache.)"""
     if device.type == "cpu":
         native.int8_linear()  # built (or loaded) before anything is timed
     g = torch.Generator().manual_seed(0)
@@ -153,26 +188,40 @@ def measure(device: torch.device, dtype: torch.dtype, rows: int, in_features: in
     x = torch.randn(rows, in_features, generator=g).to(device, dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     part = max(1, out_features // 16)
+    reference = F.linear(x.float(), w.float()) * s.float()  # (rows, out) float32, computed apart
+
+    if candidates is None:
+        candidates = {k: (lambda x, w, s, k=k: run_kernel(k, x, w, s)) for k in KERNELS
+                      if not (k == "i8pack-bf16" and dtype == torch.bfloat16)}  # that one is i8pack there
+    where = f"{device.type} {str(dtype).removeprefix('torch.')}"
     fns, screened = {}, {}
-    for k in KERNELS:
-        if k == "i8pack-bf16" and dtype == torch.bfloat16:
-            continue  # the same as i8pack
-        def fn(k=k, w=w, s=s):
-            run_kernel(k, x, w, s)
+    for k, kernel in candidates.items():
+        def fn(kernel=kernel, w=w, s=s):
+            y = kernel(x, w, s)
             sync()
-        try:  # the warm-up, on the slice; a kernel this device or dtype lacks is left out (dequant runs anywhere)
-            screened[k] = 16 * _time(lambda fn=fn: fn(w=w[:part], s=s[:part]), 1)
+            return y
+        try:  # the warm-up on the slice, checked; a kernel this device or dtype lacks is left out
+            wrong = disagreement(fn(w=w[:part], s=s[:part]), reference[:, :part])
+            if wrong is None:
+                screened[k] = 16 * _time(lambda fn=fn: fn(w=w[:part], s=s[:part]), 1)
         except (NotImplementedError, RuntimeError) as e:
             if k == "dequant" or isinstance(e, torch.OutOfMemoryError):
                 raise
-            _UNAVAILABLE[f"{device.type} {str(dtype).removeprefix('torch.')} {k}"] = _first_line(e)
+            _UNAVAILABLE[f"{where} {k}"] = _first_line(e)
+            continue
+        if wrong is not None:
+            _left_out_as_wrong(f"{where} {k}", wrong)
             continue
         fns[k] = fn
-    fastest = min(screened.values())
-    fns = {k: fn for k, fn in fns.items() if screened[k] <= _HOPELESS * fastest}
+    if not screened:
+        raise RuntimeError(f"no int8 kernel computed the right product on {where}: {unavailable()}")
+    fns = {k: fn for k, fn in fns.items() if k in screen(screened, hopeless)}
+    for k, fn in list(fns.items()):  # the whole matrix once, untimed, checked
+        wrong = disagreement(fn(), reference)
+        if wrong is not None:
+            _left_out_as_wrong(f"{where} {k}", wrong)
+            del fns[k], screened[k]
     times = {**screened, **{k: float("inf") for k in fns}}
-    for fn in fns.values():
-        fn()  # the whole matrix once, untimed
     start, rep = time.perf_counter(), 0
     # best of `reps` rounds, or of as many as fit in 0.1 s (up to 30) where rounds are cheap (a few rows)
     while rep < reps or (rep < 30 and time.perf_counter() - start < 0.1):
@@ -180,6 +229,12 @@ def measure(device: torch.device, dtype: torch.dtype, rows: int, in_features: in
             times[k] = min(times[k], _time(fn, 1))
         rep += 1
     return times
+
+
+def _left_out_as_wrong(where: str, wrong: str) -> None:
+    _UNAVAILABLE[where] = f"wrong result: {wrong}"
+    warnings.warn(f"int8 kernel {where.rsplit(' ', 1)[-1]} computed a wrong product in the measurement on "
+                  f"{where.rsplit(' ', 1)[0]} ({wrong}); it is left out", RuntimeWarning, stacklevel=4)
 
 
 def choose(device: torch.device, dtype: torch.dtype, rows: int) -> str:
