@@ -20,8 +20,9 @@ candidates once per process on a matrix of the model's size (`choose`), unless G
 names one; a candidate whose product on the measurement's own input differs from a float32 reference
 is left out before it is timed (a wrong kernel is fast, and would otherwise win).
 `_weight_int8pack_mm` is used only where its contract holds (2-D contiguous input, in_features a
-multiple of 16: other sizes crash or return wrong values in torch 2.13's CPU kernel; on AVX-512, a
-multiple of 8 that is not of 16 segfaults with 2+ rows).
+multiple of 16: other sizes crash or return wrong values in torch 2.13's CPU kernel; on AVX-512 it
+segfaults on weight rows not aligned to 16 bytes or activation rows not aligned to 32, so a weight
+that is not (a view, a tensor read from a file) takes dequant and activations are re-allocated).
 On CUDA the candidates are the same ops, measured the same way (untested: no GPU was lent to the
 sessions that wrote this): a candidate that raises in the measurement (an op or dtype the device
 lacks, native-avx2 where it could not be built) is left out, and one that raises later on a shape
@@ -70,7 +71,17 @@ _I8PACK = getattr(torch.ops.aten, "_weight_int8pack_mm", None)  # absent in old 
 
 
 def _i8pack_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
-    return _I8PACK is not None and weight.shape[1] % 16 == 0 and weight.is_contiguous() and x2.dim() == 2
+    # torch 2.13's AVX-512 kernel reads with aligned loads: weight rows on 16 bytes, activation rows on
+    # 32 (found on an AMD EPYC; anything else segfaults). in_features a multiple of 16 keeps every row
+    # aligned once the first is; the activations are re-allocated where they are not (_aligned).
+    return (_I8PACK is not None and weight.shape[1] % 16 == 0 and weight.is_contiguous()
+            and weight.data_ptr() % 16 == 0 and x2.dim() == 2)
+
+
+def _aligned(x2: torch.Tensor) -> torch.Tensor:
+    """x2 contiguous and starting on 64 bytes (a fresh allocation's alignment) for _weight_int8pack_mm."""
+    x2 = x2.contiguous()
+    return x2 if x2.data_ptr() % 64 == 0 else x2.clone()
 
 
 # A decode step makes ~50 products of one row, each a few microseconds of Python around the kernel,
@@ -103,13 +114,13 @@ def run_kernel(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch
         y = F.linear(x2, weight.to(x2.dtype)) * _scale_as(scale, x2.dtype)
         return y if bias is None else y + bias
     if kernel == "i8pack-bf16" and x2.dtype != torch.bfloat16:
-        y = _I8PACK(x2.to(torch.bfloat16).contiguous(), weight, _scale_as(scale, torch.bfloat16))  # (R, out) bf16
+        y = _I8PACK(_aligned(x2.to(torch.bfloat16)), weight, _scale_as(scale, torch.bfloat16))  # (R, out) bf16
         # back to x2's dtype: one op, the bias add promoting the bfloat16 product (same values as cast, then add)
         if bias is None or bias.dtype != x2.dtype:
             y = y.to(x2.dtype)
             return y if bias is None else y + bias
         return torch.add(bias, y)
-    y = _I8PACK(x2.contiguous(), weight, _scale_as(scale, x2.dtype))
+    y = _I8PACK(_aligned(x2), weight, _scale_as(scale, x2.dtype))
     return y if bias is None else y + bias
 
 
