@@ -17,8 +17,12 @@ the product. The formulations this module can run (docs/quantization.md has the 
 
 Which one runs is decided per (device type, activation dtype, row bucket) by timing the
 candidates once per process on a matrix of the model's size (`choose`), unless GPT2KIT_INT8_KERNEL
-names one. `_weight_int8pack_mm` is used only where its contract holds (2-D contiguous input,
-in_features a multiple of 8: other sizes crash or return wrong values in torch 2.13's CPU kernel).
+names one; a candidate whose product on the measurement's own input differs from a float32 reference
+is left out before it is timed (a wrong kernel is fast, and would otherwise win).
+`_weight_int8pack_mm` is used only where its contract holds (2-D contiguous input, in_features a
+multiple of 16: other sizes crash or return wrong values in torch 2.13's CPU kernel; on AVX-512 it
+segfaults on weight rows not aligned to 16 bytes or activation rows not aligned to 32, so a weight
+that is not (a view, a tensor read from a file) takes dequant and activations are re-allocated).
 On CUDA the candidates are the same ops, measured the same way (untested: no GPU was lent to the
 sessions that wrote this): a candidate that raises in the measurement (an op or dtype the device
 lacks, native-avx2 where it could not be built) is left out, and one that raises later on a shape
@@ -37,6 +41,7 @@ import os
 import time
 import warnings
 import weakref
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +71,17 @@ _I8PACK = getattr(torch.ops.aten, "_weight_int8pack_mm", None)  # absent in old 
 
 
 def _i8pack_ok(x2: torch.Tensor, weight: torch.Tensor) -> bool:
-    return _I8PACK is not None and weight.shape[1] % 8 == 0 and weight.is_contiguous() and x2.dim() == 2
+    # torch 2.13's AVX-512 kernel reads with aligned loads: weight rows on 16 bytes, activation rows on
+    # 32 (found on an AMD EPYC; anything else segfaults). in_features a multiple of 16 keeps every row
+    # aligned once the first is; the activations are re-allocated where they are not (_aligned).
+    return (_I8PACK is not None and weight.shape[1] % 16 == 0 and weight.is_contiguous()
+            and weight.data_ptr() % 16 == 0 and x2.dim() == 2)
+
+
+def _aligned(x2: torch.Tensor) -> torch.Tensor:
+    """x2 contiguous and starting on 64 bytes (a fresh allocation's alignment) for _weight_int8pack_mm."""
+    x2 = x2.contiguous()
+    return x2 if x2.data_ptr() % 64 == 0 else x2.clone()
 
 
 # A decode step makes ~50 products of one row, each a few microseconds of Python around the kernel,
@@ -99,13 +114,13 @@ def run_kernel(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch
         y = F.linear(x2, weight.to(x2.dtype)) * _scale_as(scale, x2.dtype)
         return y if bias is None else y + bias
     if kernel == "i8pack-bf16" and x2.dtype != torch.bfloat16:
-        y = _I8PACK(x2.to(torch.bfloat16).contiguous(), weight, _scale_as(scale, torch.bfloat16))  # (R, out) bf16
+        y = _I8PACK(_aligned(x2.to(torch.bfloat16)), weight, _scale_as(scale, torch.bfloat16))  # (R, out) bf16
         # back to x2's dtype: one op, the bias add promoting the bfloat16 product (same values as cast, then add)
         if bias is None or bias.dtype != x2.dtype:
             y = y.to(x2.dtype)
             return y if bias is None else y + bias
         return torch.add(bias, y)
-    y = _I8PACK(x2.contiguous(), weight, _scale_as(scale, x2.dtype))
+    y = _I8PACK(_aligned(x2), weight, _scale_as(scale, x2.dtype))
     return y if bias is None else y + bias
 
 
@@ -133,17 +148,49 @@ def _time(fn, reps: int) -> float:
     return best
 
 
+def screen(screened: Mapping[str, float], hopeless: float = _HOPELESS) -> set[str]:
+    """The candidates worth timing on the whole matrix, from their times on the screening slice: all
+    but those more than `hopeless` times slower than the fastest."""
+    fastest = min(screened.values())
+    return {k for k, t in screened.items() if t <= hopeless * fastest}
+
+
+TOLERANCE = 3e-2  # of the reference's largest value: bfloat16 rounding passes, a wrong kernel does not
+
+
+def disagreement(y: torch.Tensor, reference: torch.Tensor) -> str | None:
+    """Why a candidate's product `y` is not `reference` (float32, computed apart), or None when every
+    value is within TOLERANCE of the reference's largest value: bfloat16 activations round to 2^-8,
+    while zeros, garbage, a wrong shape or NaNs are off by the product itself."""
+    if y.shape != reference.shape:
+        return f"shape {tuple(y.shape)}, expected {tuple(reference.shape)}"
+    err = (y.float() - reference).abs().max().item() if y.numel() else 0.0
+    scale = reference.abs().max().item() if reference.numel() else 0.0
+    if not err <= TOLERANCE * scale + 1e-6:  # `not <=`: a NaN fails too
+        return f"off by up to {err:.3g} where the product's largest value is {scale:.3g}"
+    return None
+
+
 @torch.inference_mode()
 def measure(device: torch.device, dtype: torch.dtype, rows: int, in_features: int = 768,
-            out_features: int = 3072, reps: int = 3) -> dict[str, float]:
+            out_features: int = 3072, reps: int = 3, *, hopeless: float = _HOPELESS,
+            candidates: Mapping[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] | None = None,
+            ) -> dict[str, float]:
     """Seconds per product of each candidate on a random (out, in) int8 matrix and `rows` rows,
     alternating the candidates, best of `reps` rounds (or of more while the rounds take under 0.1 s
     in all: a few rows). GPT-2 124M's c_fc size by default: big enough to stream from memory like
-    the real matrices, small enough to time in milliseconds. Each candidate first runs once on a
-    slice of 1/16 of the matrix's rows (the warm-up); one more than 10x slower there than the
-    fastest is not run on the whole matrix (its time is the slice's, scaled by 16): the float32
-    scalar loop of `i8pack` would take seconds at prompt sizes. (The whole matrix, not a smaller
-    one, decides: which kernel wins at a few hundred rows depends on whether it fits in cache.)"""
+    the real matrices, small enough to time in milliseconds. `candidates` (name -> fn(x, w, s)) are
+    KERNELS through run_kernel unless given.
+
+    Before any timing, each candidate's product on a slice of 1/16 of the matrix's rows (its warm-up)
+    is compared with the float32 reference (`disagreement`); one that differs is left out, with a
+    RuntimeWarning, and listed by `unavailable()` (a wrong kernel must never win by being fast), as is
+    one that raises. Each is then timed once on the slice; one more than `hopeless` times slower
+    there than the fastest (`screen`) is not run on the whole matrix (its time is the slice's, scaled
+    by 16): the float32 scalar loop of `i8pack` would take seconds at prompt sizes. The rest run on
+    the whole matrix once, untimed, checked against the reference again, then timed. (The whole
+    matrix, not a smaller one, decides: which kernel wins at a few hundred rows depends on whether
+    it fits in cache.)"""
     if device.type == "cpu":
         native.int8_linear()  # built (or loaded) before anything is timed
     g = torch.Generator().manual_seed(0)
@@ -152,26 +199,40 @@ def measure(device: torch.device, dtype: torch.dtype, rows: int, in_features: in
     x = torch.randn(rows, in_features, generator=g).to(device, dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     part = max(1, out_features // 16)
+    reference = F.linear(x.float(), w.float()) * s.float()  # (rows, out) float32, computed apart
+
+    if candidates is None:
+        candidates = {k: (lambda x, w, s, k=k: run_kernel(k, x, w, s)) for k in KERNELS
+                      if not (k == "i8pack-bf16" and dtype == torch.bfloat16)}  # that one is i8pack there
+    where = f"{device.type} {str(dtype).removeprefix('torch.')}"
     fns, screened = {}, {}
-    for k in KERNELS:
-        if k == "i8pack-bf16" and dtype == torch.bfloat16:
-            continue  # the same as i8pack
-        def fn(k=k, w=w, s=s):
-            run_kernel(k, x, w, s)
+    for k, kernel in candidates.items():
+        def fn(kernel=kernel, w=w, s=s):
+            y = kernel(x, w, s)
             sync()
-        try:  # the warm-up, on the slice; a kernel this device or dtype lacks is left out (dequant runs anywhere)
-            screened[k] = 16 * _time(lambda fn=fn: fn(w=w[:part], s=s[:part]), 1)
+            return y
+        try:  # the warm-up on the slice, checked; a kernel this device or dtype lacks is left out
+            wrong = disagreement(fn(w=w[:part], s=s[:part]), reference[:, :part])
+            if wrong is None:
+                screened[k] = 16 * _time(lambda fn=fn: fn(w=w[:part], s=s[:part]), 1)
         except (NotImplementedError, RuntimeError) as e:
             if k == "dequant" or isinstance(e, torch.OutOfMemoryError):
                 raise
-            _UNAVAILABLE[f"{device.type} {str(dtype).removeprefix('torch.')} {k}"] = _first_line(e)
+            _UNAVAILABLE[f"{where} {k}"] = _first_line(e)
+            continue
+        if wrong is not None:
+            _left_out_as_wrong(f"{where} {k}", wrong)
             continue
         fns[k] = fn
-    fastest = min(screened.values())
-    fns = {k: fn for k, fn in fns.items() if screened[k] <= _HOPELESS * fastest}
+    if not screened:
+        raise RuntimeError(f"no int8 kernel computed the right product on {where}: {unavailable()}")
+    fns = {k: fn for k, fn in fns.items() if k in screen(screened, hopeless)}
+    for k, fn in list(fns.items()):  # the whole matrix once, untimed, checked
+        wrong = disagreement(fn(), reference)
+        if wrong is not None:
+            _left_out_as_wrong(f"{where} {k}", wrong)
+            del fns[k], screened[k]
     times = {**screened, **{k: float("inf") for k in fns}}
-    for fn in fns.values():
-        fn()  # the whole matrix once, untimed
     start, rep = time.perf_counter(), 0
     # best of `reps` rounds, or of as many as fit in 0.1 s (up to 30) where rounds are cheap (a few rows)
     while rep < reps or (rep < 30 and time.perf_counter() - start < 0.1):
@@ -179,6 +240,12 @@ def measure(device: torch.device, dtype: torch.dtype, rows: int, in_features: in
             times[k] = min(times[k], _time(fn, 1))
         rep += 1
     return times
+
+
+def _left_out_as_wrong(where: str, wrong: str) -> None:
+    _UNAVAILABLE[where] = f"wrong result: {wrong}"
+    warnings.warn(f"int8 kernel {where.rsplit(' ', 1)[-1]} computed a wrong product in the measurement on "
+                  f"{where.rsplit(' ', 1)[0]} ({wrong}); it is left out", RuntimeWarning, stacklevel=4)
 
 
 def choose(device: torch.device, dtype: torch.dtype, rows: int) -> str:
