@@ -997,7 +997,7 @@ def test_served_int8_model_answers_what_direct_generation_gives(tmp_path, monkey
     # loopback: a greedy completion's ids equal generate() on the same checkpoint quantized directly,
     # and differ from the float model's (so a server that ignored quantize= would fail this).
     pytest.importorskip("fastapi")
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("uvicorn")
     httpx = pytest.importorskip("httpx")
     import socket
     import threading
@@ -1006,7 +1006,7 @@ def test_served_int8_model_answers_what_direct_generation_gives(tmp_path, monkey
     from helpers import SMALL, varied_model
 
     from gpt2kit.checkpoint import load_tokenizer
-    from gpt2kit.serve import serve
+    from gpt2kit.serve import ServeOptions, serve
 
     # one kernel whatever the start-up measurement picks (bfloat16 activations: ids that differ from float)
     monkeypatch.setenv(quant_kernels.ENV, "i8pack-bf16")
@@ -1019,16 +1019,19 @@ def test_served_int8_model_answers_what_direct_generation_gives(tmp_path, monkey
 
     servers = []
 
-    class Server(uvicorn.Server):
+    import gpt2kit.serve.runner as runner
+
+    class Server(runner.GracefulServer):  # the server serve() builds, caught so the test can stop it
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             servers.append(self)
-    monkeypatch.setattr(uvicorn, "Server", Server)
+    monkeypatch.setattr(runner, "GracefulServer", Server)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     thread = threading.Thread(target=serve, args=(str(tmp_path),), daemon=True,
-                              kwargs=dict(quantize="int8", sock=sock, log_level="warning"))
+                              kwargs=dict(quantize="int8", sock=sock, log_level="warning",
+                                          opts=ServeOptions(served_model_name="gpt2")))
     thread.start()
     try:
         deadline = time.monotonic() + 120
