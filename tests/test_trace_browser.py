@@ -109,3 +109,29 @@ def test_a_partial_selection_renders_without_errors(tmp_path):
     assert p.errors.strip() == "" and p.body.get("data-rendered") == "ok"
     assert p.n("panel-heads", "div.hcell") == TINY.n_head  # one block's heads
     assert p.n("panel-lens", "tr") == 2  # only H(L) is recorded
+
+
+def test_the_large_map_on_load_is_the_outlined_thumbnail(tmp_path):
+    tr = trace(random_model(), None, list(range(12)))
+    page = tmp_path / "r.html"
+    tr.save_html(page)
+    dom = _chromium(tmp_path, page.as_uri(), "--dump-dom")
+    sel = re.findall(r'<div class="hcell sel" data-layer="(\d+)" data-head="(\d+)"', dom)
+    shown = re.search(r'<div class="help">block (\d+), head (\d+) \(rows: query', dom)
+    assert len(sel) == 1 and shown is not None
+    assert sel[0] == shown.groups()
+
+
+def test_the_docs_screenshot_command_works(tmp_path):
+    """docs/trace.md's chromium command, as written (run as root here, which needs --no-sandbox)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "trace.md").read_text(encoding="utf-8")
+    cmd = re.search(r"`(chromium --headless[^`]*)`", doc).group(1)
+    page = tmp_path / "r.html"
+    trace(random_model(), None, list(range(8))).save_html(page)
+    argv = cmd.replace("file://$PWD/r.html", page.as_uri()).split()
+    argv[0] = CHROMIUM
+    argv.insert(1, f"--user-data-dir={tmp_path / 'profile'}")
+    subprocess.run(argv, cwd=tmp_path, capture_output=True, timeout=120)
+    assert (tmp_path / "screenshot.png").stat().st_size > 1000

@@ -43,7 +43,7 @@ from gpt2kit.trace.record import (
     parse_what,
     run_hooked,
 )
-from gpt2kit.trace.report import render_html, report_data
+from gpt2kit.trace.report import render_html, report_data, token_text
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Trace:
     """Every recorded intermediate of one forward pass, by name (see the module docstring)."""
 
     ids: list[int]
-    tokens: list[str]  # each id decoded on its own
+    tokens: list[str]  # each id decoded on its own (`bytes:\\xNN` for a piece of a character)
     tensors: dict[str, torch.Tensor]
     model: Any = field(repr=False)  # the GPT2 (views use its ln_f, wte and c_proj)
     layers: tuple[int, ...] = ()
@@ -158,9 +158,7 @@ def _to_ids(tokenizer, text_or_ids, prepend_eot: bool) -> list[int]:
 
 
 def _decode_tokens(tokenizer, ids: list[int]) -> list[str]:
-    if tokenizer is None:
-        return [f"<{i}>" for i in ids]
-    return [tokenizer.decode([i]) for i in ids]
+    return [token_text(tokenizer, i) for i in ids]
 
 
 def _check_ids(model, ids: list[int]) -> None:

@@ -164,8 +164,24 @@ def report_data(tr, *, attention_encoding: str | None = "list", position: int = 
     return data
 
 
+def token_text(tokenizer, i: int) -> str:
+    """Token i as the report names it: its text when its bytes are UTF-8 on their own, else
+    `bytes:\\xNN...` (a piece of a multi-byte character; the server's log-probs use the same
+    convention), `<i>` without a tokenizer or for an id it does not know."""
+    if tokenizer is None:
+        return f"<{i}>"
+    try:
+        b = tokenizer.decode_bytes([i])
+    except ValueError:
+        return f"<{i}>"
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+
+
 def _token_text(tr, i: int) -> str:
-    return tr.tokenizer.decode([i]) if tr.tokenizer is not None else f"<{i}>"
+    return token_text(tr.tokenizer, i)
 
 
 def _asset(name: str) -> str:

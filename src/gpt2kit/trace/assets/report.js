@@ -76,15 +76,17 @@ function heads(){
         (ind!==null?' i'+fmt(ind,2):'')));
       cell.title='block '+A.layers[li]+' head '+h2+': prev '+fmt(S.prev[li][h2],3)+', first '+fmt(S.first[li][h2],3)+
         ', induction '+(ind!==null?fmt(ind,3):'n/a (no repeated token)');
-      (function(li,h,cell){cell.addEventListener('click',function(){big(li,h,cell);});})(li,h2,cell);
+      (function(li,h,cell){cell.addEventListener('click',function(){big(li,h);});})(li,h2,cell);
       box.appendChild(cell);}}
   if(A.omitted&&A.omitted.length)box.parentNode.insertBefore(el('p',{'class':'help'},'Blocks '+A.omitted.join(', ')+
     ' left out to keep the file small; trace fewer tokens or pick them with --layers.'),box.nextSibling);
-  big(nL-1,0,box.querySelector('.hcell'));
+  big(0,0);
 }
-function big(li,h,cellEl){
+function big(li,h){
   var A=D.attention,box=document.getElementById('head-detail');box.innerHTML='';
   var sel=document.querySelectorAll('.hcell.sel');for(var i=0;i<sel.length;i++)sel[i].classList.remove('sel');
+  // the outline is found from (block, head), so it always marks the map drawn large
+  var cellEl=document.querySelector('.hcell[data-layer="'+A.layers[li]+'"][data-head="'+h+'"]');
   if(cellEl)cellEl.classList.add('sel');
   box.appendChild(el('div',{'class':'help'},'block '+A.layers[li]+', head '+h+' (rows: query, columns: key)'));
   var cell=Math.max(6,Math.min(18,Math.floor(640/T))),pad=110,n=T*cell;
