@@ -135,3 +135,22 @@ def test_the_docs_screenshot_command_works(tmp_path):
     argv.insert(1, f"--user-data-dir={tmp_path / 'profile'}")
     subprocess.run(argv, cwd=tmp_path, capture_output=True, timeout=120)
     assert (tmp_path / "screenshot.png").stat().st_size > 1000
+
+
+def test_an_intervened_report_shows_both_runs(tmp_path):
+    from gpt2kit.trace import ablate
+
+    T = 12
+    tr = trace(random_model(), None, list(range(T)), interventions=[ablate("h.1.attn.head.0"), ablate("h.0.mlp")])
+    page = tmp_path / "iv.html"
+    tr.save_html(page)
+    p = _Counter()
+    dom = _chromium(tmp_path, page.as_uri(), "--dump-dom")
+    p.feed(dom)
+    assert p.errors.strip() == "" and p.body.get("data-rendered") == "ok"
+    assert p.n("panel-intervene", "li") == 2
+    n_last = len(tr.intervention_effect()["last"])
+    L = TINY.n_layer
+    # the last-position table (header + rows), the per-position table (3 rows), the clean lens
+    assert p.n("panel-intervene", "tr") == (1 + n_last) + (1 + 3) + (L + 2)
+    assert "INTERVENED run" in dom

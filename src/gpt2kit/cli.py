@@ -553,10 +553,15 @@ def cmd_trace(args: argparse.Namespace) -> int:
         from gpt2kit.quant import check_scheme
 
         check_scheme(args.quantize)
+    from gpt2kit.trace.intervene import parse_ablate, parse_replace, parse_steer
+
+    interventions = ([parse_ablate(s) for s in args.ablate] + [parse_steer(s) for s in args.steer]
+                     + [parse_replace(s) for s in args.replace])  # a bad form or file fails before loading
     model = _quantize_loaded(load_model(args.model, dtype=args.dtype, device=args.device), args)
     tok = load_tokenizer(args.model)
     tr = trace(model, tok, text, top_k=args.top_k, layers=args.layers, what=args.what,
-               prepend_eot=args.prepend_eot, patch_from=args.compare, name=str(args.model))
+               prepend_eot=args.prepend_eot, patch_from=args.compare, name=str(args.model),
+               interventions=interventions, mean_over=args.mean_over)
     wrote = []
     if args.out:
         tr.save_html(args.out)
@@ -590,6 +595,15 @@ def _register_trace(sub: argparse._SubParsersAction) -> None:
                    help="tensors to record: all (default) or a comma list of attn, mlp, embed, resid, ln, qkv, "
                         "scores, probs, z, attn_out, mlp_pre, mlp_post, mlp_out")
     p.add_argument("--prepend-eot", action="store_true", help="put <|endoftext|> before the text (and --compare)")
+    p.add_argument("--ablate", action="append", default=[], metavar="NAME[@POS][:mean]",
+                   help="zero (or mean-) ablate at a trace or TransformerLens name, e.g. h.5.attn.head.3, "
+                        "h.7.mlp:mean, resid.2@4 (repeatable; docs/trace.md)")
+    p.add_argument("--steer", action="append", default=[], metavar="NAME[@POS]:VEC.npy[*SCALE]",
+                   help="add SCALE x the vector at a name, e.g. h.6.resid:happy.npy*4 (repeatable)")
+    p.add_argument("--replace", action="append", default=[], metavar="NAME[@POS]:VALUE.npy",
+                   help="set the tensor at a name to the array (repeatable)")
+    p.add_argument("--mean-over", default=None, metavar="TEXT",
+                   help="the text a :mean ablation averages over (default: the traced text)")
     _add_quantize_arg(p)
     p.set_defaults(func=cmd_trace)
 

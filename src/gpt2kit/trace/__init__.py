@@ -32,7 +32,19 @@ import torch
 
 from gpt2kit._io import atomic_write
 from gpt2kit.trace import views
+from gpt2kit.trace.intervene import (
+    Intervention,
+    ablate,
+    capture,
+    edits_for,
+    hook,
+    means_needed,
+    replace,
+    resolve_all,
+    steer,
+)
 from gpt2kit.trace.patching import PatchResult, patch_residual
+from gpt2kit.trace.points import ALIASES, run_with_hooks
 from gpt2kit.trace.record import (
     DEFAULT_MAX_BYTES,
     GROUPS,
@@ -51,7 +63,7 @@ class Trace:
     """Every recorded intermediate of one forward pass, by name (see the module docstring)."""
 
     ids: list[int]
-    tokens: list[str]  # each id decoded on its own (`bytes:\\xNN` for a piece of a character)
+    tokens: list[str]  # each id decoded on its own (`bytes:\xNN` for a piece of a character)
     tensors: dict[str, torch.Tensor]
     model: Any = field(repr=False)  # the GPT2 (views use its ln_f, wte and c_proj)
     layers: tuple[int, ...] = ()
@@ -59,6 +71,8 @@ class Trace:
     top_k: int = 10
     name: str = ""  # the model's name, for the report
     patching: PatchResult | None = None  # when patch_from was given
+    clean: Trace | None = None  # with interventions: the unchanged run (residuals and logits only)
+    interventions: list[str] = field(default_factory=list)  # what was changed, one line each
     tokenizer: Any = field(default=None, repr=False)  # decodes the token ids views name
     _views: dict = field(default_factory=dict, repr=False)  # computed views, by name and arguments
 
@@ -108,6 +122,11 @@ class Trace:
 
     def attention_summary(self) -> dict:
         return self._view(views.attention_summary)
+
+    def intervention_effect(self, k: int = 5) -> dict | None:
+        """Clean vs intervened: per position KL(clean || intervened) and the actual next token's
+        log-prob in both; the top-k of both at the last position (None without interventions)."""
+        return None if self.clean is None else self._view(views.intervention_effect, k)
 
     # --- outputs --------------------------------------------------------------------------------
     def to_json(self, *, attention: bool = True) -> dict:
@@ -174,7 +193,8 @@ def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor, *, 
           layers: str | Iterable[int] | None = None, what: str | Iterable[str] | None = None,
           prepend_eot: bool = False, patch_from: str | Sequence[int] | None = None,
           patch_layers: str | Iterable[int] | None = None, answer: int | None = None, foil: int | None = None,
-          max_bytes: int = DEFAULT_MAX_BYTES, name: str = "") -> Trace:
+          max_bytes: int = DEFAULT_MAX_BYTES, name: str = "",
+          interventions: Sequence[Intervention] | None = None, mean_over: str | Sequence[int] | None = None) -> Trace:
     """Run one input through the model and record its forward pass.
 
     text_or_ids: a text (encoded with tokenizer) or token ids. No <|endoftext|> is added unless
@@ -186,6 +206,10 @@ def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor, *, 
         into it, and trace.patching says how much of the clean-vs-corrupted logit difference each
         patch restores (gpt2kit.trace.patching). answer / foil: the token ids whose logit difference
         is measured at the last position (default: the clean and the corrupted top-1).
+    interventions: changes made while the input runs (gpt2kit.trace.intervene: ablate, steer,
+        replace, hook, or Intervention); the trace then records the intervened run, and
+        trace.clean holds the unchanged one (residuals and logits) for the side-by-side views.
+        mean_over: the text (or ids) whose positions a mean ablation averages over (default: the input).
     """
     if model.training:
         raise ValueError("trace records inference: call model.eval() first (dropout would change the numbers)")
@@ -201,9 +225,22 @@ def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor, *, 
         raise ValueError(f"recording {len(sel_layers)} blocks x {sorted(sel_what)} for {len(ids)} tokens needs "
                          f"~{need / 2**30:.1f} GiB, over the limit of {max_bytes / 2**30:.1f} GiB; "
                          "select fewer with layers=/--layers or what=/--what")
-    tensors = run_hooked(model, ids, sel_layers, sel_what)
+    edits, clean, labels = None, None, []
+    if interventions:
+        resolved = resolve_all(model, interventions, len(ids))
+        ref = ids
+        if mean_over is not None:
+            ref = _to_ids(tokenizer, mean_over, prepend_eot)
+            _check_ids(model, ref)
+        edits = edits_for(resolved, capture(model, ref, means_needed(resolved)))
+        every = tuple(range(model.config.n_layer))
+        clean = Trace(ids=ids, tokens=_decode_tokens(tokenizer, ids), model=model, layers=every,
+                      tensors=run_hooked(model, ids, every, frozenset({"resid"})), what=frozenset({"resid"}),
+                      top_k=top_k, name=name, tokenizer=tokenizer)
+        labels = [r.iv.label() for r in resolved]
+    tensors = run_hooked(model, ids, sel_layers, sel_what, edits)
     tr = Trace(ids=ids, tokens=_decode_tokens(tokenizer, ids), tensors=tensors, model=model, layers=sel_layers,
-               what=sel_what, top_k=top_k, name=name, tokenizer=tokenizer)
+               what=sel_what, top_k=top_k, name=name, tokenizer=tokenizer, clean=clean, interventions=labels)
     if patch_from is not None:
         corrupt = _to_ids(tokenizer, patch_from, prepend_eot)
         _check_ids(model, corrupt)
@@ -212,4 +249,5 @@ def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor, *, 
     return tr
 
 
-__all__ = ["GROUPS", "KINDS", "Trace", "attention_from_qk", "parse_layers", "parse_what", "run_hooked", "trace"]
+__all__ = ["ALIASES", "GROUPS", "KINDS", "Intervention", "Trace", "ablate", "attention_from_qk", "hook", "parse_layers",
+           "parse_what", "replace", "run_hooked", "run_with_hooks", "steer", "trace"]

@@ -148,7 +148,14 @@ def report_data(tr, *, attention_encoding: str | None = "list", position: int = 
     except ValueError as e:  # a partial selection: say why the panel is empty
         data["dla"] = {"unavailable": str(e)}
     data["patching"] = tr.patching.to_json() if tr.patching is not None else None
+    data["intervention"] = None
     used = set(tr.ids)
+    if tr.clean is not None:
+        data["intervention"] = {**tr.intervention_effect(), "clean_lens": tr.clean.logit_lens(k=5)}
+        used.update(i for i, _, _ in data["intervention"]["last"])
+        for layer in data["intervention"]["clean_lens"]["top_ids"]:
+            for rows in layer:
+                used.update(rows)
     for rows in data["stats"]["top_ids"]:
         used.update(rows)
     for layer in data["lens"]["top_ids"]:

@@ -197,3 +197,21 @@ def attention_summary(tr) -> dict:
         else:
             out["induction"].append(None)
     return out
+
+
+@torch.no_grad()
+def intervention_effect(tr, k: int = 5) -> dict:
+    """tr (the intervened run) against tr.clean: per position KL(clean || intervened) in nats and
+    the actual next token's log-prob in both; at the last position the union of both top-k with
+    each one's probability in both runs (sorted by the clean probability)."""
+    a = torch.log_softmax(tr.clean.logits.float(), dim=-1)  # (T, V)
+    b = torch.log_softmax(tr.logits.float(), dim=-1)  # (T, V)
+    kl = (a.exp() * (a - b)).sum(-1)  # (T,)
+    nxt = _next_ids(tr)
+    k = min(k, a.shape[-1])
+    ids = list(dict.fromkeys(a[-1].topk(k).indices.tolist() + b[-1].topk(k).indices.tolist()))
+    rows = sorted(([i, float(a[-1, i].exp()), float(b[-1, i].exp())] for i in ids), key=lambda r: -r[1])
+    return {"interventions": list(tr.interventions), "kl": kl.tolist(),
+            "clean_next_logprob": a[:-1].gather(-1, nxt[:, None])[:, 0].tolist(),
+            "next_logprob": b[:-1].gather(-1, nxt[:, None])[:, 0].tolist(), "last": rows,
+            "max_abs_logit_change": float((tr.logits.float() - tr.clean.logits.float()).abs().max())}

@@ -104,8 +104,9 @@ function big(li,h){
   box.appendChild(c);
 }
 
-function lens(){
-  var Ls=D.lens,box=document.getElementById('lens'),tbl=el('table',{'class':'lens'}),hr=el('tr');
+function lens(){lensTable(D.lens,document.getElementById('lens'));}
+function lensTable(Ls,box){
+  var tbl=el('table',{'class':'lens'}),hr=el('tr');
   hr.appendChild(el('th',null,'layer'));
   for(var t=0;t<T;t++)hr.appendChild(el('th',{title:'position '+t},show(D.tokens[t]).slice(0,8)));
   tbl.appendChild(hr);
@@ -191,6 +192,33 @@ function patch(){
   var wrap=el('div',{'class':'scroll'});wrap.appendChild(tbl);box.appendChild(wrap);
 }
 
+function intervene(){
+  var I=D.intervention,box=document.getElementById('intervene');
+  if(!I){box.appendChild(el('p',{'class':'help'},'No intervention was made (gpt2kit trace --ablate / --steer / --replace, '+
+    'or trace(..., interventions=...)).'));return;}
+  document.getElementById('summary').textContent+=' \u2014 every panel shows the INTERVENED run; clean vs intervened below.';
+  var ul=el('ul');for(var i=0;i<I.interventions.length;i++)ul.appendChild(el('li',null,I.interventions[i]));box.appendChild(ul);
+  box.appendChild(el('p',{'class':'help'},'Next-token distribution after the last token, clean vs intervened (the union of '+
+    'both top 5). Largest change of any logit anywhere: '+fmt(I.max_abs_logit_change,3)+'.'));
+  var t1=el('table',{'class':'lens',id:'intervene-last'}),hr=el('tr');
+  ['token','clean','intervened','change'].forEach(function(h){hr.appendChild(el('th',null,h));});t1.appendChild(hr);
+  for(var r=0;r<I.last.length;r++){var row=I.last[r],tr=el('tr');tr.appendChild(el('td',null,JSON.stringify(tok(row[0]))));
+    tr.appendChild(el('td',null,pct(row[1])));tr.appendChild(el('td',null,pct(row[2])));
+    var d=row[2]-row[1],td=el('td',null,(d>=0?'+':'\u2212')+pct(Math.abs(d)));
+    td.style.background=d>=0?'hsl(140,60%,88%)':'hsl(0,70%,90%)';tr.appendChild(td);t1.appendChild(tr);}
+  box.appendChild(t1);
+  box.appendChild(el('p',{'class':'help'},'Per position: KL(clean \u2016 intervened) of the next-token distribution (nats), '+
+    'and the log-probability of the token that actually comes next in both runs.'));
+  var t2=el('table',{'class':'lens',id:'intervene-pos'}),h2=el('tr');h2.appendChild(el('th',null,''));
+  for(var t=0;t<T;t++)h2.appendChild(el('th',{title:'position '+t},show(D.tokens[t]).slice(0,8)));t2.appendChild(h2);
+  function line(label,vals,n){var tr=el('tr');tr.appendChild(el('th',null,label));
+    for(var t=0;t<T;t++)tr.appendChild(el('td',null,t<n?fmt(vals[t],3):''));t2.appendChild(tr);}
+  line('KL',I.kl,T);line('log p clean',I.clean_next_logprob,T-1);line('log p interv.',I.next_logprob,T-1);
+  var w2=el('div',{'class':'scroll'});w2.appendChild(t2);box.appendChild(w2);
+  box.appendChild(el('p',{'class':'help'},'Logit lens of the clean run (the Logit lens panel above shows the intervened one):'));
+  var w3=el('div',{'class':'scroll',id:'intervene-lens'});box.appendChild(w3);lensTable(I.clean_lens,w3);
+}
+
 function walk(){
   var box=document.getElementById('walk'),cur=null,block=-2;
   document.getElementById('walk-pos').textContent=D.walk_position+' ('+JSON.stringify(D.tokens[D.walk_position])+')';
@@ -213,7 +241,7 @@ function walk(){
 }
 
 var panels=[['summary',summary],['tokens',tokens],['heads',heads],['lens',lens],['dla',dla],['norms',norms],
-  ['patch',patch],['walk',walk]];
+  ['patch',patch],['intervene',intervene],['walk',walk]];
 for(var i=0;i<panels.length;i++){try{panels[i][1]();}catch(e){report(panels[i][0]+': '+(e&&e.stack||e));}}
 document.body.setAttribute('data-rendered',errs.textContent?'with-errors':'ok');
 })();
