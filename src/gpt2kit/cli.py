@@ -545,10 +545,21 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise CLIError("nothing to write: give --out report.html, --json FILE and/or --npz FILE")
     if args.top_k < 1:
         raise CLIError(f"--top-k must be >= 1, got {args.top_k}")
-    text = args.text if args.text is not None else _read_text(args.file)
-    if not text:
-        raise CLIError("the text is empty: nothing to trace")
+    if args.text is None and args.file is None and args.pairs is not None:
+        text = None  # the first pair's clean text is traced
+    else:
+        text = args.text if args.text is not None else _read_text(args.file)
+        if not text:
+            raise CLIError("the text is empty: nothing to trace")
     parse_what(args.what)  # a bad --what fails before the model loads
+    from gpt2kit.trace.metrics import parse_metric
+    from gpt2kit.trace.patching import MODES
+
+    metric = parse_metric(args.metric)
+    if args.patch not in MODES:
+        raise CLIError(f"unknown --patch {args.patch!r}; choose from {', '.join(MODES)}")
+    if args.compare is not None and args.pairs is not None:
+        raise CLIError("give --compare TEXT or --pairs FILE, not both")
     if args.quantize is not None:
         from gpt2kit.quant import check_scheme
 
@@ -559,9 +570,17 @@ def cmd_trace(args: argparse.Namespace) -> int:
                      + [parse_replace(s) for s in args.replace])  # a bad form or file fails before loading
     model = _quantize_loaded(load_model(args.model, dtype=args.dtype, device=args.device), args)
     tok = load_tokenizer(args.model)
+    pairs = None
+    if args.pairs is not None:
+        from gpt2kit.trace.metrics import read_pairs
+
+        pairs = read_pairs(args.pairs, tok, args.prepend_eot)  # checked before the trace runs
+        if text is None:
+            text = tok.decode(pairs[0].clean[1:] if args.prepend_eot else pairs[0].clean)
     tr = trace(model, tok, text, top_k=args.top_k, layers=args.layers, what=args.what,
                prepend_eot=args.prepend_eot, patch_from=args.compare, name=str(args.model),
-               interventions=interventions, mean_over=args.mean_over)
+               interventions=interventions, mean_over=args.mean_over, patch_mode=args.patch, metric=metric,
+               pairs=args.pairs)
     wrote = []
     if args.out:
         tr.save_html(args.out)
@@ -590,6 +609,13 @@ def _register_trace(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=10, help="next-token predictions shown per position (default 10)")
     p.add_argument("--compare", default=None, metavar="TEXT",
                    help="a corrupted text of the same token length: residual-stream activation patching")
+    p.add_argument("--pairs", default=None, metavar="FILE.jsonl",
+                   help='patching averaged over (clean, corrupt) pairs: lines {"clean","corrupt","answer","wrong"}')
+    p.add_argument("--patch", default="resid", metavar="MODE",
+                   help="what --compare/--pairs patch: resid (default), attn, mlp, heads, heads-pos")
+    p.add_argument("--metric", default=None, metavar="SPEC",
+                   help="the patching metric: logit-diff:A,B | logit:T | prob:T | loss[:T] (A, B, T one token "
+                        "each, taken verbatim: ' Paris'); default the clean - corrupted top-1 logit difference")
     p.add_argument("--layers", default=None, help="blocks to record: all (default), N, N-M, comma list; -1 = last")
     p.add_argument("--what", default=None,
                    help="tensors to record: all (default) or a comma list of attn, mlp, embed, resid, ln, qkv, "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import html
 import io
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,6 @@ from gpt2kit.trace import views
 from gpt2kit.trace.intervene import (
     Intervention,
     ablate,
-    capture,
     edits_for,
     hook,
     means_needed,
@@ -43,8 +43,9 @@ from gpt2kit.trace.intervene import (
     resolve_all,
     steer,
 )
-from gpt2kit.trace.patching import PatchResult, patch_residual
-from gpt2kit.trace.points import ALIASES, run_with_hooks
+from gpt2kit.trace.metrics import MetricSpec, make_metric, pairs_from_rows, parse_metric, read_pairs
+from gpt2kit.trace.patching import PatchResult, default_metric, patch
+from gpt2kit.trace.points import ALIASES, capture_run, run_with_hooks
 from gpt2kit.trace.record import (
     DEFAULT_MAX_BYTES,
     GROUPS,
@@ -194,7 +195,9 @@ def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor, *, 
           prepend_eot: bool = False, patch_from: str | Sequence[int] | None = None,
           patch_layers: str | Iterable[int] | None = None, answer: int | None = None, foil: int | None = None,
           max_bytes: int = DEFAULT_MAX_BYTES, name: str = "",
-          interventions: Sequence[Intervention] | None = None, mean_over: str | Sequence[int] | None = None) -> Trace:
+          interventions: Sequence[Intervention] | None = None, mean_over: str | Sequence[int] | None = None,
+          patch_mode: str = "resid", metric: str | MetricSpec | None = None, pairs=None,
+          attribution: bool = False) -> Trace:
     """Run one input through the model and record its forward pass.
 
     text_or_ids: a text (encoded with tokenizer) or token ids. No <|endoftext|> is added unless
@@ -206,6 +209,12 @@ def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor, *, 
         into it, and trace.patching says how much of the clean-vs-corrupted logit difference each
         patch restores (gpt2kit.trace.patching). answer / foil: the token ids whose logit difference
         is measured at the last position (default: the clean and the corrupted top-1).
+    patch_mode: resid | attn | mlp | heads | heads-pos (gpt2kit.trace.patching). metric:
+        `logit-diff:A,B`, `logit:T`, `prob:T` or `loss[:T]` (gpt2kit.trace.metrics; default as above).
+    pairs: a JSONL path or a list of {"clean", "corrupt", "answer", "wrong"} dicts: patching
+        averaged over these pairs (one token length), instead of patch_from.
+    attribution: also estimate every cell by attribution patching (gradient x difference, one
+        forward and backward per pair), shown beside the exact grid with their agreement.
     interventions: changes made while the input runs (gpt2kit.trace.intervene: ablate, steer,
         replace, hook, or Intervention); the trace then records the intervened run, and
         trace.clean holds the unchanged one (residuals and logits) for the side-by-side views.
@@ -232,7 +241,7 @@ def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor, *, 
         if mean_over is not None:
             ref = _to_ids(tokenizer, mean_over, prepend_eot)
             _check_ids(model, ref)
-        edits = edits_for(resolved, capture(model, ref, means_needed(resolved)))
+        edits = edits_for(resolved, capture_run(model, ref, means_needed(resolved))[0])
         every = tuple(range(model.config.n_layer))
         clean = Trace(ids=ids, tokens=_decode_tokens(tokenizer, ids), model=model, layers=every,
                       tensors=run_hooked(model, ids, every, frozenset({"resid"})), what=frozenset({"resid"}),
@@ -241,12 +250,36 @@ def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor, *, 
     tensors = run_hooked(model, ids, sel_layers, sel_what, edits)
     tr = Trace(ids=ids, tokens=_decode_tokens(tokenizer, ids), tensors=tensors, model=model, layers=sel_layers,
                what=sel_what, top_k=top_k, name=name, tokenizer=tokenizer, clean=clean, interventions=labels)
-    if patch_from is not None:
+    if patch_from is not None or pairs is not None:
+        tr.patching = _patching(model, tokenizer, ids, patch_from, pairs, patch_mode, metric, answer, foil,
+                                patch_layers, prepend_eot, attribution)
+    return tr
+
+
+def _patching(model, tokenizer, ids, patch_from, pairs, mode, metric, answer, foil, layers, prepend_eot, attribution):
+    spec = parse_metric(metric) if isinstance(metric, str) else metric
+    if pairs is not None:
+        got = read_pairs(pairs, tokenizer, prepend_eot) if isinstance(pairs, str | os.PathLike) else \
+            pairs_from_rows(list(enumerate(pairs, 1)), tokenizer, prepend_eot)
+        if spec is None:
+            spec = MetricSpec("logit-diff" if got[0].wrong is not None else "prob")
+        items = []
+        for p in got:
+            _check_ids(model, p.clean)
+            _check_ids(model, p.corrupt)
+            where = f"{pairs} line {p.line}: " if isinstance(pairs, str | os.PathLike) else f"pair {p.line}: "
+            items.append((p.clean, p.corrupt, make_metric(spec, tokenizer, p.answer, p.wrong, where)))
+    else:
         corrupt = _to_ids(tokenizer, patch_from, prepend_eot)
         _check_ids(model, corrupt)
-        tr.patching = patch_residual(model, ids, corrupt, layers=patch_layers, answer=answer, foil=foil,
-                                     tokens=_decode_tokens(tokenizer, corrupt))
-    return tr
+        if len(corrupt) != len(ids):
+            raise ValueError(f"patching needs inputs of equal token length: the text has {len(ids)} tokens, "
+                             f"the comparison {len(corrupt)}")
+        mt = default_metric(model, ids, corrupt, answer, foil) if spec is None else \
+            make_metric(spec, tokenizer, answer, foil)
+        items = [(ids, corrupt, mt)]
+    return patch(model, items, mode=mode, layers=layers, tokens=_decode_tokens(tokenizer, items[0][1]),
+                 describe=lambda i: token_text(tokenizer, i), attribution=attribution)
 
 
 __all__ = ["ALIASES", "GROUPS", "KINDS", "Intervention", "Trace", "ablate", "attention_from_qk", "hook", "parse_layers",

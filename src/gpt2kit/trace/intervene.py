@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpt2kit.trace.points import PER_HEAD, edit_hooks, resolve
+from gpt2kit.trace.points import PER_HEAD, resolve
 
 KINDS = ("zero", "mean", "replace", "add", "fn")
 
@@ -180,27 +180,12 @@ def means_needed(resolved: list[Resolved]) -> list[str]:
     return sorted({r.name for r in resolved if r.iv.kind == "mean"})
 
 
-@torch.no_grad()
-def capture(model, ids: list[int], names: list[str]) -> dict[str, torch.Tensor]:
-    """One plain run of ids, keeping the tensors at these names ((1, ...) each)."""
-    got: dict[str, torch.Tensor] = {}
-
-    def keeper(name):
-        def keep(x):
-            got[name] = x.detach().clone()
-        return keep
-
-    idx = torch.tensor([ids], device=model.wte.weight.device)
-    with edit_hooks(model, [(n, keeper(n)) for n in names]):
-        model(idx)
-    return got
-
-
 def edits_for(resolved: list[Resolved], means: dict[str, torch.Tensor]):
-    """The (name, fn) pairs for gpt2kit.trace.points.edit_hooks."""
+    """The (name, fn) pairs for gpt2kit.trace.points.edit_hooks; means: {name: tensor without batch
+    axis} of the run mean ablations average over (gpt2kit.trace.points.capture_run)."""
     out = []
     for r in resolved:
-        mean = _view(means[r.name], r).float().mean(1)[0] if r.iv.kind == "mean" else None  # (*slice)
+        mean = _view(means[r.name][None], r).float().mean(1)[0] if r.iv.kind == "mean" else None  # (*slice)
 
         def fn(x, r=r, mean=mean):
             if r.iv.kind == "fn":

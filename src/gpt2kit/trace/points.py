@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -183,6 +183,29 @@ def edit_hooks(model, edits: list[tuple[str, EditFn]]) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+
+
+def at_cell(x: torch.Tensor, head: int | None, pos: int | None) -> torch.Tensor:
+    """The patched slice of a (B, ...) or (...) tensor without batch: per head (nh, T, hs) else (T, C)."""
+    if head is not None:
+        x = x[head]
+    return x if pos is None else x[pos]
+
+
+@torch.no_grad()
+def capture_run(model, ids: Sequence[int], names: Iterable[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One plain run: ({name: tensor without batch axis}, last-position logits (V,))."""
+    got: dict[str, torch.Tensor] = {}
+
+    def keeper(name):
+        def keep(x):
+            got[name] = x[0].detach().clone()
+        return keep
+
+    idx = torch.tensor([list(ids)], device=model.wte.weight.device)
+    with edit_hooks(model, [(n, keeper(n)) for n in sorted(set(names))]):
+        logits = model(idx).logits[0, -1]
+    return got, logits
 
 
 @torch.no_grad()

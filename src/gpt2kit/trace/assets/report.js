@@ -175,19 +175,31 @@ function norms(){
 
 function patch(){
   var P=D.patching,box=document.getElementById('patch');
-  if(!P){box.appendChild(el('p',{'class':'help'},'No comparison text was given (gpt2kit trace --compare TEXT, or trace(..., patch_from=...)).'));return;}
-  box.appendChild(el('p',{'class':'help'},'The compared text runs with one residual vector H(l)[p] taken from this text '+
-    '(rows: layer l, columns: position p). Colour: the fraction of the logit difference '+JSON.stringify(tok(P.answer))+
-    (P.foil!==null?' \u2212 '+JSON.stringify(tok(P.foil)):'')+' at the last position that the patch restores (clean '+
-    fmt(P.clean_metric,4)+', compared '+fmt(P.corrupt_metric,4)+'). Blank: the two runs agree there.'));
-  var tbl=el('table',{'class':'lens',id:'patch-grid'}),hr=el('tr');hr.appendChild(el('th',null,'layer'));
-  for(var t=0;t<T;t++)hr.appendChild(el('th',null,show(D.tokens[t]).slice(0,8)+(D.tokens[t]!==P.corrupt_tokens[t]?
-    '/'+show(P.corrupt_tokens[t]).slice(0,8):'')));
+  if(!P){box.appendChild(el('p',{'class':'help'},'No comparison text was given (gpt2kit trace --compare TEXT or --pairs FILE, '+
+    'or trace(..., patch_from=...)).'));return;}
+  var what={resid:'one residual vector H(l)[p]',attn:'one block\u2019s attention output at one position',
+    mlp:'one block\u2019s MLP output at one position',heads:'one head\u2019s weighted values z (every position)',
+    'heads-pos':'one head\u2019s weighted values z at one position'}[P.mode];
+  var frac=P.shown==='restored';
+  box.appendChild(el('p',{'class':'help',id:'patch-metric'},'Metric: '+P.metric_name+' (clean '+fmt(P.clean_metric,4)+
+    ', corrupted '+fmt(P.corrupt_metric,4)+(P.n_pairs>1?'; means over '+P.n_pairs+' pairs':'')+').'));
+  if(P.warning)box.appendChild(el('p',{'class':'warn',id:'patch-warning'},'\u26a0 '+P.warning));
+  box.appendChild(el('p',{'class':'help'},'The corrupted text runs with '+what+' taken from the clean text. '+
+    (frac?'Cell: the fraction of the clean \u2212 corrupted metric difference the patch restores':
+      'Cell: the metric\u2019s change m_patched \u2212 m_corrupt')+
+    (P.n_pairs>1?' (mean over pairs; hover for the spread)':'')+'. Blank: the two runs agree there.'));
+  var pos=P.mode!=='heads',tbl=el('table',{'class':'lens',id:'patch-grid'}),hr=el('tr');hr.appendChild(el('th',null,''));
+  for(var c=0;c<P.columns.length;c++)hr.appendChild(el('th',null,pos?show(D.tokens[c]).slice(0,8)+
+    (D.tokens[c]!==P.corrupt_tokens[c]?'/'+show(P.corrupt_tokens[c]).slice(0,8):''):P.columns[c]));
   tbl.appendChild(hr);
-  for(var r=P.layers.length-1;r>=0;r--){var tr=el('tr');tr.appendChild(el('th',null,'H('+P.layers[r]+')'));
-    for(var t2=0;t2<T;t2++){var v=P.restored[r][t2],td=el('td',null,v===null?'':fmt(v,2));
-      if(v!==null){var a=Math.max(-1,Math.min(1,v));td.style.background=a>=0?'hsl(270,60%,'+(100-50*a)+'%)':'hsl(30,80%,'+(100+40*a)+'%)';}
-      td.title='layer '+P.layers[r]+', position '+t2+': metric '+fmt(P.metric[r][t2],4);tr.appendChild(td);}
+  var V=frac?P.restored:P.change,mx=1e-12;
+  if(!frac)for(var a=0;a<V.length;a++)for(var b=0;b<V[a].length;b++)if(V[a][b]!==null)mx=Math.max(mx,Math.abs(V[a][b]));
+  for(var r=P.rows.length-1;r>=0;r--){var tr=el('tr');tr.appendChild(el('th',null,P.rows[r]));
+    for(var t2=0;t2<P.columns.length;t2++){var v=V[r][t2],td=el('td',null,v===null?'':fmt(v,2));
+      if(v!==null){var x=Math.max(-1,Math.min(1,frac?v:v/mx));
+        td.style.background=x>=0?'hsl(270,60%,'+(100-50*x)+'%)':'hsl(30,80%,'+(100+40*x)+'%)';}
+      td.title=P.rows[r]+', '+(pos?'position ':'')+P.columns[t2]+': patched metric '+fmt(P.metric[r][t2],4)+
+        (P.spread[r][t2]!==null?'; spread over pairs (sd) '+fmt(P.spread[r][t2],3):'');tr.appendChild(td);}
     tbl.appendChild(tr);}
   var wrap=el('div',{'class':'scroll'});wrap.appendChild(tbl);box.appendChild(wrap);
 }
