@@ -580,7 +580,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     tr = trace(model, tok, text, top_k=args.top_k, layers=args.layers, what=args.what,
                prepend_eot=args.prepend_eot, patch_from=args.compare, name=str(args.model),
                interventions=interventions, mean_over=args.mean_over, patch_mode=args.patch, metric=metric,
-               pairs=args.pairs)
+               pairs=args.pairs, attribution=args.attribution)
     wrote = []
     if args.out:
         tr.save_html(args.out)
@@ -616,6 +616,8 @@ def _register_trace(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metric", default=None, metavar="SPEC",
                    help="the patching metric: logit-diff:A,B | logit:T | prob:T | loss[:T] (A, B, T one token "
                         "each, taken verbatim: ' Paris'); default the clean - corrupted top-1 logit difference")
+    p.add_argument("--attribution", action="store_true",
+                   help="also estimate every patching cell by attribution patching (gradient x difference)")
     p.add_argument("--layers", default=None, help="blocks to record: all (default), N, N-M, comma list; -1 = last")
     p.add_argument("--what", default=None,
                    help="tensors to record: all (default) or a comma list of attn, mlp, embed, resid, ln, qkv, "

@@ -91,7 +91,10 @@ def make_metric(spec: MetricSpec, tokenizer, answer: str | int | None = None, wr
         need = "answer and wrong" if spec.kind == "logit-diff" else "answer"
         raise ValueError(f"{where}metric {spec.kind} needs the {need} tokens (in --metric or in each pair)")
     a = tok(names[0], "answer")
-    return Metric(spec.kind, a, tok(names[1], "wrong") if spec.kind == "logit-diff" else None)
+    w = tok(names[1], "wrong") if spec.kind == "logit-diff" else None
+    if w == a:
+        raise ValueError(f"{where}the answer and wrong tokens are the same ({a}): their logit difference is always 0")
+    return Metric(spec.kind, a, w)
 
 
 @dataclass(frozen=True)

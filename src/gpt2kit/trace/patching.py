@@ -196,7 +196,8 @@ def patch(model, pairs: Sequence[tuple[Sequence[int], Sequence[int], Metric]], *
     m_clean = statistics.fmean(p[0] for p in per_pair)
     m_corrupt = statistics.fmean(p[1] for p in per_pair)
     name = mt0.describe(describe) if all(p[2] == mt0 for p in pairs) else \
-        f"{kind} of each pair's own answer at the last position"
+        {"logit-diff": "logit difference answer − wrong", "logit": "logit of the answer", "prob": "p(answer)",
+         "loss": "loss −log p(answer)"}[kind] + " (each pair's own tokens) at the last position"
     warning, shown, spread = None, "restored", agg["spread"]
     if agg["n_tiny"] == len(pairs):
         shown, spread = "change", agg["change_sd"]

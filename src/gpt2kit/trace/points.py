@@ -22,15 +22,16 @@ BLOCK_NAMES = ("ln_1", "attn.q", "attn.k", "attn.v", "attn.scores", "attn.probs"
                "resid_mid", "ln_2", "mlp.pre", "mlp.post", "mlp.out")
 PER_HEAD = ("attn.q", "attn.k", "attn.v", "attn.z")
 DERIVED = ("attn.scores", "attn.probs")  # computed from q and k by the trace, not by a module
-# TransformerLens hook name (with {i} the block) -> ours.
+# TransformerLens hook name (with {i} the block) -> ours. Its bridge's LayerNorm `hook_normalized`
+# is (x - mean) / scale before the gain and bias, which no module here outputs: `hook_out` is ours.
 ALIASES: dict[str, str] = {
-    "hook_embed": "embed.tok", "hook_pos_embed": "embed.pos", "ln_final.hook_normalized": "ln_f",
+    "hook_embed": "embed.tok", "hook_pos_embed": "embed.pos", "ln_final.hook_out": "ln_f",
     "blocks.{i}.hook_resid_pre": "resid.{i}", "blocks.{i}.hook_resid_mid": "h.{i}.resid_mid",
-    "blocks.{i}.hook_resid_post": "resid.{i+1}", "blocks.{i}.ln1.hook_normalized": "h.{i}.ln_1",
+    "blocks.{i}.hook_resid_post": "resid.{i+1}", "blocks.{i}.ln1.hook_out": "h.{i}.ln_1",
     "blocks.{i}.attn.hook_q": "h.{i}.attn.q", "blocks.{i}.attn.hook_k": "h.{i}.attn.k",
     "blocks.{i}.attn.hook_v": "h.{i}.attn.v", "blocks.{i}.attn.hook_attn_scores": "h.{i}.attn.scores",
     "blocks.{i}.attn.hook_pattern": "h.{i}.attn.probs", "blocks.{i}.attn.hook_z": "h.{i}.attn.z",
-    "blocks.{i}.hook_attn_out": "h.{i}.attn.out", "blocks.{i}.ln2.hook_normalized": "h.{i}.ln_2",
+    "blocks.{i}.hook_attn_out": "h.{i}.attn.out", "blocks.{i}.ln2.hook_out": "h.{i}.ln_2",
     "blocks.{i}.mlp.hook_pre": "h.{i}.mlp.pre", "blocks.{i}.mlp.hook_post": "h.{i}.mlp.post",
     "blocks.{i}.hook_mlp_out": "h.{i}.mlp.out",
     # our short forms
