@@ -154,3 +154,22 @@ def test_an_intervened_report_shows_both_runs(tmp_path):
     # the last-position table (header + rows), the per-position table (3 rows), the clean lens
     assert p.n("panel-intervene", "tr") == (1 + n_last) + (1 + 3) + (L + 2)
     assert "INTERVENED run" in dom
+
+
+def test_patching_panel_states_its_metric_and_shows_attribution(tmp_path):
+    T = 10
+    clean = list(range(T))
+    corrupt = list(clean)
+    corrupt[2] = 999
+    # the plain random model: the clean and corrupted metric differ by ~1e-4, so the panel must warn
+    tr = trace(random_model(), None, clean, patch_from=corrupt, patch_mode="heads", attribution=True)
+    page = tmp_path / "p.html"
+    tr.save_html(page)
+    dom = _chromium(tmp_path, page.as_uri(), "--dump-dom")
+    p = _Counter()
+    p.feed(dom)
+    assert p.errors.strip() == "" and p.body.get("data-rendered") == "ok"
+    assert p.n("panel-patch", "td") == 2 * TINY.n_layer * TINY.n_head  # exact grid + attribution grid
+    assert 'id="patch-warning"' in dom and "amplified noise" in dom
+    assert re.search(r'id="patch-metric">Metric: logit (difference|of)', dom)
+    assert 'id="patch-attr-help"' in dom

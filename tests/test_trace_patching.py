@@ -278,6 +278,7 @@ def test_pairs_average_with_spread():
                 assert res.restored[r][c] == pytest.approx(sum(fr) / 2, abs=1e-9)
                 assert res.spread[r][c] == pytest.approx(abs(fr[0] - fr[1]) / 2, abs=1e-9)
     assert "logit difference" in res.metric_name
+    assert trace(m, tok, None, pairs=PAIRS).ids == tok.encode(PAIRS[0]["clean"])  # no text: the first clean one
 
 
 def test_bad_pairs_name_the_line(tmp_path, capsys):

@@ -570,13 +570,6 @@ def cmd_trace(args: argparse.Namespace) -> int:
                      + [parse_replace(s) for s in args.replace])  # a bad form or file fails before loading
     model = _quantize_loaded(load_model(args.model, dtype=args.dtype, device=args.device), args)
     tok = load_tokenizer(args.model)
-    pairs = None
-    if args.pairs is not None:
-        from gpt2kit.trace.metrics import read_pairs
-
-        pairs = read_pairs(args.pairs, tok, args.prepend_eot)  # checked before the trace runs
-        if text is None:
-            text = tok.decode(pairs[0].clean[1:] if args.prepend_eot else pairs[0].clean)
     tr = trace(model, tok, text, top_k=args.top_k, layers=args.layers, what=args.what,
                prepend_eot=args.prepend_eot, patch_from=args.compare, name=str(args.model),
                interventions=interventions, mean_over=args.mean_over, patch_mode=args.patch, metric=metric,

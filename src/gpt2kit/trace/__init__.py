@@ -43,7 +43,7 @@ from gpt2kit.trace.intervene import (
     resolve_all,
     steer,
 )
-from gpt2kit.trace.metrics import MetricSpec, make_metric, pairs_from_rows, parse_metric, read_pairs
+from gpt2kit.trace.metrics import MetricSpec, Pair, make_metric, pairs_from_rows, parse_metric, read_pairs
 from gpt2kit.trace.patching import PatchResult, default_metric, patch
 from gpt2kit.trace.points import ALIASES, capture_run, run_with_hooks
 from gpt2kit.trace.record import (
@@ -190,7 +190,7 @@ def _check_ids(model, ids: list[int]) -> None:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.n_vocab})")
 
 
-def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor, *, top_k: int = 10,
+def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor | None, *, top_k: int = 10,
           layers: str | Iterable[int] | None = None, what: str | Iterable[str] | None = None,
           prepend_eot: bool = False, patch_from: str | Sequence[int] | None = None,
           patch_layers: str | Iterable[int] | None = None, answer: int | None = None, foil: int | None = None,
@@ -224,7 +224,13 @@ def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor, *, 
         raise ValueError("trace records inference: call model.eval() first (dropout would change the numbers)")
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
-    ids = _to_ids(tokenizer, text_or_ids, prepend_eot)
+    if text_or_ids is None:  # the first pair's clean text
+        if pairs is None:
+            raise ValueError("nothing to trace: give a text or token ids (or pairs=...)")
+        pairs = _load_pairs(pairs, tokenizer, prepend_eot)
+        ids = list(pairs[0].clean)
+    else:
+        ids = _to_ids(tokenizer, text_or_ids, prepend_eot)
     _check_ids(model, ids)
     sel_layers = parse_layers(layers, model.config.n_layer)
     sel_what = parse_what(what)
@@ -256,18 +262,25 @@ def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor, *, 
     return tr
 
 
+def _load_pairs(pairs, tokenizer, prepend_eot: bool) -> list[Pair]:
+    if isinstance(pairs, str | os.PathLike):
+        return read_pairs(pairs, tokenizer, prepend_eot)
+    if pairs and all(isinstance(p, Pair) for p in pairs):
+        return list(pairs)
+    return pairs_from_rows(list(enumerate(pairs, 1)), tokenizer, prepend_eot)
+
+
 def _patching(model, tokenizer, ids, patch_from, pairs, mode, metric, answer, foil, layers, prepend_eot, attribution):
     spec = parse_metric(metric) if isinstance(metric, str) else metric
     if pairs is not None:
-        got = read_pairs(pairs, tokenizer, prepend_eot) if isinstance(pairs, str | os.PathLike) else \
-            pairs_from_rows(list(enumerate(pairs, 1)), tokenizer, prepend_eot)
+        got = _load_pairs(pairs, tokenizer, prepend_eot)
         if spec is None:
             spec = MetricSpec("logit-diff" if got[0].wrong is not None else "prob")
         items = []
         for p in got:
             _check_ids(model, p.clean)
             _check_ids(model, p.corrupt)
-            where = f"{pairs} line {p.line}: " if isinstance(pairs, str | os.PathLike) else f"pair {p.line}: "
+            where = f"line {p.line}: "
             items.append((p.clean, p.corrupt, make_metric(spec, tokenizer, p.answer, p.wrong, where)))
     else:
         corrupt = _to_ids(tokenizer, patch_from, prepend_eot)

@@ -188,20 +188,31 @@ function patch(){
     (frac?'Cell: the fraction of the clean \u2212 corrupted metric difference the patch restores':
       'Cell: the metric\u2019s change m_patched \u2212 m_corrupt')+
     (P.n_pairs>1?' (mean over pairs; hover for the spread)':'')+'. Blank: the two runs agree there.'));
-  var pos=P.mode!=='heads',tbl=el('table',{'class':'lens',id:'patch-grid'}),hr=el('tr');hr.appendChild(el('th',null,''));
+  box.appendChild(patchGrid(P,frac?P.restored:P.change,frac,'patch-grid',P.spread));
+  var A=P.attribution;
+  if(A){var g=A.agreement;
+    box.appendChild(el('p',{'class':'help',id:'patch-attr-help'},'Attribution patching (Nanda 2023): the same cells '+
+      'estimated to first order, (a_clean \u2212 a_corrupt) \u00b7 \u2202metric/\u2202a on the corrupted run, from one forward '+
+      'and one backward per pair. Agreement with the exact grid over '+g.cells+' cells (metric change): correlation '+
+      fmt(g.correlation,3)+', same sign in '+(g.sign_agreement===null?'\u2013':pct(g.sign_agreement))+
+      ', largest difference '+fmt(g.max_abs_difference,3)+'.'));
+    box.appendChild(patchGrid(P,frac?A.restored_estimate:A.estimate,frac,'patch-attr',null));}
+}
+function patchGrid(P,V,frac,id,spread){
+  var pos=P.mode!=='heads',tbl=el('table',{'class':'lens',id:id}),hr=el('tr');hr.appendChild(el('th',null,''));
   for(var c=0;c<P.columns.length;c++)hr.appendChild(el('th',null,pos?show(D.tokens[c]).slice(0,8)+
     (D.tokens[c]!==P.corrupt_tokens[c]?'/'+show(P.corrupt_tokens[c]).slice(0,8):''):P.columns[c]));
   tbl.appendChild(hr);
-  var V=frac?P.restored:P.change,mx=1e-12;
+  var mx=1e-12;
   if(!frac)for(var a=0;a<V.length;a++)for(var b=0;b<V[a].length;b++)if(V[a][b]!==null)mx=Math.max(mx,Math.abs(V[a][b]));
   for(var r=P.rows.length-1;r>=0;r--){var tr=el('tr');tr.appendChild(el('th',null,P.rows[r]));
     for(var t2=0;t2<P.columns.length;t2++){var v=V[r][t2],td=el('td',null,v===null?'':fmt(v,2));
       if(v!==null){var x=Math.max(-1,Math.min(1,frac?v:v/mx));
         td.style.background=x>=0?'hsl(270,60%,'+(100-50*x)+'%)':'hsl(30,80%,'+(100+40*x)+'%)';}
-      td.title=P.rows[r]+', '+(pos?'position ':'')+P.columns[t2]+': patched metric '+fmt(P.metric[r][t2],4)+
-        (P.spread[r][t2]!==null?'; spread over pairs (sd) '+fmt(P.spread[r][t2],3):'');tr.appendChild(td);}
+      td.title=P.rows[r]+', '+(pos?'position ':'')+P.columns[t2]+(spread?': patched metric '+fmt(P.metric[r][t2],4)+
+        (spread[r][t2]!==null?'; spread over pairs (sd) '+fmt(spread[r][t2],3):''):': estimate '+fmt(v,4));tr.appendChild(td);}
     tbl.appendChild(tr);}
-  var wrap=el('div',{'class':'scroll'});wrap.appendChild(tbl);box.appendChild(wrap);
+  var wrap=el('div',{'class':'scroll'});wrap.appendChild(tbl);return wrap;
 }
 
 function intervene(){
