@@ -173,3 +173,32 @@ def test_patching_panel_states_its_metric_and_shows_attribution(tmp_path):
     assert 'id="patch-warning"' in dom and "amplified noise" in dom
     assert re.search(r'id="patch-metric">Metric: logit (difference|of)', dom)
     assert 'id="patch-attr-help"' in dom
+
+
+# Measures, after the report has drawn: table cells whose text is cut off, and whether the page
+# itself is wider than the window (long tables must scroll inside their panel instead).
+_MEASURE = """<script>(function(){var n=0,c=document.querySelectorAll('td,th'),bad=[];
+for(var i=0;i<c.length;i++){if(c[i].scrollWidth>c[i].clientWidth+1){n++;if(bad.length<3)bad.push(c[i].textContent);}}
+document.body.setAttribute('data-clipped',n+' '+JSON.stringify(bad));
+document.body.setAttribute('data-page-wider',String(document.documentElement.scrollWidth>window.innerWidth+1));
+})();</script></body>"""
+
+
+@pytest.mark.parametrize("width", [1200, 1600])
+def test_tables_are_readable_at_common_widths(tmp_path, width):
+    from gpt2kit.config import GPT2Config
+    from gpt2kit.tokenizer import Tokenizer
+
+    m = random_model(GPT2Config(n_vocab=50257, n_ctx=64, n_embd=32, n_head=4, n_layer=2))
+    text = ("If you are in the top window, CTRL-W w jumps to the window below it. If you are in the "
+            "bottom window, CTRL-W w jumps to the")
+    corrupt = text.replace("top", "left")
+    tr = trace(m, Tokenizer.default(), text, patch_from=corrupt)
+    page = tmp_path / "w.html"
+    page.write_text(tr.to_html().replace("</body>", _MEASURE), encoding="utf-8")
+    dom = _chromium(tmp_path, page.as_uri(), f"--window-size={width},900", "--dump-dom")
+    p = _Counter()
+    p.feed(dom)
+    assert p.errors.strip() == ""
+    assert p.body.get("data-clipped", "").startswith("0 "), p.body.get("data-clipped")
+    assert p.body.get("data-page-wider") == "false"

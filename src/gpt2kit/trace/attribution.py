@@ -37,7 +37,7 @@ def _grads(model, ids: Sequence[int], names: list[str], metric: Metric) -> tuple
         m = metric(model(idx).logits[:, -1])[0]
         grads = torch.autograd.grad(m, [held[n] for n in names])
     return ({n: held[n].detach()[0] for n in names}, {n: g[0] for n, g in zip(names, grads, strict=True)},
-            float(m))
+            float(m.detach()))
 
 
 def attribute(model, pairs: Sequence[tuple[Sequence[int], Sequence[int], Metric]], cells: list[tuple],

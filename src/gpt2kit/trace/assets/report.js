@@ -8,6 +8,8 @@ var D=JSON.parse(document.getElementById('trace-data').textContent);
 var T=D.ids.length;
 function tok(i){var s=D.vocab[String(i)];return s===undefined?'<'+i+'>':s;}
 function show(s){return s.replace(/\n/g,'\u21b5').replace(/\t/g,'\u21e5');}
+// a label cut to n characters says so (the whole text is in the cell's title)
+function short(s,n){s=show(s);return s.length>n?s.slice(0,n-1)+'\u2026':s;}
 function el(tag,attrs,text){var e=document.createElement(tag);if(attrs)for(var k in attrs)e.setAttribute(k,attrs[k]);
   if(text!==undefined)e.textContent=text;return e;}
 function fmt(x,d){if(x===null||x===undefined)return '\u2013';if(Math.abs(x)>=1e29)return x>0?'+inf':'\u2212inf';
@@ -108,13 +110,13 @@ function lens(){lensTable(D.lens,document.getElementById('lens'));}
 function lensTable(Ls,box){
   var tbl=el('table',{'class':'lens'}),hr=el('tr');
   hr.appendChild(el('th',null,'layer'));
-  for(var t=0;t<T;t++)hr.appendChild(el('th',{title:'position '+t},show(D.tokens[t]).slice(0,8)));
+  for(var t=0;t<T;t++)hr.appendChild(el('th',{title:'position '+t+': '+JSON.stringify(D.tokens[t])},short(D.tokens[t],8)));
   tbl.appendChild(hr);
   for(var r=Ls.layers.length-1;r>=0;r--){
     var tr=el('tr');tr.appendChild(el('th',null,Ls.layers[r]===D.config.n_layer?'H('+Ls.layers[r]+') out':'H('+Ls.layers[r]+')'));
     for(var t2=0;t2<T;t2++){
       var top=Ls.top_ids[r][t2][0],p=Ls.top_probs[r][t2][0],np=t2<T-1?Ls.next_prob[r][t2]:null;
-      var td=el('td',null,show(tok(top)).slice(0,9)+' '+pct(p));
+      var td=el('td',null,short(tok(top),9)+'\n'+pct(p));  // token over its probability: narrow columns
       if(np!==null)td.style.background='hsl(140,60%,'+(100-50*Math.min(1,np))+'%)';
       var lines=['layer '+Ls.layers[r]+', position '+t2];
       for(var k=0;k<Ls.top_ids[r][t2].length;k++)lines.push(pct(Ls.top_probs[r][t2][k])+' '+JSON.stringify(tok(Ls.top_ids[r][t2][k])));
@@ -200,8 +202,8 @@ function patch(){
 }
 function patchGrid(P,V,frac,id,spread){
   var pos=P.mode!=='heads',tbl=el('table',{'class':'lens',id:id}),hr=el('tr');hr.appendChild(el('th',null,''));
-  for(var c=0;c<P.columns.length;c++)hr.appendChild(el('th',null,pos?show(D.tokens[c]).slice(0,8)+
-    (D.tokens[c]!==P.corrupt_tokens[c]?'/'+show(P.corrupt_tokens[c]).slice(0,8):''):P.columns[c]));
+  for(var c=0;c<P.columns.length;c++)hr.appendChild(el('th',null,pos?short(D.tokens[c],8)+
+    (D.tokens[c]!==P.corrupt_tokens[c]?'\n'+short(P.corrupt_tokens[c],8):''):P.columns[c]));
   tbl.appendChild(hr);
   var mx=1e-12;
   if(!frac)for(var a=0;a<V.length;a++)for(var b=0;b<V[a].length;b++)if(V[a][b]!==null)mx=Math.max(mx,Math.abs(V[a][b]));
@@ -233,7 +235,7 @@ function intervene(){
   box.appendChild(el('p',{'class':'help'},'Per position: KL(clean \u2016 intervened) of the next-token distribution (nats), '+
     'and the log-probability of the token that actually comes next in both runs.'));
   var t2=el('table',{'class':'lens',id:'intervene-pos'}),h2=el('tr');h2.appendChild(el('th',null,''));
-  for(var t=0;t<T;t++)h2.appendChild(el('th',{title:'position '+t},show(D.tokens[t]).slice(0,8)));t2.appendChild(h2);
+  for(var t=0;t<T;t++)h2.appendChild(el('th',{title:'position '+t},short(D.tokens[t],8)));t2.appendChild(h2);
   function line(label,vals,n){var tr=el('tr');tr.appendChild(el('th',null,label));
     for(var t=0;t<T;t++)tr.appendChild(el('td',null,t<n?fmt(vals[t],3):''));t2.appendChild(tr);}
   line('KL',I.kl,T);line('log p clean',I.clean_next_logprob,T-1);line('log p interv.',I.next_logprob,T-1);
