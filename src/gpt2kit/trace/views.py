@@ -64,8 +64,9 @@ def lens_logits(tr, layer: int) -> torch.Tensor:
 
 def _lens_rows(logits: torch.Tensor, nxt: torch.Tensor, k: int) -> tuple[list, list, list, list]:
     """Top-k ids and probabilities of every row of (g, T, V) logits, and the next token's probability
-    and rank (positions 0..T-2). Reads the logits a few times and writes nothing their size: the
-    probabilities are exp(logit - logsumexp), never a full log_softmax."""
+    and rank (positions 0..T-2). Reads the logits a few times and writes nothing their size (the
+    probabilities are exp(logit - logsumexp), never a full log_softmax), so the lens holds one
+    (g, T, V) block at a time instead of three."""
     g, T, V = logits.shape
     lse = torch.logsumexp(logits, dim=-1)  # (g, T)
     top_l, top_i = logits.topk(k, dim=-1)  # (g, T, K)
@@ -161,7 +162,7 @@ def direct_logit_attribution(tr, position: int | None = None, token: int | None 
     labels.append("ln_f.bias")
     cols.append(W_U @ ln.bias.double())
     values = torch.stack(cols, dim=1)  # (T, n)
-    # gather, then widen: widening all (T, V) logits first cost more than the whole attribution
+    # gather, then widen: only T numbers need float64, not all (T, V) logits
     logit = tr.logits.gather(-1, torch.tensor(targets, device=x.device)[:, None])[:, 0].double()  # (T,)
     if position is not None:
         if not -T <= position < T:
