@@ -202,3 +202,29 @@ def test_tables_are_readable_at_common_widths(tmp_path, width):
     assert p.errors.strip() == ""
     assert p.body.get("data-clipped", "").startswith("0 "), p.body.get("data-clipped")
     assert p.body.get("data-page-wider") == "false"
+
+
+def test_the_sae_panel_renders(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    d, F = tmp_path / "sae", 24
+    d.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({"W_enc": torch.randn(TINY.n_embd, F, generator=g), "b_enc": torch.zeros(F),
+               "W_dec": torch.randn(F, TINY.n_embd, generator=g), "b_dec": torch.zeros(TINY.n_embd)},
+              str(d / "sae_weights.safetensors"))
+    (d / "cfg.json").write_text(json.dumps({"d_in": TINY.n_embd, "d_sae": F, "architecture": "standard",
+                                            "metadata": {"hook_name": "blocks.1.hook_resid_pre"}}))
+    T = 9
+    tr = trace(random_model(), None, list(range(T)), sae=d)
+    page = tmp_path / "s.html"
+    tr.save_html(page)
+    p = _Counter()
+    dom = _chromium(tmp_path, page.as_uri(), "--dump-dom")
+    p.feed(dom)
+    assert p.errors.strip() == "" and p.body.get("data-rendered") == "ok"
+    assert p.n("panel-sae", "tr") == T + 1 and p.n("panel-sae", "li") == len(tr.sae_features()["features"]) > 0
+    assert 'id="sae-summary"' in dom and "fraction of variance explained" in dom

@@ -573,7 +573,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     tr = trace(model, tok, text, top_k=args.top_k, layers=args.layers, what=args.what,
                prepend_eot=args.prepend_eot, patch_from=args.compare, name=str(args.model),
                interventions=interventions, mean_over=args.mean_over, patch_mode=args.patch, metric=metric,
-               pairs=args.pairs, attribution=args.attribution)
+               pairs=args.pairs, attribution=args.attribution, sae=args.sae)
     wrote = []
     if args.out:
         tr.save_html(args.out)
@@ -616,6 +616,9 @@ def _register_trace(sub: argparse._SubParsersAction) -> None:
                    help="tensors to record: all (default) or a comma list of attn, mlp, embed, resid, ln, qkv, "
                         "scores, probs, z, attn_out, mlp_pre, mlp_post, mlp_out")
     p.add_argument("--prepend-eot", action="store_true", help="put <|endoftext|> before the text (and --compare)")
+    p.add_argument("--sae", default=None, metavar="DIR",
+                   help="a sparse autoencoder saved in SAELens's format (cfg.json + sae_weights.safetensors): "
+                        "its features at its hook point")
     p.add_argument("--ablate", action="append", default=[], metavar="NAME[@POS][:mean]",
                    help="zero (or mean-) ablate at a trace or TransformerLens name, e.g. h.5.attn.head.3, "
                         "h.7.mlp:mean, resid.2@4 (repeatable; docs/trace.md)")

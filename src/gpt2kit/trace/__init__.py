@@ -57,6 +57,8 @@ from gpt2kit.trace.record import (
     run_hooked,
 )
 from gpt2kit.trace.report import render_html, report_data, token_text
+from gpt2kit.trace.sae import SAE, load_sae, sae_view
+from gpt2kit.trace.sae import activations as sae_activations
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Trace:
     patching: PatchResult | None = None  # when patch_from was given
     clean: Trace | None = None  # with interventions: the unchanged run (residuals and logits only)
     interventions: list[str] = field(default_factory=list)  # what was changed, one line each
+    sae: SAE | None = None  # a sparse autoencoder read at its hook point (gpt2kit.trace.sae)
     tokenizer: Any = field(default=None, repr=False)  # decodes the token ids views name
     _views: dict = field(default_factory=dict, repr=False)  # computed views, by name and arguments
 
@@ -123,6 +126,11 @@ class Trace:
 
     def attention_summary(self) -> dict:
         return self._view(views.attention_summary)
+
+    def sae_features(self, k: int = 5) -> dict | None:
+        """The SAE's top features per token, its most active features with their tokens, the
+        reconstruction error and fraction of variance explained (None without an SAE)."""
+        return None if self.sae is None else self._view(sae_view, self.sae, k)
 
     def intervention_effect(self, k: int = 5) -> dict | None:
         """Clean vs intervened: per position KL(clean || intervened) and the actual next token's
@@ -197,7 +205,7 @@ def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor | No
           max_bytes: int = DEFAULT_MAX_BYTES, name: str = "",
           interventions: Sequence[Intervention] | None = None, mean_over: str | Sequence[int] | None = None,
           patch_mode: str = "resid", metric: str | MetricSpec | None = None, pairs=None,
-          attribution: bool = False) -> Trace:
+          attribution: bool = False, sae: str | os.PathLike | SAE | None = None) -> Trace:
     """Run one input through the model and record its forward pass.
 
     text_or_ids: a text (encoded with tokenizer) or token ids. No <|endoftext|> is added unless
@@ -215,6 +223,8 @@ def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor | No
         averaged over these pairs (one token length), instead of patch_from.
     attribution: also estimate every cell by attribution patching (gradient x difference, one
         forward and backward per pair), shown beside the exact grid with their agreement.
+    sae: a directory holding an SAE in SAELens's format (or a loaded gpt2kit.trace.sae.SAE),
+        encoded at its hook point (which must be recorded): trace.sae_features().
     interventions: changes made while the input runs (gpt2kit.trace.intervene: ablate, steer,
         replace, hook, or Intervention); the trace then records the intervened run, and
         trace.clean holds the unchanged one (residuals and logits) for the side-by-side views.
@@ -240,6 +250,8 @@ def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor | No
         raise ValueError(f"recording {len(sel_layers)} blocks x {sorted(sel_what)} for {len(ids)} tokens needs "
                          f"~{need / 2**30:.1f} GiB, over the limit of {max_bytes / 2**30:.1f} GiB; "
                          "select fewer with layers=/--layers or what=/--what")
+    if sae is not None and not isinstance(sae, SAE):
+        sae = load_sae(sae, model.config.n_layer, model.config.n_head)  # a bad SAE fails before any run
     edits, clean, labels = None, None, []
     if interventions:
         resolved = resolve_all(model, interventions, len(ids))
@@ -255,7 +267,10 @@ def trace(model, tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor | No
         labels = [r.iv.label() for r in resolved]
     tensors = run_hooked(model, ids, sel_layers, sel_what, edits)
     tr = Trace(ids=ids, tokens=_decode_tokens(tokenizer, ids), tensors=tensors, model=model, layers=sel_layers,
-               what=sel_what, top_k=top_k, name=name, tokenizer=tokenizer, clean=clean, interventions=labels)
+               what=sel_what, top_k=top_k, name=name, tokenizer=tokenizer, clean=clean, interventions=labels,
+               sae=sae)
+    if sae is not None:
+        sae_activations(tr, sae)  # its hook point recorded, its width the model's
     if patch_from is not None or pairs is not None:
         tr.patching = _patching(model, tokenizer, ids, patch_from, pairs, patch_mode, metric, answer, foil,
                                 patch_layers, prepend_eot, attribution)

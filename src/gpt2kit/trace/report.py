@@ -149,6 +149,7 @@ def report_data(tr, *, attention_encoding: str | None = "list", position: int = 
         data["dla"] = {"unavailable": str(e)}
     data["patching"] = tr.patching.to_json() if tr.patching is not None else None
     data["intervention"] = None
+    data["sae"] = tr.sae_features()
     used = set(tr.ids)
     if tr.clean is not None:
         data["intervention"] = {**tr.intervention_effect(), "clean_lens": tr.clean.logit_lens(k=5)}

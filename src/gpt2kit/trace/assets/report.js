@@ -244,6 +244,27 @@ function intervene(){
   var w3=el('div',{'class':'scroll',id:'intervene-lens'});box.appendChild(w3);lensTable(I.clean_lens,w3);
 }
 
+function sae(){
+  var S=D.sae,box=document.getElementById('sae');
+  if(!S){box.appendChild(el('p',{'class':'help'},'No SAE was given (gpt2kit trace --sae DIR, an SAE saved in SAELens\u2019s format).'));return;}
+  var l0=0;for(var i=0;i<S.l0.length;i++)l0+=S.l0[i];
+  box.appendChild(el('p',{'class':'help',id:'sae-summary'},S.architecture+' SAE, '+S.d_sae+' features, read at '+S.hook_name+
+    ' (= '+S.name+'): reconstruction MSE '+fmt(S.mse,3)+' per dimension, fraction of variance explained '+
+    (S.fve===null?'\u2013':fmt(S.fve,3))+', mean L0 '+fmt(l0/S.l0.length,3)+' active features per token.'));
+  box.appendChild(el('p',{'class':'help'},'The most active features anywhere in the text, each with the tokens that activate it most:'));
+  var ul=el('ul',{id:'sae-features'});
+  for(var f=0;f<S.features.length;f++){ul.appendChild(el('li',null,'feature '+S.features[f]+': '+
+    S.feature_tokens[f].map(function(x){return JSON.stringify(D.tokens[x[0]])+' @'+x[0]+' ('+fmt(x[1],3)+')';}).join(', ')));}
+  box.appendChild(ul);
+  var tbl=el('table',{'class':'lens',id:'sae-tokens'}),hr=el('tr');
+  ['position','token','L0','top features (activation)'].forEach(function(h){hr.appendChild(el('th',null,h));});tbl.appendChild(hr);
+  for(var t=0;t<T;t++){var tr=el('tr');tr.appendChild(el('td',null,String(t)));tr.appendChild(el('td',null,short(D.tokens[t],16)));
+    tr.appendChild(el('td',null,String(S.l0[t])));var parts=[];
+    for(var k=0;k<S.top_ids[t].length;k++)if(S.top_acts[t][k]>0)parts.push(S.top_ids[t][k]+' ('+fmt(S.top_acts[t][k],3)+')');
+    tr.appendChild(el('td',null,parts.join('  ')));tbl.appendChild(tr);}
+  var w=el('div',{'class':'scroll'});w.appendChild(tbl);box.appendChild(w);
+}
+
 function walk(){
   var box=document.getElementById('walk'),cur=null,block=-2;
   document.getElementById('walk-pos').textContent=D.walk_position+' ('+JSON.stringify(D.tokens[D.walk_position])+')';
@@ -266,7 +287,7 @@ function walk(){
 }
 
 var panels=[['summary',summary],['tokens',tokens],['heads',heads],['lens',lens],['dla',dla],['norms',norms],
-  ['patch',patch],['intervene',intervene],['walk',walk]];
+  ['patch',patch],['intervene',intervene],['sae',sae],['walk',walk]];
 for(var i=0;i<panels.length;i++){try{panels[i][1]();}catch(e){report(panels[i][0]+': '+(e&&e.stack||e));}}
 document.body.setAttribute('data-rendered',errs.textContent?'with-errors':'ok');
 })();
