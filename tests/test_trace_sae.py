@@ -1,7 +1,7 @@
 """gpt2kit.trace SAEs in SAELens's format: equal to sae-lens's own encode/decode (1e-5, float32).
 
 The sae-lens comparisons skip where sae-lens cannot be imported (sae-lens 6 needs
-transformer-lens < 4, which cannot share an environment with the trace-test extra's 4.x); the
+transformer-lens < 4, which cannot share an environment with the test extra's 4.x); the
 format checks and bad-input tests below build SAELens-format files by hand and always run.
 """
 
