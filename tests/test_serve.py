@@ -91,7 +91,7 @@ def test_greedy_equals_cli_generate(client, model_dir, capsys, tok):
                                   logit_bias={"50256": -100})  # no <|endoftext|>, as --ignore-eot
     c = r.choices[0]
     assert c.text == cli["text"] and c.finish_reason == "length"
-    from gpt2kit.serve.app import token_key
+    from gpt2kit.serve.logprobs import token_key
     assert c.logprobs.tokens == [token_key(tok, t) for t in cli["tokens"]]
     assert r.usage.prompt_tokens == len(tok.encode("Hello world")) and r.usage.completion_tokens == 20
 
@@ -188,7 +188,7 @@ def test_n_and_best_of(client):
 
 
 def test_top_logprobs_keys_never_collapse(tok):
-    from gpt2kit.serve.app import token_key, top_dict
+    from gpt2kit.serve.logprobs import token_key, top_dict
 
     keys = [token_key(tok, t) for t in range(tok.n_vocab)]
     assert len(set(keys)) == tok.n_vocab  # distinct ids, distinct keys (byte tokens: "bytes:\\xNN")
