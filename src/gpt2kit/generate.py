@@ -27,9 +27,6 @@ if TYPE_CHECKING:
     from gpt2kit.tokenizer import Tokenizer
 
 
-# --- the generator API ------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Step:
     """One decode step. Keys are sequence indices: prompt_index * num_samples + sample_index."""
