@@ -13,19 +13,14 @@ import torch
 from helpers import SMALL, cached_real_gpt2, hf_from_ours, needs_real_gpt2, random_model, varied_model
 
 from gpt2kit import generate as gen
+from gpt2kit import sampling
 from gpt2kit.checkpoint import save_model
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import decode_step, prefill
-from gpt2kit.generate import (
-    SamplingSettings,
-    generate,
-    generate_stream,
-    stream_text,
-    top_k_filter,
-    top_p_filter,
-    warp,
-)
+from gpt2kit.engine import scheduler
+from gpt2kit.generate import generate, generate_stream, stream_text
 from gpt2kit.kv_cache import KVCache
+from gpt2kit.sampling import SamplingSettings, top_k_filter, top_p_filter, warp
 from gpt2kit.tokenizer import Tokenizer
 
 GREEDY = SamplingSettings(temperature=0, max_new_tokens=16, stop_token_ids=())
@@ -168,7 +163,7 @@ def test_repetition_penalty_matches_transformers():
     logits = _random_logits(B=2, V=50, seed=3)
     ids = torch.tensor([[1, 5, 5, 7], [0, 2, 49, 3]])
     seen = torch.zeros(2, 50, dtype=torch.bool).scatter_(1, ids, True)
-    ours = gen.apply_repetition_penalty(logits, seen, 1.3)
+    ours = sampling.apply_repetition_penalty(logits, seen, 1.3)
     assert torch.equal(ours, RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone()))
 
 
@@ -202,7 +197,7 @@ def test_sampling_respects_the_filters(model):
 def test_sampled_frequencies_follow_the_distribution():
     probs = torch.tensor([[0.1, 0.6, 0.3]])
     g = torch.Generator().manual_seed(0)
-    draws = torch.cat([gen.sample(probs.log(), [g]) for _ in range(4000)])
+    draws = torch.cat([sampling.sample(probs.log(), [g]) for _ in range(4000)])
     freq = torch.bincount(draws, minlength=3).float() / len(draws)
     torch.testing.assert_close(freq, probs[0], rtol=0, atol=0.03)  # ~4 sigma
 
@@ -356,7 +351,7 @@ def test_stop_strings(model, tok):
 def _scripted(monkeypatch, script: list[int]):
     """Make the sampler emit `script` (one row), to test the text layer on chosen tokens."""
     calls = iter(script)
-    monkeypatch.setattr(gen, "next_tokens", lambda logits, *a: torch.tensor([next(calls)] * logits.shape[0]))
+    monkeypatch.setattr(scheduler, "next_tokens", lambda logits, *a: torch.tensor([next(calls)] * logits.shape[0]))
 
 
 @pytest.mark.parametrize("text", ["héllo 😀 世界 naïve café 🎉🎉", "plain ascii, nothing split"])

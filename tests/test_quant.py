@@ -23,7 +23,7 @@ from gpt2kit.cli import main as cli_main
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import int8 as quant_kernels
 from gpt2kit.decode import native
-from gpt2kit.generate import SamplingSettings, generate
+from gpt2kit.generate import generate
 from gpt2kit.model import GPT2
 from gpt2kit.quant import (
     QuantEmbedding,
@@ -37,6 +37,7 @@ from gpt2kit.quant import (
     quantized_skeleton,
     weight_bytes,
 )
+from gpt2kit.sampling import SamplingSettings
 
 # in_features a multiple of 16 (the int8-pack kernel's contract), vocab large enough to matter.
 CFG = GPT2Config(n_vocab=1000, n_ctx=64, n_embd=64, n_head=4, n_layer=2)
@@ -1050,7 +1051,7 @@ def test_served_int8_model_answers_what_direct_generation_gives(tmp_path, monkey
         servers[0].should_exit = True
         thread.join(10)
         sock.close()
-    from gpt2kit.serve.app import token_key
+    from gpt2kit.serve.logprobs import token_key
 
     assert "choices" in r, r
     assert r["choices"][0]["logprobs"]["tokens"] == [token_key(tok, t) for t in want]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from helpers import SMALL, random_model, varied_model
 
-from gpt2kit.generate import Engine, generate
+from gpt2kit.engine import Engine
+from gpt2kit.generate import generate
 from gpt2kit.sampling import SamplingSettings
 
 PROMPTS = [[464, 2068, 7586, 21831], [15496], [40, 588, 257, 922, 1110, 13, 383], [11, 12, 13]]
@@ -121,7 +122,7 @@ def test_a_row_whose_sampling_fails_fails_alone():
 def test_engine_loop_reports_a_failed_row_alone():
     import threading
 
-    from gpt2kit.generate import EngineLoop
+    from gpt2kit.engine import EngineLoop
 
     model = _nan_at_position(20)
     done, errors, lock = threading.Event(), [], threading.Lock()

@@ -410,7 +410,8 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _sampling_settings(args: argparse.Namespace):
-    from gpt2kit.generate import EOT_ID, SamplingSettings
+    from gpt2kit.config import EOT_ID
+    from gpt2kit.sampling import SamplingSettings
 
     return SamplingSettings(
         max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,

@@ -12,7 +12,7 @@ ValueError for that row alone. Each row draws from its own ``torch.Generator`` s
 (seed, prompt ids, sample index), so a row's tokens do not depend on which other rows share its batch.
 
 :class:`RowSampler` holds one row's state (its generator, the tokens it has seen and generated)
-and chooses its next token from the row's logits; the generation scheduler (gpt2kit.generate)
+and chooses its next token from the row's logits; the generation scheduler (gpt2kit.engine)
 keeps one per row, so rows with different settings can share a batch.
 
 Legend: B rows, V vocab.

@@ -41,10 +41,11 @@ from gpt2kit.checkpoint.keymap import to_hf_state
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import prefill, use_decode_layout
 from gpt2kit.decode.int8 import chosen
-from gpt2kit.generate import SamplingSettings, generate
+from gpt2kit.generate import generate
 from gpt2kit.kv_cache import KVCache
 from gpt2kit.model import GPT2
 from gpt2kit.quant import check_scheme, quantize_model, quantized_skeleton, weight_bytes
+from gpt2kit.sampling import SamplingSettings
 from gpt2kit.tokenizer import Tokenizer
 
 TEXT = (
