@@ -34,6 +34,8 @@ class Step:
     tokens: dict[int, int]  # every live row's new token id
     text: dict[int, str]  # with a tokenizer: the text each row's token completed ('' when none)
     finished: dict[int, str]  # rows that ended at this step -> "stop" | "length"
+    # speculative decoding: rows that ended at this step -> (draft tokens proposed, draft tokens kept)
+    drafts: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,27 +50,36 @@ class Completion:
     tokens: list[int] = field(default_factory=list)
     text: str | None = None
     finish_reason: str | None = None
+    drafted: int | None = None  # speculative decoding: draft tokens proposed, and kept by the target
+    accepted: int | None = None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """accepted / drafted (speculative decoding; None without it or with nothing drafted)."""
+        return self.accepted / self.drafted if self.drafted else None
 
 
 MAX_ROWS = 65536  # rows (prompts x samples) of one generate call
 
 
 def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSettings | None = None,
-                    *, tokenizer: Tokenizer | None = None, batch_size: int | None = None) -> Iterator[Step]:
+                    *, tokenizer: Tokenizer | None = None, batch_size: int | None = None,
+                    draft_model: GPT2 | None = None) -> Iterator[Step]:
     """Generate for token-id prompts, yielding one :class:`Step` per decode step.
 
     Rows are the prompts x settings.num_samples (sequence index prompt_index * num_samples +
     sample_index), at most batch_size running at once (default: all); a row that finishes makes
     room for the next at the following step. With a tokenizer, each step also carries the new
     text of each row and stop_strings apply. Bad arguments raise ValueError here, before the
-    first step.
+    first step. With draft_model (or settings.prompt_lookup), decoding is speculative
+    (gpt2kit.engine.speculative): a step may give a row several tokens, yielded as consecutive Steps.
     """
-    engine, _ = _start(model, prompts, settings or SamplingSettings(), tokenizer, batch_size)
+    engine, _ = _start(model, prompts, settings or SamplingSettings(), tokenizer, batch_size, draft_model)
     return _stream(model, engine)
 
 
 def _start(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSettings, tokenizer: Tokenizer | None,
-           batch_size: int | None) -> tuple[Engine, list[list[int]]]:
+           batch_size: int | None, draft_model: GPT2 | None = None) -> tuple[Engine, list[list[int]]]:
     """Check every argument, then an Engine holding all the rows; also the prompts as id lists."""
     cfg = model.config
     prompts = _check_prompts(prompts, cfg.n_vocab)
@@ -89,7 +100,10 @@ def _start(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSett
     if len(prompts) * n > MAX_ROWS:
         raise ValueError(f"{len(prompts)} prompt(s) x num_samples={n} = {len(prompts) * n} rows; at most "
                          f"{MAX_ROWS} per call (each row's state is made up front): call again for more")
-    engine = Engine(model, tokenizer, max_batch=batch_size, pack_weights=settings.pack_weights)
+    if draft_model is not None or settings.prompt_lookup:
+        engine = _speculative_engine(model, prompts, settings, tokenizer, batch_size, draft_model)
+    else:
+        engine = Engine(model, tokenizer, max_batch=batch_size, pack_weights=settings.pack_weights)
     seed = resolve_seed(settings)
     engine.submit([engine.new_row(p, settings, seed=seed, sample_index=j, key=RowKey(i * n + j, i, j))
                    for i, p in enumerate(prompts) for j in range(n)])
@@ -105,11 +119,44 @@ def _stream(model: GPT2, engine: Engine) -> Iterator[Step]:
             failed = next((e for e in events if e.error is not None), None)
             if failed is not None:  # the caller asked for every row: no silent gaps
                 raise failed.error
-            yield Step({e.row.key.index: e.token for e in events},
-                       {e.row.key.index: e.text for e in events if e.row.text is not None},
-                       {e.row.key.index: e.finish_reason for e in events if e.finish_reason})
+            for evs in _rounds(events):
+                yield Step({e.row.key.index: e.token for e in evs},
+                           {e.row.key.index: e.text for e in evs if e.row.text is not None},
+                           {e.row.key.index: e.finish_reason for e in evs if e.finish_reason},
+                           {e.row.key.index: (e.row.drafted, e.row.accepted) for e in evs
+                            if e.finish_reason and e.row.drafted})
     finally:
         model.train(was_training)
+
+
+def _rounds(events: list) -> list[list]:
+    """A step's events as rounds of at most one event per row (a speculative step gives a row several)."""
+    rounds, n = [], {}
+    for e in events:
+        k = n.get(id(e.row), 0)
+        n[id(e.row)] = k + 1
+        if k == len(rounds):
+            rounds.append([])
+        rounds[k].append(e)
+    return rounds
+
+
+def _speculative_engine(model: GPT2, prompts: list[list[int]], settings: SamplingSettings,
+                        tokenizer: Tokenizer | None, batch_size: int | None, draft_model: GPT2 | None):
+    from gpt2kit.engine.speculative import SpeculativeEngine
+
+    if draft_model is not None and settings.prompt_lookup:
+        raise ValueError(f"draft from a draft model or by prompt lookup (prompt_lookup={settings.prompt_lookup}), "
+                         f"not both")
+    k = settings.draft_tokens if draft_model is not None else settings.prompt_lookup
+    n_ctx = model.config.n_ctx
+    for i, p in enumerate(prompts):
+        if len(p) + settings.max_new_tokens + k > n_ctx:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens; speculative decoding keeps the whole sequence in the context, so "
+                f"prompt + max_new_tokens={settings.max_new_tokens} + {k} draft tokens must be at most n_ctx={n_ctx}")
+    return SpeculativeEngine(model, tokenizer, draft=draft_model, max_batch=batch_size,
+                             pack_weights=settings.pack_weights)
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]], n_vocab: int) -> list[list[int]]:
@@ -147,7 +194,7 @@ def encode_prompts(tokenizer: Tokenizer, texts: str | Sequence[str]) -> list[lis
 
 def generate(model: GPT2, prompts: str | Sequence[str] | Sequence[Sequence[int]],
              settings: SamplingSettings | None = None, *, tokenizer: Tokenizer | None = None,
-             batch_size: int | None = None) -> list[Completion]:
+             batch_size: int | None = None, draft_model: GPT2 | None = None) -> list[Completion]:
     """Run :func:`generate_stream` to the end; one Completion per row, in sequence-index order.
 
     prompts: token-id lists, or text (one string or a list; needs the tokenizer).
@@ -158,7 +205,7 @@ def generate(model: GPT2, prompts: str | Sequence[str] | Sequence[Sequence[int]]
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer: pass tokenizer=...")
         prompts = encode_prompts(tokenizer, prompts)
-    engine, prompts = _start(model, prompts, settings, tokenizer, batch_size)
+    engine, prompts = _start(model, prompts, settings, tokenizer, batch_size, draft_model)
     n = settings.num_samples
     out = [Completion(i * n + j, i, j, list(p), text="" if tokenizer else None)
            for i, p in enumerate(prompts) for j in range(n)]
@@ -169,6 +216,11 @@ def generate(model: GPT2, prompts: str | Sequence[str] | Sequence[Sequence[int]]
             out[k].text += piece
         for k, reason in step.finished.items():
             out[k].finish_reason = reason
+        for k, (drafted, accepted) in step.drafts.items():
+            out[k].drafted, out[k].accepted = drafted, accepted
+    if draft_model is not None or settings.prompt_lookup:
+        for c in out:
+            c.drafted, c.accepted = c.drafted or 0, c.accepted or 0
     return out
 
 

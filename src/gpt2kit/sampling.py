@@ -31,6 +31,7 @@ from gpt2kit.validate import check_int, check_number
 TOP_P_MODES = ("openai", "hf")
 GREEDY_BELOW = 1e-5  # temperatures in [0, GREEDY_BELOW) are greedy
 MIN_REPETITION_PENALTY = 0.01  # a seen token's logit is scaled by at most 100
+MAX_DRAFT_TOKENS = 64  # prompt_lookup and draft_tokens at most this (tokens verified per step)
 LOGIT_LIMIT = 1e9  # |logit_bias value|, |presence_penalty|, |frequency_penalty| at most this
 _LOGIT_RANGE = "in [-1e9, 1e9]"
 
@@ -68,6 +69,10 @@ class SamplingSettings:
     # CPU decode steps with oneDNN-prepacked copies of the weight matrices (gpt2kit.decode.packed: faster,
     # a second copy of them in memory); None = where it is faster and the copy fits, True/False.
     pack_weights: bool | None = None
+    # Speculative decoding (gpt2kit.speculate): prompt_lookup N drafts up to N tokens per step from an
+    # n-gram match in the row's own context (0 = off); draft_tokens: tokens a draft model proposes per step.
+    prompt_lookup: int = 0
+    draft_tokens: int = 4
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -96,6 +101,9 @@ class SamplingSettings:
             check_int("window", self.window, ">= 1", lambda v: v >= 1)
         if self.pack_weights not in (None, True, False):
             raise ValueError(f"pack_weights must be None (auto), True or False, got {self.pack_weights!r}")
+        check_int("prompt_lookup", self.prompt_lookup, f"in [0, {MAX_DRAFT_TOKENS}] (0 = off)",
+                  lambda v: 0 <= v <= MAX_DRAFT_TOKENS)
+        check_int("draft_tokens", self.draft_tokens, f"in [1, {MAX_DRAFT_TOKENS}]", lambda v: 1 <= v <= MAX_DRAFT_TOKENS)
 
     @property
     def greedy(self) -> bool:

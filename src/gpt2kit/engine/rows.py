@@ -37,6 +37,8 @@ class Row:
     error: Exception | None = None  # why it failed (finish_reason "error")
     cancelled: bool = False
     start: int = 0  # the context is (prompt + tokens)[start:]
+    drafted: int = 0  # speculative decoding: draft tokens proposed for this row, and those kept
+    accepted: int = 0
 
     def context(self, n_ctx: int, window: int) -> list[int]:
         """The tokens the model sees: the whole sequence, or once it passes n_ctx its most recent
