@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from gpt2kit import cli_decoding
 from gpt2kit.train_config import TrainConfig
 
 
@@ -481,7 +482,11 @@ def _generate_and_print(model, tok, texts: list[str], settings, args: argparse.N
                                                                   desc="generating")
     try:
         header(0)
-        for step in generate_stream(model, ids, settings, tokenizer=tok, batch_size=args.batch_size):
+        drafted = accepted = 0
+        for step in generate_stream(model, ids, settings, tokenizer=tok, batch_size=args.batch_size,
+                                    draft_model=args.draft):
+            for d, a in step.drafts.values():
+                drafted, accepted = drafted + d, accepted + a
             for k, t in step.tokens.items():
                 tokens[k].append(t)
             if bar is not None:
@@ -500,13 +505,14 @@ def _generate_and_print(model, tok, texts: list[str], settings, args: argparse.N
                     if not args.json and text[head]:
                         sys.stdout.write(text[head])  # buffered while an earlier sample was printing
                         sys.stdout.flush()
+        cli_decoding.report(args, drafted, accepted)
     finally:
         if bar is not None:
             bar.close()
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    settings = _sampling_settings(args)  # bad values fail before the model loads
+    settings = cli_decoding.settings(args, _sampling_settings(args))  # bad values fail before the model loads
     if args.prompt is not None and args.prompts_file is not None:
         raise CLIError("give a PROMPT or --prompts-file, not both")
     if args.interactive and (args.prompt is not None or args.prompts_file is not None):
@@ -519,6 +525,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         check_scheme(args.quantize)  # before the model loads
     texts = _read_prompts(args.prompts_file) if args.prompts_file is not None else [args.prompt or ""]
     model, tok = _load_for(args)
+    args.draft = cli_decoding.load_draft(args, model, tok)
     if not args.interactive:  # no prompt: unconditional samples from <|endoftext|>
         _generate_and_print(model, tok, texts, settings, args)
         return 0
@@ -583,6 +590,7 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-pack-weights", action="store_true",
                    help="CPU: no prepacked second copy of the weights (slower decode, less memory)")
     _add_quantize_arg(p)
+    cli_decoding.add_arguments(p)
     p.set_defaults(func=cmd_generate)
 
 

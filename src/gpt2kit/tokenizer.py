@@ -227,6 +227,10 @@ class Tokenizer:
             explicit_n_vocab=self.n_vocab,
         )
 
+    def same_vocabulary(self, other: Tokenizer) -> bool:
+        """Whether other maps every text to the same ids: the same vocabulary and merges."""
+        return self._vocab == other._vocab and self._merges == other._merges
+
     # --- construction -------------------------------------------------------------------------
 
     @classmethod

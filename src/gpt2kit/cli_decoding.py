@@ -1,0 +1,50 @@
+"""The generate command's decoding-method flags (speculative decoding), apart from cli.py's core
+flags: how they are registered, turned into settings, the draft model loaded and the acceptance
+rate reported. Thin, as cli.py: the work is gpt2kit.generate's."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (greedy output unchanged; sampled output the same distribution)")
+    g.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="draft up to N tokens per step from n-gram matches in the context (0 = off)")
+    g.add_argument("--draft-model", default=None, metavar="M",
+                   help="a smaller GPT-2 with the same tokenizer drafts for --model")
+    g.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="tokens the draft model proposes per step")
+    g.add_argument("--verbose", "-v", action="store_true",
+                   help="report the draft acceptance rate on stderr at the end")
+
+
+def settings(args: argparse.Namespace, base):
+    """base (the core flags' SamplingSettings) with the decoding flags' settings."""
+    return dataclasses.replace(base, prompt_lookup=args.prompt_lookup, draft_tokens=args.draft_tokens)
+
+
+def load_draft(args: argparse.Namespace, model, tok):
+    """--draft-model's model (as --model: --dtype, --device), refused unless it shares --model's
+    tokenizer; None without the flag."""
+    if args.draft_model is None:
+        return None
+    from gpt2kit.checkpoint import load_model, load_tokenizer, resolve_source
+    from gpt2kit.engine.speculative import check_draft_model
+
+    _, path = resolve_source(args.draft_model)
+    if not load_tokenizer(path).same_vocabulary(tok):
+        raise ValueError(f"--draft-model {args.draft_model} has another tokenizer than --model {args.model}: "
+                       f"a draft model must share the target's vocabulary")
+    draft = load_model(path, dtype=args.dtype, device=args.device)
+    check_draft_model(model, draft)
+    return draft
+
+
+def report(args: argparse.Namespace, drafted: int, accepted: int) -> None:
+    """With --verbose: the acceptance rate of the run's drafts, one line on stderr."""
+    if not args.verbose or not (args.prompt_lookup or args.draft_model):
+        return
+    rate = f"{100 * accepted / drafted:.1f}%" if drafted else "n/a"
+    print(f"speculative decoding: {accepted} of {drafted} draft tokens accepted ({rate})", file=sys.stderr)

@@ -1,0 +1,54 @@
+"""gpt2kit generate's decoding-method flags: speculative decoding from the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import random_model
+
+from gpt2kit.checkpoint import save_model
+from gpt2kit.cli import main
+from gpt2kit.config import GPT2Config
+
+CFG = GPT2Config(n_vocab=50257, n_ctx=128, n_embd=32, n_head=4, n_layer=2)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    out = {}
+    for name, cfg, seed in (("target", CFG, 5), ("draft", CFG, 6),
+                            ("small_vocab", GPT2Config(n_vocab=1000, n_ctx=128, n_embd=32, n_head=4, n_layer=2), 7)):
+        d = tmp_path_factory.mktemp(name)
+        save_model(random_model(cfg, seed=seed), d)
+        out[name] = str(d)
+    return out
+
+
+def _json_tokens(out: str) -> list[list[int]]:
+    return [json.loads(line)["tokens"] for line in out.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("extra", [["--prompt-lookup", "4"], ["--draft-model", "DRAFT", "--draft-tokens", "3"]])
+def test_speculative_greedy_prints_plain_greedy_and_the_acceptance_rate(capsys, dirs, extra):
+    base = ["generate", "the cat sat on the mat; the cat", "-m", dirs["target"], "-n", "30", "--greedy",
+            "--json", "--ignore-eot"]
+    assert main(base) == 0
+    plain = _json_tokens(capsys.readouterr().out)
+    extra = [dirs["draft"] if a == "DRAFT" else a for a in extra]
+    assert main(base + extra + ["--verbose"]) == 0
+    out, err = capsys.readouterr()
+    assert _json_tokens(out) == plain
+    assert "speculative decoding:" in err and "draft tokens accepted (" in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--draft-tokens", "0", "--draft-model", "DRAFT"], "draft_tokens must be an integer in [1, 64], got 0"),
+    (["--prompt-lookup", "100"], "prompt_lookup must be an integer in [0, 64] (0 = off), got 100"),
+    (["--draft-model", "SMALL"], "vocabulary has 1000 tokens, the target's 50257"),
+])
+def test_bad_speculative_flags_are_one_line(capsys, dirs, argv, needle):
+    argv = [{"DRAFT": dirs["draft"], "SMALL": dirs["small_vocab"]}.get(a, a) for a in argv]
+    code = main(["generate", "hi", "-m", dirs["target"], "-n", "3", "--greedy"] + argv)
+    err = capsys.readouterr().err
+    assert code != 0 and needle in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,179 @@
+"""Speculative decoding: prompt lookup and draft models give the target's greedy tokens exactly, and
+the rejection rule draws exactly the target's distribution (chi-square on seeded draws)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from helpers import random_model, varied_model
+from scipy.stats import chisquare
+
+from gpt2kit.config import GPT2Config
+from gpt2kit.generate import generate, generate_stream
+from gpt2kit.sampling import SamplingSettings
+from gpt2kit.speculate import accept_drafts, greedy_accept, lookup_drafts
+
+CTX = GPT2Config(n_vocab=50257, n_ctx=256, n_embd=32, n_head=4, n_layer=2)  # room for 200 tokens
+PROMPTS = [[464, 3290, 318, 257, 464, 3290], [7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8], [50256], [1, 2, 3, 1, 2]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return varied_model(CTX)
+
+
+def _greedy(n=200, **kw):
+    return SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=(), **kw)
+
+
+def test_lookup_drafts_take_the_most_recent_longest_match():
+    assert lookup_drafts([1, 2, 3, 9, 1, 2, 3, 8, 2, 3], 2) == [8, 2]  # the 2-gram (2, 3) seen last at 5
+    assert lookup_drafts([5, 1, 2, 7, 1, 2], 3) == [7, 1, 2]
+    assert lookup_drafts([1, 2, 3], 4) == []  # no earlier occurrence of any suffix
+    assert lookup_drafts([4], 4) == []
+    assert lookup_drafts([7, 7, 7], 5) == [7]  # the match (7, 7) at 0 is followed by one token
+
+
+def test_greedy_accept_keeps_the_agreeing_prefix():
+    assert greedy_accept([5, 6, 7, 8], [5, 6, 9]) == (2, 7)
+    assert greedy_accept([5, 6, 7, 8], [5, 6, 7]) == (3, 8)
+    assert greedy_accept([4], []) == (0, 4)
+
+
+@pytest.mark.parametrize("model_kind", ["varied", "random"])
+def test_prompt_lookup_greedy_is_plain_greedy_for_200_tokens(target, model_kind):
+    model = target if model_kind == "varied" else random_model(CTX)  # a random model repeats: lookup hits
+    plain = generate(model, PROMPTS, _greedy())
+    looked = generate(model, PROMPTS, _greedy(prompt_lookup=5), batch_size=3)  # two groups
+    assert [c.tokens for c in looked] == [c.tokens for c in plain]
+    assert all(len(c.tokens) == 200 for c in looked)
+    assert sum(c.drafted for c in looked) > 0
+    assert all(0 <= c.accepted <= c.drafted for c in looked)
+    if model_kind == "random":
+        assert min(c.acceptance_rate for c in looked) > 0.5
+
+
+def test_prompt_lookup_greedy_with_penalties_and_stop_tokens_is_plain(target):
+    kw = dict(max_new_tokens=120, temperature=0, repetition_penalty=1.3, stop_token_ids=(11, 13))
+    plain = generate(target, PROMPTS, SamplingSettings(**kw))
+    looked = generate(target, PROMPTS, SamplingSettings(prompt_lookup=4, **kw))
+    assert [(c.tokens, c.finish_reason) for c in looked] == [(c.tokens, c.finish_reason) for c in plain]
+
+
+@pytest.mark.parametrize("draft_kind", ["other", "random", "self"])
+def test_draft_model_greedy_is_the_targets_greedy_for_200_tokens(target, draft_kind):
+    draft = {"other": varied_model(CTX, seed=1), "random": random_model(CTX), "self": target}[draft_kind]
+    plain = generate(target, PROMPTS, _greedy())
+    spec = generate(target, PROMPTS, _greedy(draft_tokens=3), draft_model=draft)
+    assert [c.tokens for c in spec] == [c.tokens for c in plain]
+    if draft_kind == "self":
+        assert all(c.acceptance_rate == 1.0 for c in spec)
+
+
+def test_streamed_speculative_steps_give_each_row_its_tokens_in_order(target):
+    plain = generate(target, PROMPTS, _greedy(40))
+    got = {k: [] for k in range(len(PROMPTS))}
+    for step in generate_stream(target, PROMPTS, _greedy(40), draft_model=target):
+        for k, t in step.tokens.items():
+            got[k].append(t)
+    assert [got[k] for k in range(len(PROMPTS))] == [c.tokens for c in plain]
+
+
+def test_sampled_speculation_is_seeded_and_reproducible(target):
+    s = SamplingSettings(max_new_tokens=30, temperature=0.9, top_k=50, seed=3, stop_token_ids=())
+    draft = varied_model(CTX, seed=1)
+    a = generate(target, PROMPTS, s, draft_model=draft)
+    b = generate(target, PROMPTS, s, draft_model=draft)
+    assert [c.tokens for c in a] == [c.tokens for c in b] and all(len(c.tokens) == 30 for c in a)
+    lk = SamplingSettings(max_new_tokens=30, temperature=0.9, seed=3, stop_token_ids=(), prompt_lookup=3)
+    assert [c.tokens for c in generate(target, PROMPTS, lk)] == [c.tokens for c in generate(target, PROMPTS, lk)]
+
+
+# --- the rejection rule, statistically --------------------------------------------------------
+
+V = 6
+N_DRAWS = 20_000
+
+
+def _dist(seed: int, sharp: float = 1.5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(V, generator=g, dtype=torch.float64) * sharp).softmax(-1)
+
+
+def _chi2_p(samples: list[int], probs: torch.Tensor) -> float:
+    counts = torch.bincount(torch.tensor(samples), minlength=probs.numel()).double()
+    return float(chisquare(counts.numpy(), (probs * len(samples)).numpy()).pvalue)
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_first_token_of_the_rejection_rule_is_the_targets_distribution(point_mass):
+    p1, q1 = _dist(0), _dist(1)
+    p = torch.stack([p1, _dist(2)])  # (2, V): the first position, then the bonus position
+    g = torch.Generator().manual_seed(1234)
+    first = []
+    for _ in range(N_DRAWS):
+        if point_mass:  # prompt lookup: the draft is a fixed token, not a draw
+            d, q = 2, None
+        else:
+            d, q = int(torch.multinomial(q1, 1, generator=g)), q1[None]
+        kept, nxt = accept_drafts(p, q, [d], g)
+        first.append(d if kept else nxt)
+    assert _chi2_p(first, p1) > 0.01
+    # a wrong rule (always keep the draft) is rejected by the same test
+    if not point_mass:
+        wrong = [int(torch.multinomial(q1, 1, generator=g)) for _ in range(N_DRAWS)]
+        assert _chi2_p(wrong, p1) < 1e-6
+
+
+def test_two_token_sequences_of_the_rejection_rule_are_the_targets():
+    """Two drafts per step, conditional distributions for the second token: the joint (t1, t2)
+    matches p1(t1) p2(t2 | t1) over all V * V pairs."""
+    p1, q1 = _dist(10), _dist(11)
+    p2 = torch.stack([_dist(20 + t) for t in range(V)])  # (V, V): p2[t1] = target's next given t1
+    q2 = torch.stack([_dist(40 + t) for t in range(V)])
+    g = torch.Generator().manual_seed(99)
+    pairs = []
+    for _ in range(N_DRAWS):
+        d1 = int(torch.multinomial(q1, 1, generator=g))
+        d2 = int(torch.multinomial(q2[d1], 1, generator=g))
+        p = torch.stack([p1, p2[d1], _dist(7)])  # the third row: the (unused) bonus position
+        kept, nxt = accept_drafts(p, torch.stack([q1, q2[d1]]), [d1, d2], g)
+        if kept == 2:
+            t1, t2 = d1, d2
+        elif kept == 1:
+            t1, t2 = d1, nxt
+        else:  # the next step drafts one token after the target's t1
+            t1 = nxt
+            d = int(torch.multinomial(q2[t1], 1, generator=g))
+            k2, n2 = accept_drafts(torch.stack([p2[t1], _dist(8)]), q2[t1][None], [d], g)
+            t2 = d if k2 else n2
+        pairs.append(t1 * V + t2)
+    joint = (p1[:, None] * p2).reshape(-1)
+    assert _chi2_p(pairs, joint) > 0.01
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(draft_tokens=0), "draft_tokens must be an integer in [1, 64]"),
+    (dict(draft_tokens=65), "draft_tokens must be an integer in [1, 64]"),
+    (dict(prompt_lookup=-1), "prompt_lookup must be an integer in [0, 64]"),
+])
+def test_settings_reject_bad_draft_counts(kwargs, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        SamplingSettings(**kwargs)
+
+
+def test_draft_model_bad_input_is_one_clear_error(target):
+    other_vocab = random_model(GPT2Config(n_vocab=1000, n_ctx=256, n_embd=32, n_head=4, n_layer=2))
+    with pytest.raises(ValueError, match="vocabulary has 1000 tokens, the target's 50257"):
+        generate(target, PROMPTS, _greedy(5), draft_model=other_vocab)
+    with pytest.raises(ValueError, match="not both"):
+        generate(target, PROMPTS, _greedy(5, prompt_lookup=2), draft_model=target)
+    with pytest.raises(ValueError, match="must be at most n_ctx=256"):
+        generate(target, [[1] * 60], _greedy(200, prompt_lookup=4))
+    with pytest.raises(ValueError, match="the draft model is on"):
+        generate(target, PROMPTS, _greedy(5), draft_model=varied_model(CTX).to(torch.bfloat16))
