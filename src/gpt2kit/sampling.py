@@ -103,7 +103,8 @@ class SamplingSettings:
             raise ValueError(f"pack_weights must be None (auto), True or False, got {self.pack_weights!r}")
         check_int("prompt_lookup", self.prompt_lookup, f"in [0, {MAX_DRAFT_TOKENS}] (0 = off)",
                   lambda v: 0 <= v <= MAX_DRAFT_TOKENS)
-        check_int("draft_tokens", self.draft_tokens, f"in [1, {MAX_DRAFT_TOKENS}]", lambda v: 1 <= v <= MAX_DRAFT_TOKENS)
+        check_int("draft_tokens", self.draft_tokens, f"in [1, {MAX_DRAFT_TOKENS}]",
+                  lambda v: 1 <= v <= MAX_DRAFT_TOKENS)
 
     @property
     def greedy(self) -> bool:
