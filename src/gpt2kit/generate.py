@@ -50,6 +50,7 @@ class Completion:
     tokens: list[int] = field(default_factory=list)
     text: str | None = None
     finish_reason: str | None = None
+    score: float | None = None  # beam search: the beam's score (log-probs / length ** length_penalty)
     drafted: int | None = None  # speculative decoding: draft tokens proposed, and kept by the target
     accepted: int | None = None
 
@@ -74,7 +75,11 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
     first step. With draft_model (or settings.prompt_lookup), decoding is speculative
     (gpt2kit.engine.speculative): a step may give a row several tokens, yielded as consecutive Steps.
     """
-    engine, _ = _start(model, prompts, settings or SamplingSettings(), tokenizer, batch_size, draft_model)
+    settings = settings or SamplingSettings()
+    if settings.num_beams > 1:
+        raise ValueError(f"streaming is not defined for beam search (num_beams={settings.num_beams}): the best "
+                         f"beam is known only at the end; call generate()")
+    engine, _ = _start(model, prompts, settings, tokenizer, batch_size, draft_model)
     return _stream(model, engine)
 
 
@@ -205,6 +210,8 @@ def generate(model: GPT2, prompts: str | Sequence[str] | Sequence[Sequence[int]]
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer: pass tokenizer=...")
         prompts = encode_prompts(tokenizer, prompts)
+    if settings.num_beams > 1:
+        return _beam_completions(model, prompts, settings, tokenizer, batch_size)
     engine, prompts = _start(model, prompts, settings, tokenizer, batch_size, draft_model)
     n = settings.num_samples
     out = [Completion(i * n + j, i, j, list(p), text="" if tokenizer else None)
@@ -221,6 +228,42 @@ def generate(model: GPT2, prompts: str | Sequence[str] | Sequence[Sequence[int]]
     if draft_model is not None or settings.prompt_lookup:
         for c in out:
             c.drafted, c.accepted = c.drafted or 0, c.accepted or 0
+    return out
+
+
+def _beam_completions(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSettings,
+                      tokenizer: Tokenizer | None, batch_size: int | None) -> list[Completion]:
+    """Beam search (gpt2kit.engine.beam): num_return_sequences Completions per prompt, best first,
+    prompts batched so that at most batch_size rows (prompts x beams) run at once (one prompt at least)."""
+    from gpt2kit.engine.beam import beam_search
+
+    cfg = model.config
+    prompts = _check_prompts(prompts, cfg.n_vocab)
+    bad_stop = [t for t in settings.stop_token_ids if t >= cfg.n_vocab]
+    if bad_stop:
+        raise ValueError(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {cfg.n_vocab})")
+    if batch_size is not None:
+        check_int("batch_size", batch_size, ">= 1", lambda v: v >= 1)
+    for i, p in enumerate(prompts):
+        if len(p) + settings.max_new_tokens > cfg.n_ctx:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; beam search keeps the whole sequence in the context, "
+                             f"so prompt + max_new_tokens={settings.max_new_tokens} must be at most n_ctx={cfg.n_ctx}")
+    n, step = settings.num_return_sequences, max(1, (batch_size or len(prompts) * settings.num_beams)
+                                                 // settings.num_beams)
+    out = []
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(prompts), step):
+            chunk = prompts[start:start + step]
+            for i, beams in enumerate(beam_search(model, chunk, settings), start=start):
+                for j, b in enumerate(beams):
+                    text = tokenizer.decode(b.tokens[:-1] if b.finish_reason == "stop" else b.tokens) \
+                        if tokenizer is not None else None
+                    out.append(Completion(i * n + j, i, j, list(prompts[i]), list(b.tokens), text, b.finish_reason,
+                                          score=b.score))
+    finally:
+        model.train(was_training)
     return out
 
 

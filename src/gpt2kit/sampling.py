@@ -32,6 +32,7 @@ TOP_P_MODES = ("openai", "hf")
 GREEDY_BELOW = 1e-5  # temperatures in [0, GREEDY_BELOW) are greedy
 MIN_REPETITION_PENALTY = 0.01  # a seen token's logit is scaled by at most 100
 MAX_DRAFT_TOKENS = 64  # prompt_lookup and draft_tokens at most this (tokens verified per step)
+MAX_BEAMS = 64  # num_beams at most this (rows per prompt)
 LOGIT_LIMIT = 1e9  # |logit_bias value|, |presence_penalty|, |frequency_penalty| at most this
 _LOGIT_RANGE = "in [-1e9, 1e9]"
 
@@ -73,6 +74,12 @@ class SamplingSettings:
     # n-gram match in the row's own context (0 = off); draft_tokens: tokens a draft model proposes per step.
     prompt_lookup: int = 0
     draft_tokens: int = 4
+    # Beam search (gpt2kit.engine.beam, transformers' meanings): num_beams > 1 turns it on (deterministic:
+    # temperature, top-k, top-p and seed do not apply); early_stopping True, False or "never".
+    num_beams: int = 1
+    length_penalty: float = 1.0  # a finished beam's score: sum of log-probs / length ** length_penalty
+    early_stopping: bool | str = False
+    num_return_sequences: int = 1  # beams returned per prompt, best first (<= num_beams)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -105,6 +112,7 @@ class SamplingSettings:
                   lambda v: 0 <= v <= MAX_DRAFT_TOKENS)
         check_int("draft_tokens", self.draft_tokens, f"in [1, {MAX_DRAFT_TOKENS}]",
                   lambda v: 1 <= v <= MAX_DRAFT_TOKENS)
+        _check_beams(self)
 
     @property
     def greedy(self) -> bool:
@@ -115,6 +123,26 @@ class SamplingSettings:
         """Greedy with nothing that changes the logits first: the argmax of the raw logits."""
         return (self.greedy and self.repetition_penalty == 1.0 and not self.logit_bias
                 and self.presence_penalty == 0 and self.frequency_penalty == 0)
+
+
+def _check_beams(s: SamplingSettings) -> None:
+    check_int("num_beams", s.num_beams, f"in [1, {MAX_BEAMS}] (1 = no beam search)", lambda v: 1 <= v <= MAX_BEAMS)
+    check_number("length_penalty", s.length_penalty, "in [-100, 100]", lambda v: -100 <= v <= 100)
+    if not (isinstance(s.early_stopping, bool) or s.early_stopping == "never"):
+        raise ValueError(f'early_stopping must be True, False or "never", got {s.early_stopping!r}')
+    check_int("num_return_sequences", s.num_return_sequences, f"in [1, num_beams={s.num_beams}]",
+              lambda v: 1 <= v <= s.num_beams)
+    if s.num_beams > 1:
+        if s.num_samples != 1:
+            raise ValueError(f"beam search returns num_return_sequences beams per prompt; num_samples must be 1, "
+                             f"got {s.num_samples}")
+        unsupported = [n for n, on in (("stop_strings", s.stop_strings), ("logit_bias", s.logit_bias),
+                                       ("repetition_penalty", s.repetition_penalty != 1.0),
+                                       ("presence_penalty", s.presence_penalty),
+                                       ("frequency_penalty", s.frequency_penalty),
+                                       ("prompt_lookup", s.prompt_lookup)) if on]
+        if unsupported:
+            raise ValueError(f"beam search (num_beams={s.num_beams}) takes no {unsupported[0]}")
 
 
 def _check_logit_bias(bias) -> tuple[tuple[int, float], ...]:

@@ -228,26 +228,9 @@ class SpeculativeEngine:
 
     def _room(self, n: int) -> None:
         """Make room for n more columns: pack every row's real columns right-aligned when full."""
-        M = self._caches[0].max_len
-        if self._P + n <= M:
-            return
-        real = self._mask[:, :self._P].bool()  # (B, P)
-        lengths = real.sum(-1).tolist()
-        W = max(lengths)
-        M = min(self.model.config.n_ctx, W + n + ROOM)
-        mask = torch.zeros(len(self.rows), M, dtype=torch.long, device=self._mask.device)  # (B, M)
-        for i, old in enumerate(self._caches):
-            L, B, _, nh, _, hs = old.kv.shape
-            new = KVCache(L, B, nh, M, hs, device=old.kv.device, dtype=old.kv.dtype)
-            new.kv.zero_()
-            for r in range(B):
-                cols = real[r].nonzero()[:, 0]
-                new.kv[:, r, :, :, W - lengths[r]:W] = old.kv[:, r, :, :, cols]
-                if i == 0:
-                    mask[r, W - lengths[r]:W] = 1
-            new.length = W
-            self._caches[i] = new
-        self._mask, self._P = mask, W
+        if self._P + n > self._caches[0].max_len:
+            M = min(self.model.config.n_ctx, int(self._mask[:, :self._P].sum(-1).max()) + n + ROOM)
+            self._caches, self._mask, self._P = pack_columns(self._caches, self._mask[:, :self._P], M)
 
     def _keep(self, keep: list[int], pending: torch.Tensor | None = None) -> None:
         """Keep batch rows `keep` (with each one's pending token, when given)."""
@@ -267,6 +250,27 @@ class SpeculativeEngine:
         self._mask = self._mask[sel]
         if pending is None:
             self._pending = self._pending[sel]
+
+
+def pack_columns(caches: list[KVCache], mask: torch.Tensor, M: int) -> tuple[list[KVCache], torch.Tensor, int]:
+    """New caches of M columns holding each row's real columns (mask (B, P) == 1) right-aligned,
+    zeros before them; returns them, their mask (B, M) and their width W (the longest row)."""
+    real = mask.bool()  # (B, P)
+    lengths = real.sum(-1).tolist()
+    W = max(lengths)
+    out = torch.zeros(mask.shape[0], M, dtype=torch.long, device=mask.device)  # (B, M)
+    packed = []
+    for old in caches:
+        L, B, _, nh, _, hs = old.kv.shape
+        new = KVCache(L, B, nh, M, hs, device=old.kv.device, dtype=old.kv.dtype)
+        new.kv.zero_()
+        for r in range(B):
+            new.kv[:, r, :, :, W - lengths[r]:W] = old.kv[:, r, :, :, real[r].nonzero()[:, 0]]
+        new.length = W
+        packed.append(new)
+    for r in range(mask.shape[0]):
+        out[r, W - lengths[r]:W] = 1
+    return packed, out, W
 
 
 def _emit(row: Row, t: int, logits: torch.Tensor) -> RowEvent:
