@@ -52,3 +52,31 @@ def test_bad_speculative_flags_are_one_line(capsys, dirs, argv, needle):
     code = main(["generate", "hi", "-m", dirs["target"], "-n", "3", "--greedy"] + argv)
     err = capsys.readouterr().err
     assert code != 0 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_beams_from_the_command_line_are_generates(capsys, dirs):
+    from gpt2kit.checkpoint import load_model, load_tokenizer
+    from gpt2kit.generate import generate
+    from gpt2kit.sampling import SamplingSettings
+
+    argv = ["generate", "the cat sat", "-m", dirs["target"], "-n", "8", "--num-beams", "3",
+            "--num-return-sequences", "2", "--length-penalty", "0.5", "--early-stopping", "never", "--json"]
+    assert main(argv) == 0
+    got = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    want = generate(load_model(dirs["target"]), ["the cat sat"], SamplingSettings(
+        max_new_tokens=8, num_beams=3, num_return_sequences=2, length_penalty=0.5, early_stopping="never"),
+        tokenizer=load_tokenizer(dirs["target"]))
+    assert [(g["tokens"], g["score"]) for g in got] == [(c.tokens, c.score) for c in want]
+    assert main(argv[:-1]) == 0
+    assert capsys.readouterr().out.count("BEAM") == 2
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--num-beams", "0"], "num_beams must be an integer in [1, 64]"),
+    (["--num-beams", "2", "--num-return-sequences", "3"],
+     "num_return_sequences must be an integer in [1, num_beams=2]"),
+])
+def test_bad_beam_flags_are_one_line(capsys, dirs, argv, needle):
+    code = main(["generate", "hi", "-m", dirs["target"], "-n", "3"] + argv)
+    err = capsys.readouterr().err
+    assert code != 0 and needle in err and len(err.strip().splitlines()) == 1

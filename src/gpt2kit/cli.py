@@ -455,6 +455,8 @@ def _generate_and_print(model, tok, texts: list[str], settings, args: argparse.N
     from gpt2kit.generate import encode_prompts, generate_stream
     from gpt2kit.progress import is_terminal
 
+    if settings.num_beams > 1:
+        return cli_decoding.print_beams(model, tok, texts, settings, args)
     ids = encode_prompts(tok, texts)
     n_rows = len(ids) * settings.num_samples
     tokens: list[list[int]] = [[] for _ in range(n_rows)]

@@ -1,12 +1,15 @@
-"""The generate command's decoding-method flags (speculative decoding), apart from cli.py's core
-flags: how they are registered, turned into settings, the draft model loaded and the acceptance
-rate reported. Thin, as cli.py: the work is gpt2kit.generate's."""
+"""The generate command's decoding-method flags (speculative decoding, beam search), apart from
+cli.py's core flags: how they are registered, turned into settings, the draft model loaded, the
+acceptance rate reported and beams printed. Thin, as cli.py: the work is gpt2kit.generate's."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
+
+_EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,11 +21,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="tokens the draft model proposes per step")
     g.add_argument("--verbose", "-v", action="store_true",
                    help="report the draft acceptance rate on stderr at the end")
+    b = p.add_argument_group("beam search (as transformers' generate(num_beams=...); not streamed)")
+    b.add_argument("--num-beams", type=int, default=1, metavar="N", help="beams per prompt (1 = off; at most 64)")
+    b.add_argument("--length-penalty", type=float, default=1.0,
+                   help="a finished beam's score is its log-prob sum / length ** this")
+    b.add_argument("--early-stopping", choices=tuple(_EARLY_STOPPING), default="false",
+                   help="true: stop once num_beams beams finished; false: once none can improve; never")
+    b.add_argument("--num-return-sequences", type=int, default=1, metavar="N",
+                   help="beams printed per prompt, best first")
 
 
 def settings(args: argparse.Namespace, base):
     """base (the core flags' SamplingSettings) with the decoding flags' settings."""
-    return dataclasses.replace(base, prompt_lookup=args.prompt_lookup, draft_tokens=args.draft_tokens)
+    return dataclasses.replace(base, prompt_lookup=args.prompt_lookup, draft_tokens=args.draft_tokens,
+                               num_beams=args.num_beams, length_penalty=args.length_penalty,
+                               early_stopping=_EARLY_STOPPING[args.early_stopping],
+                               num_return_sequences=args.num_return_sequences)
 
 
 def load_draft(args: argparse.Namespace, model, tok):
@@ -48,3 +62,20 @@ def report(args: argparse.Namespace, drafted: int, accepted: int) -> None:
         return
     rate = f"{100 * accepted / drafted:.1f}%" if drafted else "n/a"
     print(f"speculative decoding: {accepted} of {drafted} draft tokens accepted ({rate})", file=sys.stderr)
+
+
+def print_beams(model, tok, texts: list[str], settings, args: argparse.Namespace) -> None:
+    """Beam search's results, best first per prompt: a header and the text, or --json lines."""
+    from gpt2kit.generate import generate
+
+    args.status.hide()
+    for c in generate(model, texts, settings, tokenizer=tok, batch_size=args.batch_size):
+        if args.json:
+            print(json.dumps({"prompt_index": c.prompt_index, "sample_index": c.sample_index,
+                              "prompt": texts[c.prompt_index], "prompt_tokens": c.prompt_tokens, "tokens": c.tokens,
+                              "text": c.text, "finish_reason": c.finish_reason, "score": c.score}), flush=True)
+        else:
+            label = json.dumps(texts[c.prompt_index][:60], ensure_ascii=False)
+            print(f"{'=' * 40} PROMPT {c.prompt_index + 1} BEAM {c.sample_index + 1}: {label} "
+                  f"(score {c.score:.4f}) {'=' * 40}")
+            print(c.text, flush=True)
