@@ -96,11 +96,14 @@ class SpeculativeEngine:
             return self._start_group()
         drafts = self._drafts()
         logits = self._verify(drafts)  # (B, K + 1, V)
+        argmax = None  # plain greedy rows: one batched argmax
+        if all(row.settings.plain_greedy for row in self.rows) and torch.isfinite(logits.amax(-1)).all():
+            argmax = logits.argmax(-1).tolist()  # (B, K + 1)
         events, keep, last = [], [], []
         for r, row in enumerate(self.rows):
             q = self._draft_q[r] if self.draft is not None else None
             try:
-                kept, nxt = _accept(row, logits[r], drafts[r], q)
+                kept, nxt = greedy_accept(argmax[r], drafts[r]) if argmax else _accept(row, logits[r], drafts[r], q)
             except Exception as e:  # this row alone fails, as in Engine.step
                 row.finish_reason, row.error = "error", e
                 events.append(RowEvent.failed(row, e))
@@ -189,22 +192,16 @@ class SpeculativeEngine:
             dl = decode_step(self.draft, tok[:, None], cache, self._mask[:, :self._P + j + 1], kernels)  # (B, V)
             if j == K:
                 break
-            tok = torch.stack([self._draw_draft(r, row, dl[r:r + 1]) for r, row in enumerate(self.rows)])
+            if all(row.settings.greedy for row in self.rows):
+                tok = dl.argmax(-1)  # (B,)
+            else:
+                tok = torch.stack([_draw_draft(row, dl[r:r + 1], self._draft_q[r]) for r, row in enumerate(self.rows)])
             for r, t in enumerate(tok.tolist()):
                 out[r].append(t)
         cap = [max(min(row.settings.draft_tokens, c), 0) for row, c in zip(self.rows, caps, strict=True)]
         for r in range(B):
             out[r], self._draft_q[r] = out[r][:cap[r]], self._draft_q[r][:cap[r]]
         return out
-
-    def _draw_draft(self, r: int, row: Row, logits: torch.Tensor) -> torch.Tensor:
-        """The draft's token for row r (greedy: its argmax; sampled: a draw from its warped distribution)."""
-        s = row.settings
-        if s.greedy:
-            return logits[0].argmax()
-        q = warp(logits, s).softmax(-1)[0]  # (V,)
-        self._draft_q[r].append(q)
-        return torch.multinomial(q, 1, generator=row.sampler.generator)[0]
 
     def _verify(self, drafts: list[list[int]]) -> torch.Tensor:
         """The target's logits (B, K + 1, V) at [pending token, drafts...] (short rows padded)."""
@@ -273,13 +270,26 @@ def pack_columns(caches: list[KVCache], mask: torch.Tensor, M: int) -> tuple[lis
     return packed, out, W
 
 
+def _draw_draft(row: Row, logits: torch.Tensor, qs: list[torch.Tensor]) -> torch.Tensor:
+    """The draft's token for a row from its logits (1, V): greedy, the argmax; sampled, a draw from
+    its warped distribution, which is appended to qs (the rejection rule needs it)."""
+    s = row.settings
+    if s.greedy:
+        return logits[0].argmax()
+    q = warp(logits, s).softmax(-1)[0]  # (V,)
+    qs.append(q)
+    return torch.multinomial(q, 1, generator=row.sampler.generator)[0]
+
+
 def _emit(row: Row, t: int, logits: torch.Tensor) -> RowEvent:
     """Add token t to the row (its raw next-token logits (1, V) give the log-probs it asked for)."""
     row.tokens.append(t)
     row.sampler.observe(t)
     piece, reason = advance(row, t)
     row.finish_reason = reason
-    lp, top = token_logprobs(logits, torch.tensor([t], device=logits.device), [row]).get(0, (None, None))
+    if row.logprobs is None:
+        return RowEvent(row, t, piece, reason)
+    lp, top = token_logprobs(logits, torch.tensor([t], device=logits.device), [row])[0]
     return RowEvent(row, t, piece, reason, lp, top)
 
 
