@@ -80,3 +80,20 @@ def test_bad_beam_flags_are_one_line(capsys, dirs, argv, needle):
     code = main(["generate", "hi", "-m", dirs["target"], "-n", "3"] + argv)
     err = capsys.readouterr().err
     assert code != 0 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_contrastive_search_from_the_command_line_is_generates(capsys, dirs):
+    from gpt2kit.checkpoint import load_model, load_tokenizer
+    from gpt2kit.generate import generate
+    from gpt2kit.sampling import SamplingSettings
+
+    argv = ["generate", "the cat sat", "-m", dirs["target"], "-n", "8", "--penalty-alpha", "0.6", "--top-k", "4",
+            "--json"]
+    assert main(argv) == 0
+    got = [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()]
+    want = generate(load_model(dirs["target"]), ["the cat sat"], SamplingSettings(
+        max_new_tokens=8, penalty_alpha=0.6, top_k=4), tokenizer=load_tokenizer(dirs["target"]))
+    assert got == [c.tokens for c in want]
+    code = main(argv[:-1] + ["--penalty-alpha", "2"])
+    err = capsys.readouterr().err
+    assert code != 0 and "penalty_alpha must be a number in [0, 1]" in err and len(err.strip().splitlines()) == 1

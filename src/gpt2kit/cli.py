@@ -455,7 +455,7 @@ def _generate_and_print(model, tok, texts: list[str], settings, args: argparse.N
     from gpt2kit.generate import encode_prompts, generate_stream
     from gpt2kit.progress import is_terminal
 
-    if settings.num_beams > 1:
+    if settings.num_beams > 1 or settings.contrastive:
         return cli_decoding.print_beams(model, tok, texts, settings, args)
     ids = encode_prompts(tok, texts)
     n_rows = len(ids) * settings.num_samples

@@ -1,4 +1,4 @@
-"""The generate command's decoding-method flags (speculative decoding, beam search), apart from
+"""The generate command's decoding-method flags (speculative decoding, beam and contrastive search), apart from
 cli.py's core flags: how they are registered, turned into settings, the draft model loaded, the
 acceptance rate reported and beams printed. Thin, as cli.py: the work is gpt2kit.generate's."""
 
@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="true: stop once num_beams beams finished; false: once none can improve; never")
     b.add_argument("--num-return-sequences", type=int, default=1, metavar="N",
                    help="beams printed per prompt, best first")
+    c = p.add_argument_group("contrastive search (Su et al. 2022; not streamed)")
+    c.add_argument("--penalty-alpha", type=float, default=0.0, metavar="A",
+                   help="with --top-k K > 1: contrastive search over K candidates (0 = off; in [0, 1])")
 
 
 def settings(args: argparse.Namespace, base):
@@ -36,7 +39,7 @@ def settings(args: argparse.Namespace, base):
     return dataclasses.replace(base, prompt_lookup=args.prompt_lookup, draft_tokens=args.draft_tokens,
                                num_beams=args.num_beams, length_penalty=args.length_penalty,
                                early_stopping=_EARLY_STOPPING[args.early_stopping],
-                               num_return_sequences=args.num_return_sequences)
+                               num_return_sequences=args.num_return_sequences, penalty_alpha=args.penalty_alpha)
 
 
 def load_draft(args: argparse.Namespace, model, tok):
@@ -65,7 +68,7 @@ def report(args: argparse.Namespace, drafted: int, accepted: int) -> None:
 
 
 def print_beams(model, tok, texts: list[str], settings, args: argparse.Namespace) -> None:
-    """Beam search's results, best first per prompt: a header and the text, or --json lines."""
+    """Beam (or contrastive) search's results, best first per prompt: a header and the text, or --json lines."""
     from gpt2kit.generate import generate
 
     args.status.hide()
@@ -76,6 +79,6 @@ def print_beams(model, tok, texts: list[str], settings, args: argparse.Namespace
                               "text": c.text, "finish_reason": c.finish_reason, "score": c.score}), flush=True)
         else:
             label = json.dumps(texts[c.prompt_index][:60], ensure_ascii=False)
-            print(f"{'=' * 40} PROMPT {c.prompt_index + 1} BEAM {c.sample_index + 1}: {label} "
-                  f"(score {c.score:.4f}) {'=' * 40}")
+            score = "" if c.score is None else f" (score {c.score:.4f})"
+            print(f"{'=' * 40} PROMPT {c.prompt_index + 1} BEAM {c.sample_index + 1}: {label}{score} {'=' * 40}")
             print(c.text, flush=True)

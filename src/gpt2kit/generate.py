@@ -79,6 +79,8 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
     if settings.num_beams > 1:
         raise ValueError(f"streaming is not defined for beam search (num_beams={settings.num_beams}): the best "
                          f"beam is known only at the end; call generate()")
+    if settings.contrastive:
+        raise ValueError("contrastive search (penalty_alpha > 0) runs through generate(), not streamed")
     engine, _ = _start(model, prompts, settings, tokenizer, batch_size, draft_model)
     return _stream(model, engine)
 
@@ -210,7 +212,7 @@ def generate(model: GPT2, prompts: str | Sequence[str] | Sequence[Sequence[int]]
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer: pass tokenizer=...")
         prompts = encode_prompts(tokenizer, prompts)
-    if settings.num_beams > 1:
+    if settings.num_beams > 1 or settings.contrastive:
         return _beam_completions(model, prompts, settings, tokenizer, batch_size)
     engine, prompts = _start(model, prompts, settings, tokenizer, batch_size, draft_model)
     n = settings.num_samples
@@ -234,10 +236,13 @@ def generate(model: GPT2, prompts: str | Sequence[str] | Sequence[Sequence[int]]
 def _beam_completions(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSettings,
                       tokenizer: Tokenizer | None, batch_size: int | None) -> list[Completion]:
     """Beam search (gpt2kit.engine.beam): num_return_sequences Completions per prompt, best first,
-    prompts batched so that at most batch_size rows (prompts x beams) run at once (one prompt at least)."""
-    from gpt2kit.engine.beam import beam_search
+    prompts batched so that at most batch_size rows (prompts x beams) run at once (one prompt at least);
+    or contrastive search (gpt2kit.engine.contrastive): one Completion per prompt."""
+    from gpt2kit.engine.beam import Beam, beam_search
+    from gpt2kit.engine.contrastive import contrastive_search
 
     cfg = model.config
+    method = "contrastive search" if settings.contrastive else "beam search"
     prompts = _check_prompts(prompts, cfg.n_vocab)
     bad_stop = [t for t in settings.stop_token_ids if t >= cfg.n_vocab]
     if bad_stop:
@@ -246,17 +251,22 @@ def _beam_completions(model: GPT2, prompts: Sequence[Sequence[int]], settings: S
         check_int("batch_size", batch_size, ">= 1", lambda v: v >= 1)
     for i, p in enumerate(prompts):
         if len(p) + settings.max_new_tokens > cfg.n_ctx:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; beam search keeps the whole sequence in the context, "
+            raise ValueError(f"prompt {i} has {len(p)} tokens; {method} keeps the whole sequence in the context, "
                              f"so prompt + max_new_tokens={settings.max_new_tokens} must be at most n_ctx={cfg.n_ctx}")
-    n, step = settings.num_return_sequences, max(1, (batch_size or len(prompts) * settings.num_beams)
-                                                 // settings.num_beams)
+    width = settings.top_k if settings.contrastive else settings.num_beams  # rows per prompt
+    n, step = settings.num_return_sequences, max(1, (batch_size or len(prompts) * width) // width)
     out = []
     was_training = model.training
     model.eval()
     try:
         for start in range(0, len(prompts), step):
             chunk = prompts[start:start + step]
-            for i, beams in enumerate(beam_search(model, chunk, settings), start=start):
+            if settings.contrastive:
+                found = [[Beam(t, None, "stop" if t and t[-1] in settings.stop_token_ids else "length")]
+                         for t in contrastive_search(model, chunk, settings)]
+            else:
+                found = beam_search(model, chunk, settings)
+            for i, beams in enumerate(found, start=start):
                 for j, b in enumerate(beams):
                     text = tokenizer.decode(b.tokens[:-1] if b.finish_reason == "stop" else b.tokens) \
                         if tokenizer is not None else None

@@ -80,6 +80,9 @@ class SamplingSettings:
     length_penalty: float = 1.0  # a finished beam's score: sum of log-probs / length ** length_penalty
     early_stopping: bool | str = False
     num_return_sequences: int = 1  # beams returned per prompt, best first (<= num_beams)
+    # Contrastive search (gpt2kit.engine.contrastive): penalty_alpha > 0 with top_k > 1 turns it on
+    # (deterministic; top_k candidates per step); in [0, 1].
+    penalty_alpha: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -113,6 +116,17 @@ class SamplingSettings:
         check_int("draft_tokens", self.draft_tokens, f"in [1, {MAX_DRAFT_TOKENS}]",
                   lambda v: 1 <= v <= MAX_DRAFT_TOKENS)
         _check_beams(self)
+        check_number("penalty_alpha", self.penalty_alpha, "in [0, 1] (0 = off)", lambda v: 0 <= v <= 1)
+        if self.contrastive:
+            _check_deterministic_method(self, f"contrastive search (penalty_alpha={self.penalty_alpha})")
+            if self.num_beams > 1:
+                raise ValueError("contrastive search (penalty_alpha > 0) and beam search (num_beams > 1) are "
+                                 "two methods: choose one")
+
+    @property
+    def contrastive(self) -> bool:
+        """Contrastive search: penalty_alpha > 0 and top_k > 1 (transformers' condition)."""
+        return self.penalty_alpha > 0 and self.top_k > 1
 
     @property
     def greedy(self) -> bool:
@@ -133,16 +147,20 @@ def _check_beams(s: SamplingSettings) -> None:
     check_int("num_return_sequences", s.num_return_sequences, f"in [1, num_beams={s.num_beams}]",
               lambda v: 1 <= v <= s.num_beams)
     if s.num_beams > 1:
-        if s.num_samples != 1:
-            raise ValueError(f"beam search returns num_return_sequences beams per prompt; num_samples must be 1, "
-                             f"got {s.num_samples}")
-        unsupported = [n for n, on in (("stop_strings", s.stop_strings), ("logit_bias", s.logit_bias),
-                                       ("repetition_penalty", s.repetition_penalty != 1.0),
-                                       ("presence_penalty", s.presence_penalty),
-                                       ("frequency_penalty", s.frequency_penalty),
-                                       ("prompt_lookup", s.prompt_lookup)) if on]
-        if unsupported:
-            raise ValueError(f"beam search (num_beams={s.num_beams}) takes no {unsupported[0]}")
+        _check_deterministic_method(s, f"beam search (num_beams={s.num_beams})")
+
+
+def _check_deterministic_method(s: SamplingSettings, method: str) -> None:
+    """Beam and contrastive search: one sequence per prompt row and none of the logit warpers."""
+    if s.num_samples != 1:
+        raise ValueError(f"{method} is deterministic; num_samples must be 1, got {s.num_samples}")
+    unsupported = [n for n, on in (("stop_strings", s.stop_strings), ("logit_bias", s.logit_bias),
+                                   ("repetition_penalty", s.repetition_penalty != 1.0),
+                                   ("presence_penalty", s.presence_penalty),
+                                   ("frequency_penalty", s.frequency_penalty),
+                                   ("prompt_lookup", s.prompt_lookup)) if on]
+    if unsupported:
+        raise ValueError(f"{method} takes no {unsupported[0]}")
 
 
 def _check_logit_bias(bias) -> tuple[tuple[int, float], ...]:

@@ -41,7 +41,7 @@ class Beam:
     """One returned sequence: its new tokens (a stop token included), its score and why it ended."""
 
     tokens: list[int]
-    score: float  # sum of the tokens' log-probs / len(tokens) ** length_penalty
+    score: float | None  # sum of the tokens' log-probs / len(tokens) ** length_penalty (None: contrastive)
     finish_reason: str  # "stop" | "length"
 
 
