@@ -11,9 +11,10 @@ keep are masked out, leaving holes that positions (counted from the mask) skip, 
 computes what it would alone. When the cache fills, every row's real columns are packed
 right-aligned into a new one.
 
-Rows run in groups of max_batch: a group is prefilled together and runs until its last row ends
-(no joining mid-group). The whole sequence stays in the context: prompt + max_new_tokens +
-draft tokens must fit in n_ctx (checked before anything runs, gpt2kit.generate).
+Rows join as in gpt2kit.engine.scheduler: at the next step after a prefill of their own (their
+first token from it), at most max_batch running; the running and joining rows' real columns are
+then packed into new caches. The whole sequence stays in the context: prompt + max_new_tokens +
+draft tokens must fit in n_ctx (checked before anything runs: gpt2kit.generate, the server's routing).
 
 Legend: L layers, B rows, K drafts per row this step, P cache columns, M cache size, V vocab.
 """
@@ -57,14 +58,15 @@ def check_draft_model(model: GPT2, draft: GPT2) -> None:
 class SpeculativeEngine:
     """Engine's interface (new_row, submit, cancel, has_work, step) for speculative decoding: a
     step may give a row several tokens (one RowEvent each, in order). draft: a draft model, or None
-    for prompt lookup (settings.prompt_lookup tokens per step)."""
+    for prompt lookup (settings.prompt_lookup tokens per step, or lookup tokens for every row)."""
 
     def __init__(self, model: GPT2, tokenizer: Tokenizer | None = None, *, draft: GPT2 | None = None,
-                 max_batch: int | None = None, pack_weights: bool | None = None) -> None:
+                 max_batch: int | None = None, pack_weights: bool | None = None, lookup: int | None = None) -> None:
         if draft is not None:
             check_draft_model(model, draft)
         self._rows_from = Engine(model, tokenizer, max_batch=max_batch, pack_weights=pack_weights)
         self.model, self.draft, self.max_batch, self.pack_weights = model, draft, max_batch, pack_weights
+        self.lookup = lookup
         self.rows: list[Row] = []
         self._waiting: deque[Row] = deque()
         self._lock = threading.Lock()
@@ -88,12 +90,31 @@ class SpeculativeEngine:
     def has_work(self) -> bool:
         return bool(self.rows or self._waiting)
 
+    @property
+    def n_running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
+    def reset(self) -> list[Row]:
+        """Drop every row, running and waiting; returns them (after an error, to fail them)."""
+        with self._lock:
+            dropped = self.rows + list(self._waiting)
+            self._waiting.clear()
+        self.rows, self._caches, self._mask, self._pending, self._P = [], [], None, None, 0
+        return dropped
+
     @torch.inference_mode()
     def step(self) -> list[RowEvent]:
-        """Start a group (its first token each, from the prefill) or speculate one step for it."""
+        """Speculate one step for the running rows, then admit waiting rows (their first token from
+        their prefill); one event per token a row gained."""
         self._keep([r for r, row in enumerate(self.rows) if not row.cancelled])
-        if not self.rows:
-            return self._start_group()
+        events = self._speculate() if self.rows else []
+        return events + self._admit()
+
+    def _speculate(self) -> list[RowEvent]:
         drafts = self._drafts()
         logits = self._verify(drafts)  # (B, K + 1, V)
         argmax = None  # plain greedy rows: one batched argmax
@@ -125,36 +146,21 @@ class SpeculativeEngine:
         self._keep(keep, torch.tensor(last, dtype=torch.long, device=logits.device) if keep else None)
         return events
 
-    # -- a group's start --
+    # -- rows joining --
 
-    def _start_group(self) -> list[RowEvent]:
+    def _admit(self) -> list[RowEvent]:
+        """Prefill the waiting rows there is room for, give each its first token, and add those that
+        go on to the running rows (both parts' real columns packed into new caches)."""
         with self._lock:
-            n = len(self._waiting) if self.max_batch is None else self.max_batch
+            room = len(self._waiting) if self.max_batch is None else self.max_batch - len(self.rows)
             rows = []
-            while self._waiting and len(rows) < n:
+            while self._waiting and len(rows) < room:
                 row = self._waiting.popleft()
                 if not row.cancelled:
                     rows.append(row)
         if not rows:
             return []
-        B, T = len(rows), max(len(row.prompt) for row in rows)
-        n_vocab = self.model.config.n_vocab
-        idx = torch.full((B, T), EOT_ID % n_vocab, dtype=torch.long)  # (B, T)
-        mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
-        for r, row in enumerate(rows):
-            idx[r, T - len(row.prompt):] = torch.tensor(row.prompt)
-            mask[r, T - len(row.prompt):] = 1
-        device = self.model.wpe.weight.device
-        idx, mask = idx.to(device), mask.to(device)
-        padded = bool((mask == 0).any())
-        self._caches, logits = [], None
-        for m in (self.model, self.draft):
-            if m is not None:
-                cache = KVCache.for_model(m, B, T)
-                out = prefill(m, idx, mask if padded else None, cache)  # (B, V)
-                logits = out if logits is None else logits
-                self._caches.append(cache)
-        self.rows, self._mask, self._P = rows, mask, T
+        caches, mask, logits = _prefill_rows([m for m in (self.model, self.draft) if m is not None], rows)
         failed = {}
         tok = next_tokens(logits, [row.sampler for row in rows], failed)  # (B,)
         events, keep = [], []
@@ -166,8 +172,17 @@ class SpeculativeEngine:
             events.append(_emit(row, int(tok[r]), logits[r:r + 1]))
             if row.finish_reason is None:
                 keep.append(r)
-        self._pending = tok
-        self._keep(keep)
+        if keep:
+            sel = torch.tensor(keep, device=mask.device)
+            parts = [(caches, mask)] if not self.rows else [(self._caches, self._mask[:, :self._P]), (caches, mask)]
+            for c in caches:
+                c.select(sel)
+            parts[-1] = (caches, mask[sel])
+            W = max(int(m.sum(-1).max()) for _, m in parts)
+            M = min(self.model.config.n_ctx, W + 1 + ROOM)
+            self._caches, self._mask, self._P = pack_columns(parts, M)
+            self._pending = tok[sel] if not self.rows else torch.cat([self._pending, tok[sel]])
+            self.rows = self.rows + [rows[r] for r in keep]
         return events
 
     # -- drafting and verifying --
@@ -176,32 +191,17 @@ class SpeculativeEngine:
         """Each row's drafts, at most its remaining tokens - 1 (the target adds one of its own)."""
         caps = [row.settings.max_new_tokens - len(row.tokens) - 1 for row in self.rows]
         if self.draft is None:
-            return [lookup_drafts(row.prompt + row.tokens, min(row.settings.prompt_lookup, cap))
+            return [lookup_drafts(row.prompt + row.tokens, min(self.lookup or row.settings.prompt_lookup, cap))
                     for row, cap in zip(self.rows, caps, strict=True)]
+        caps = [max(min(row.settings.draft_tokens, c), 0) for row, c in zip(self.rows, caps, strict=True)]
         self._draft_q = [[] for _ in self.rows]
-        K = max(min(row.settings.draft_tokens, cap) for row, cap in zip(self.rows, caps, strict=True))
-        out = [[] for _ in self.rows]
-        if K <= 0:
-            return out
-        self._room(K + 1)
-        cache, B = self._caches[1], len(self.rows)
-        kernels = kernels_for(self.draft, B, self.pack_weights)
-        tok = self._pending
-        self._mask[:, self._P:self._P + K + 1] = 1
-        for j in range(K + 1):  # the pending token, then each draft (the last is fed for the next step)
-            dl = decode_step(self.draft, tok[:, None], cache, self._mask[:, :self._P + j + 1], kernels)  # (B, V)
-            if j == K:
-                break
-            if all(row.settings.greedy for row in self.rows):
-                tok = dl.argmax(-1)  # (B,)
-            else:
-                tok = torch.stack([_draw_draft(row, dl[r:r + 1], self._draft_q[r]) for r, row in enumerate(self.rows)])
-            for r, t in enumerate(tok.tolist()):
-                out[r].append(t)
-        cap = [max(min(row.settings.draft_tokens, c), 0) for row, c in zip(self.rows, caps, strict=True)]
-        for r in range(B):
-            out[r], self._draft_q[r] = out[r][:cap[r]], self._draft_q[r][:cap[r]]
-        return out
+        if max(caps) > 0:
+            self._room(max(caps) + 1)
+            self._mask[:, self._P:self._P + max(caps) + 1] = 1
+            kernels = kernels_for(self.draft, len(self.rows), self.pack_weights)
+            return _draft_tokens(self.draft, self._caches[1], self._mask[:, :self._P + max(caps) + 1], self._pending,
+                                 self.rows, caps, self._draft_q, kernels)
+        return [[] for _ in self.rows]
 
     def _verify(self, drafts: list[list[int]]) -> torch.Tensor:
         """The target's logits (B, K + 1, V) at [pending token, drafts...] (short rows padded)."""
@@ -227,7 +227,7 @@ class SpeculativeEngine:
         """Make room for n more columns: pack every row's real columns right-aligned when full."""
         if self._P + n > self._caches[0].max_len:
             M = min(self.model.config.n_ctx, int(self._mask[:, :self._P].sum(-1).max()) + n + ROOM)
-            self._caches, self._mask, self._P = pack_columns(self._caches, self._mask[:, :self._P], M)
+            self._caches, self._mask, self._P = pack_columns([(self._caches, self._mask[:, :self._P])], M)
 
     def _keep(self, keep: list[int], pending: torch.Tensor | None = None) -> None:
         """Keep batch rows `keep` (with each one's pending token, when given)."""
@@ -249,25 +249,74 @@ class SpeculativeEngine:
             self._pending = self._pending[sel]
 
 
-def pack_columns(caches: list[KVCache], mask: torch.Tensor, M: int) -> tuple[list[KVCache], torch.Tensor, int]:
-    """New caches of M columns holding each row's real columns (mask (B, P) == 1) right-aligned,
-    zeros before them; returns them, their mask (B, M) and their width W (the longest row)."""
-    real = mask.bool()  # (B, P)
-    lengths = real.sum(-1).tolist()
-    W = max(lengths)
-    out = torch.zeros(mask.shape[0], M, dtype=torch.long, device=mask.device)  # (B, M)
+def pack_columns(parts: list[tuple[list[KVCache], torch.Tensor]], M: int
+                 ) -> tuple[list[KVCache], torch.Tensor, int]:
+    """New caches of M columns holding the rows of every part (its caches, one per model, and its
+    mask (b, P), 1 where real), each row's real columns right-aligned, zeros before them; returns
+    them, their mask (B, M) and their width W (the longest row)."""
+    lengths = [n for _, mask in parts for n in mask.sum(-1).tolist()]
+    W, B = max(lengths), len(lengths)
+    out = torch.zeros(B, M, dtype=torch.long, device=parts[0][1].device)  # (B, M)
+    for r, n in enumerate(lengths):
+        out[r, W - n:W] = 1
     packed = []
-    for old in caches:
-        L, B, _, nh, _, hs = old.kv.shape
-        new = KVCache(L, B, nh, M, hs, device=old.kv.device, dtype=old.kv.dtype)
+    for i, first in enumerate(parts[0][0]):
+        L, _, _, nh, _, hs = first.kv.shape
+        new = KVCache(L, B, nh, M, hs, device=first.kv.device, dtype=first.kv.dtype)
         new.kv.zero_()
-        for r in range(B):
-            new.kv[:, r, :, :, W - lengths[r]:W] = old.kv[:, r, :, :, real[r].nonzero()[:, 0]]
+        b = 0
+        for caches, mask in parts:
+            real = mask.bool()  # (b, P)
+            for r in range(mask.shape[0]):
+                cols = real[r].nonzero()[:, 0]
+                new.kv[:, b, :, :, W - len(cols):W] = caches[i].kv[:, r, :, :, cols]
+                b += 1
         new.length = W
         packed.append(new)
-    for r in range(mask.shape[0]):
-        out[r, W - lengths[r]:W] = 1
     return packed, out, W
+
+
+def _prefill_rows(models: list[GPT2], rows: list[Row]) -> tuple[list[KVCache], torch.Tensor, torch.Tensor]:
+    """Each model's cache of the rows' prompts (left-padded among themselves), their mask (b, T) and
+    the first model's logits (b, V) after them."""
+    B, T = len(rows), max(len(row.prompt) for row in rows)
+    idx = torch.full((B, T), EOT_ID % models[0].config.n_vocab, dtype=torch.long)  # (b, T)
+    mask = torch.zeros(B, T, dtype=torch.long)  # (b, T)
+    for r, row in enumerate(rows):
+        idx[r, T - len(row.prompt):] = torch.tensor(row.prompt)
+        mask[r, T - len(row.prompt):] = 1
+    device = models[0].wpe.weight.device
+    idx, mask = idx.to(device), mask.to(device)
+    padded = bool((mask == 0).any())
+    caches, logits = [], None
+    for m in models:
+        cache = KVCache.for_model(m, B, T)
+        out = prefill(m, idx, mask if padded else None, cache)  # (b, V)
+        logits = out if logits is None else logits
+        caches.append(cache)
+    return caches, mask, logits
+
+
+def _draft_tokens(draft: GPT2, cache: KVCache, mask: torch.Tensor, pending: torch.Tensor, rows: list[Row],
+                  caps: list[int], qs: list[list[torch.Tensor]], kernels) -> list[list[int]]:
+    """K = max(caps) draft tokens per row, one draft step each after the pending tokens (B,) (the
+    last draft is fed too, so the draft's cache columns match the target's); mask (B, P + K + 1).
+    Each row keeps its first caps[r]; sampled rows' distributions go to qs[r]."""
+    K, P, out = max(caps), cache.length, [[] for _ in rows]
+    tok = pending
+    for j in range(K + 1):  # the pending token, then each draft
+        dl = decode_step(draft, tok[:, None], cache, mask[:, :P + j + 1], kernels)  # (B, V)
+        if j == K:
+            break
+        if all(row.settings.greedy for row in rows):
+            tok = dl.argmax(-1)  # (B,)
+        else:
+            tok = torch.stack([_draw_draft(row, dl[r:r + 1], qs[r]) for r, row in enumerate(rows)])
+        for r, t in enumerate(tok.tolist()):
+            out[r].append(t)
+    for r, c in enumerate(caps):
+        out[r], qs[r][:] = out[r][:c], qs[r][:c]
+    return out
 
 
 def _draw_draft(row: Row, logits: torch.Tensor, qs: list[torch.Tensor]) -> torch.Tensor:
