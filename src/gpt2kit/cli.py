@@ -739,7 +739,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         api_key=api_key, chat_template=template,
                         pack_weights=False if args.no_pack_weights else None, shutdown_grace=args.shutdown_grace,
                         read_timeout=args.read_timeout, keep_alive_timeout=args.keep_alive_timeout,
-                        allowed_hosts=hosts)
+                        allowed_hosts=hosts, **cli_decoding.serve_options(args))
     print(f"gpt2kit serve: loading {args.model} as {opts.served_model_name!r} on http://{args.host}:{args.port}"
           f" (/health answers 503 until it is ready)", file=sys.stderr, flush=True)
     serve(args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device, opts=opts,
@@ -775,6 +775,7 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
                    help="a Jinja2 template over `messages`: enables /v1/chat/completions")
     p.add_argument("--no-pack-weights", action="store_true", help="CPU: no prepacked second copy of the weights")
     _add_quantize_arg(p)
+    cli_decoding.add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
 
 

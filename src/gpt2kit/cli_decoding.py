@@ -34,6 +34,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --top-k K > 1: contrastive search over K candidates (0 = off; in [0, 1])")
 
 
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding for every greedy request (responses unchanged)")
+    g.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="draft up to N tokens per step from n-gram matches in the context (0 = off)")
+    g.add_argument("--draft-model", default=None, metavar="M", help="a smaller GPT-2 with the same tokenizer drafts")
+    g.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="tokens the draft model proposes per step")
+
+
+def serve_options(args: argparse.Namespace) -> dict:
+    """ServeOptions' speculative-decoding fields from the serve flags."""
+    return {"draft_model": args.draft_model, "draft_tokens": args.draft_tokens, "prompt_lookup": args.prompt_lookup}
+
+
 def settings(args: argparse.Namespace, base):
     """base (the core flags' SamplingSettings) with the decoding flags' settings."""
     return dataclasses.replace(base, prompt_lookup=args.prompt_lookup, draft_tokens=args.draft_tokens,

@@ -67,6 +67,7 @@ class SpeculativeEngine:
         self._rows_from = Engine(model, tokenizer, max_batch=max_batch, pack_weights=pack_weights)
         self.model, self.draft, self.max_batch, self.pack_weights = model, draft, max_batch, pack_weights
         self.lookup = lookup
+        self.drafted = self.accepted = 0  # totals over every row (a server's acceptance rate)
         self.rows: list[Row] = []
         self._waiting: deque[Row] = deque()
         self._lock = threading.Lock()
@@ -131,6 +132,7 @@ class SpeculativeEngine:
                 continue
             row.drafted += len(drafts[r])
             row.accepted += kept
+            self.drafted, self.accepted = self.drafted + len(drafts[r]), self.accepted + kept
             self._mask[r, self._P + 1 + kept:self._P + logits.shape[1]] = 0  # the drafts it did not keep
             new = list(drafts[r][:kept]) + [nxt]
             for i, t in enumerate(new):

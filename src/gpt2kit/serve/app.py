@@ -55,6 +55,10 @@ class ServeOptions:
     read_timeout: float = 30.0  # for a request's headers, then again for its body
     keep_alive_timeout: float = 5.0  # an idle connection after a response
     allowed_hosts: tuple[str, ...] = ()  # Host names besides the loopback ones; "*": any
+    # Speculative decoding for every eligible (greedy) request (gpt2kit.engine.routing; docs/serving.md)
+    draft_model: str | None = None
+    draft_tokens: int = 4
+    prompt_lookup: int = 0
 
     def __post_init__(self) -> None:
         for name, least in (("shutdown_grace", 0.0), ("read_timeout", 1e-3), ("keep_alive_timeout", 1e-3)):
@@ -63,6 +67,11 @@ class ServeOptions:
                 raise ValueError(f"ServeOptions.{name} must be a finite number of seconds >= {least:g}, "
                                  f"got {value!r}")
         self.allowed_hosts = tuple(self.allowed_hosts)
+        from gpt2kit.sampling import SamplingSettings
+
+        SamplingSettings(draft_tokens=self.draft_tokens, prompt_lookup=self.prompt_lookup)  # their bounds
+        if self.draft_model is not None and self.prompt_lookup:
+            raise ValueError("draft from a draft model or by prompt lookup, not both")
 
 
 # --- the app ----------------------------------------------------------------------------------

@@ -55,12 +55,15 @@ class Server:
         threading.Thread(target=self._load, name="gpt2kit-load", daemon=True).start()
 
     def _load(self) -> None:
-        from gpt2kit.engine import Engine, EngineLoop
+        from gpt2kit.engine import EngineLoop
+        from gpt2kit.engine.routing import serve_engine
 
         try:
             model, tokenizer = self.loader()
             model.eval()
-            engine = Engine(model, tokenizer, max_batch=self.opts.max_batch, pack_weights=self.opts.pack_weights)
+            o = self.opts
+            engine = serve_engine(model, tokenizer, max_batch=o.max_batch, pack_weights=o.pack_weights,
+                                  draft_model=o.draft_model, draft_tokens=o.draft_tokens, prompt_lookup=o.prompt_lookup)
             self.engine_loop = EngineLoop(engine, self._on_events, self._on_error).start()
             self.model, self.tokenizer = model, tokenizer
             self.ready = True

@@ -1,0 +1,82 @@
+"""A server's engine with speculative decoding: the plain engine (gpt2kit.engine.scheduler) and a
+speculative one (gpt2kit.engine.speculative) behind Engine's interface, each row sent to one.
+
+Eligible rows — greedy ones (so every response is exactly what the plain engine gives; sampled
+rows keep their seeded tokens there) whose prompt + max_new_tokens + draft tokens fit in the
+context (the speculative engine keeps the whole sequence) — speculate; the rest run as always.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpt2kit.engine.rows import Row, RowEvent
+    from gpt2kit.engine.scheduler import Engine
+    from gpt2kit.engine.speculative import SpeculativeEngine
+
+
+class RoutedEngine:
+    """Engine's interface over a plain and a speculative engine; k: the draft tokens per step."""
+
+    def __init__(self, plain: Engine, spec: SpeculativeEngine, k: int) -> None:
+        self.plain, self.spec, self.k = plain, spec, k
+        self.n_ctx = plain.model.config.n_ctx
+
+    def eligible(self, row: Row) -> bool:
+        s = row.settings
+        return s.greedy and len(row.prompt) + s.max_new_tokens + self.k <= self.n_ctx
+
+    def new_row(self, *args, **kw) -> Row:
+        return self.plain.new_row(*args, **kw)
+
+    def submit(self, rows: Sequence[Row]) -> None:
+        self.spec.submit([r for r in rows if self.eligible(r)])
+        self.plain.submit([r for r in rows if not self.eligible(r)])
+
+    def cancel(self, row: Row) -> None:
+        row.cancelled = True  # both engines drop a cancelled row at their next step
+
+    @property
+    def has_work(self) -> bool:
+        return self.plain.has_work or self.spec.has_work
+
+    @property
+    def n_running(self) -> int:
+        return self.plain.n_running + self.spec.n_running
+
+    @property
+    def n_waiting(self) -> int:
+        return self.plain.n_waiting + self.spec.n_waiting
+
+    def step(self) -> list[RowEvent]:
+        events = self.plain.step() if self.plain.has_work else []
+        return events + (self.spec.step() if self.spec.has_work else [])
+
+    def reset(self) -> list[Row]:
+        return self.plain.reset() + self.spec.reset()
+
+
+def serve_engine(model, tokenizer, *, max_batch: int | None, pack_weights: bool | None,
+                 draft_model: str | None = None, draft_tokens: int = 4, prompt_lookup: int = 0):
+    """The server's engine: the plain Engine, or with draft_model (a checkpoint name, loaded like the
+    model, refused unless it shares the model's tokenizer) or prompt_lookup a RoutedEngine."""
+    from gpt2kit.engine.scheduler import Engine
+    from gpt2kit.engine.speculative import SpeculativeEngine
+
+    plain = Engine(model, tokenizer, max_batch=max_batch, pack_weights=pack_weights)
+    if draft_model is None and not prompt_lookup:
+        return plain
+    draft = None
+    if draft_model is not None:
+        from gpt2kit.checkpoint import load_model, load_tokenizer
+
+        if tokenizer is not None and not load_tokenizer(draft_model).same_vocabulary(tokenizer):
+            raise ValueError(f"the draft model {draft_model} has another tokenizer than the model: a draft model "
+                             f"must share the target's vocabulary")
+        w = model.wpe.weight
+        draft = load_model(draft_model, dtype=w.dtype, device=w.device)
+    spec = SpeculativeEngine(model, tokenizer, draft=draft, max_batch=max_batch, pack_weights=pack_weights,
+                             lookup=prompt_lookup or None)
+    return RoutedEngine(plain, spec, draft_tokens if draft is not None else prompt_lookup)
