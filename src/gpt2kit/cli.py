@@ -25,7 +25,17 @@ class CLIError(Exception):
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", required=True,
                    help="hub id (gpt2, gpt2-medium, ...), HF directory, or OpenAI TF release directory")
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a LoRA adapter directory (peft's format, e.g. gpt2kit train --lora-rank) merged into the "
+                        "model's weights at load")
     _add_device_args(p)
+
+
+def _load(args: argparse.Namespace):
+    """--model (+ --adapter, merged), then --quantize."""
+    from gpt2kit.checkpoint import load_model
+
+    return _quantize_loaded(load_model(args.model, dtype=args.dtype, device=args.device, adapter=args.adapter), args)
 
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:
@@ -153,7 +163,7 @@ def _register_detokenize(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from gpt2kit.checkpoint import load_model, load_tokenizer
+    from gpt2kit.checkpoint import load_tokenizer
     from gpt2kit.score import score_text
 
     text = _read_text(args.file)
@@ -161,7 +171,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         from gpt2kit.quant import check_scheme
 
         check_scheme(args.quantize)  # before reading the text and loading the model
-    model = _quantize_loaded(load_model(args.model, dtype=args.dtype, device=args.device), args)
+    model = _load(args)
     result = score_text(model, load_tokenizer(args.model), text, stride=args.stride)
     if args.json:
         print(json.dumps(result.to_json()))
@@ -224,6 +234,25 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     print(f"wrote {r['path']} ({scheme}, LM head {'quantized' if args.lm_head else 'float32'}, {args.scale_dtype} "
           f"scales): weights {after / 1e6:.1f} MB, {after / before:.0%} of float32's {before / 1e6:.1f} MB")
     return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from gpt2kit.checkpoint import merge_adapter
+
+    out = merge_adapter(args.base, args.adapter, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"wrote {out}: {args.base} with the adapter {args.adapter} merged into its weights")
+    return 0
+
+
+def _register_merge(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("merge", help="merge a LoRA adapter into its base model: a plain HF model directory")
+    p.add_argument("base", help="the base model: hub id, HF directory or OpenAI TF release directory")
+    p.add_argument("adapter", help="the adapter directory (peft's format: adapter_config.json + "
+                                   "adapter_model.safetensors)")
+    p.add_argument("out", help="output directory (replaced atomically; never the base or the adapter)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--overwrite", action="store_true", help="replace a model already in OUT")
+    p.set_defaults(func=cmd_merge)
 
 
 def _register_quantize(sub: argparse._SubParsersAction) -> None:
@@ -467,7 +496,7 @@ def _generate_and_print(model, tok, texts: list[str], settings, args: argparse.N
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from gpt2kit.checkpoint import load_model, load_tokenizer
+    from gpt2kit.checkpoint import load_tokenizer
 
     settings = _sampling_settings(args)  # bad values fail before the model loads
     if args.prompt is not None and args.prompts_file is not None:
@@ -481,7 +510,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         check_scheme(args.quantize)  # before the model loads
     texts = _read_prompts(args.prompts_file) if args.prompts_file is not None else [args.prompt or ""]
-    model = _quantize_loaded(load_model(args.model, dtype=args.dtype, device=args.device), args)
+    model = _load(args)
     tok = load_tokenizer(args.model)
     if not args.interactive:  # no prompt: unconditional samples from <|endoftext|>
         _generate_and_print(model, tok, texts, settings, args)
@@ -544,7 +573,7 @@ def _register_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from gpt2kit.checkpoint import load_model, load_tokenizer
+    from gpt2kit.checkpoint import load_tokenizer
     from gpt2kit.trace import parse_what, trace
 
     if args.text is not None and args.file is not None:
@@ -561,7 +590,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         from gpt2kit.quant import check_scheme
 
         check_scheme(args.quantize)
-    model = _quantize_loaded(load_model(args.model, dtype=args.dtype, device=args.device), args)
+    model = _load(args)
     tok = load_tokenizer(args.model)
     tr = trace(model, tok, text, top_k=args.top_k, layers=args.layers, what=args.what,
                prepend_eot=args.prepend_eot, patch_from=args.compare, name=str(args.model))
@@ -623,6 +652,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from gpt2kit.quant import check_scheme
 
         check_scheme(args.quantize)  # before the "loading" line
+    if args.adapter is not None:
+        from gpt2kit.checkpoint import read_adapter
+
+        read_adapter(args.adapter)  # a bad adapter fails before the server starts
     template = _read_text(args.chat_template) if args.chat_template is not None else None
     api_key, warnings = resolve_api_key(args.api_key, args.api_key_file)
     for w in warnings:
@@ -637,7 +670,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"gpt2kit serve: loading {args.model} as {opts.served_model_name!r} on http://{args.host}:{args.port}"
           f" (/health answers 503 until it is ready)", file=sys.stderr, flush=True)
     serve(args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device, opts=opts,
-          quantize=args.quantize)
+          quantize=args.quantize, adapter=args.adapter)
     return 0
 
 
@@ -675,7 +708,7 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_tokenize, _register_detokenize, _register_score, _register_convert, _register_info,
     _register_prepare, _register_train, _register_generate, _register_bench, _register_trace, _register_serve,
-    _register_quantize,
+    _register_quantize, _register_merge,
 ]
 
 

@@ -59,9 +59,14 @@ def load_state(name_or_path: str | os.PathLike[str]) -> tuple[GPT2Config, dict[s
 
 
 def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
-               device: torch.device | str | None = None, allow_int8: bool = True) -> GPT2:
+               device: torch.device | str | None = None, allow_int8: bool = True,
+               adapter: str | os.PathLike[str] | None = None) -> GPT2:
     """A GPT2 in eval mode from any published checkpoint (float32 unless dtype is given; "auto": the
     fastest within bfloat16's accuracy on this device, see devices.resolve_dtype).
+
+    adapter: a LoRA adapter directory in peft's format (gpt2kit train --lora-rank, or peft's
+    save_pretrained), merged into the weights (checkpoint/adapter.py); one made for a base of other
+    shapes is refused naming the tensor.
 
     An int8 checkpoint (gpt2kit quantize) loads as the quantized model; with allow_int8=False
     (training) it is refused as load_state refuses it, before any tensor is read. A floating
@@ -72,6 +77,9 @@ def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str
     if kind == "hf" and quantized.read_scheme(path) is not None:
         if not allow_int8:
             _refuse_int8(path)
+        if adapter is not None:
+            raise CheckpointError(f"{path}: an adapter needs the float base, this is an int8 checkpoint; load the "
+                                  "float model with the adapter (then --quantize int8 if wanted)")
         return quantized.load(path, dtype, device)  # int8 weights (gpt2kit quantize)
     config, state, _ = load_state(path)
     with torch.device("meta"):
@@ -80,6 +88,10 @@ def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str
     check_finite({k: v for k, v in cast.items() if v.dtype != state[k].dtype}, dict.fromkeys(cast, path),
                  f" once cast to {str(dtype).removeprefix('torch.')} (out of its range)")
     model.load_state_dict(cast, strict=True, assign=True)
+    if adapter is not None:
+        from gpt2kit.checkpoint.adapter import apply_adapter
+
+        apply_adapter(model, adapter, merge=True)
     return use_decode_layout(model.eval())  # the layout CPU decode kernels read fastest (decode/layout.py)
 
 
