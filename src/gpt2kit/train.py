@@ -52,8 +52,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from gpt2kit import distributed
-from gpt2kit.checkpoint import load_model, resolve_source, save_model
+from gpt2kit import distributed, finetune
+from gpt2kit.checkpoint import load_model, resolve_source
 from gpt2kit.checkpoint.source import HUB_NAMES
 from gpt2kit.config import PRESETS, GPT2Config
 from gpt2kit.data import RandomWindowLoader, ShardLoader, find_shards
@@ -88,7 +88,8 @@ _OPENAI = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # presets that are a
 # Settings a resumed run may change without changing what is computed (max_steps changes the
 # schedule from the resumed step on, which is what extending a run means).
 RESUMABLE_CHANGES = frozenset({"data", "out", "max_steps", "eval_every", "eval_steps", "save_every",
-                               "log_every", "device", "compile", "resume", "stop_at", "batch_size"})
+                               "log_every", "device", "compile", "resume", "stop_at", "batch_size",
+                               "activation_checkpointing"})
 
 
 @dataclass(frozen=True)
@@ -191,10 +192,13 @@ def available_memory(device: torch.device) -> int | None:
         return None
 
 
-def check_memory(config: GPT2Config, device: torch.device, what: str) -> None:
-    """Refuse, in one line naming the size, a model whose training state cannot fit before building it."""
+def check_memory(config: GPT2Config, device: torch.device, what: str,
+                 per_parameter: int = TRAIN_BYTES_PER_PARAMETER) -> None:
+    """Refuse, in one line naming the size, a model whose training state cannot fit before building it
+    (per_parameter: bytes of training state per parameter; 4 when only the frozen weights count)."""
     n = parameter_count(config)
-    needs = [(device, n * TRAIN_BYTES_PER_PARAMETER, "float32 weights, gradients and AdamW state")]
+    parts = "float32 weights, gradients and AdamW state" if per_parameter > 4 else "frozen float32 weights"
+    needs = [(device, n * per_parameter, parts)]
     if device.type != "cpu":  # the model is built on the CPU first, then moved
         needs.append((torch.device("cpu"), n * 4, "float32 weights, built on the CPU before the move"))
     for dev, need, parts in needs:
@@ -226,7 +230,8 @@ def _build_model(cfg: TrainConfig, log: Callable[[str], None], device: torch.dev
         # Embedding rows padded to a multiple of 64 (50,257 -> 50,304, as llm.c): the fused loss's head
         # products run over all rows (a faster GEMM shape); the padded columns are masked, never predicted.
         config = config.replace(n_vocab_padded=config.n_vocab_padded or -(-config.n_vocab // 64) * 64)
-        check_memory(config, device, f"preset {cfg.model!r}" + "".join(f" {k}={v}" for k, v in overrides.items()))
+        check_memory(config, device, f"preset {cfg.model!r}" + "".join(f" {k}={v}" for k, v in overrides.items()),
+                     finetune.bytes_per_parameter(cfg))
         model = GPT2(config)
         hint = f" (to fine-tune OpenAI's weights: --model openai-community/{cfg.model})" if cfg.model in _OPENAI else ""
         log(f"from scratch: preset {cfg.model!r}, {model.num_parameters() / 1e6:.1f}M parameters{hint}")
@@ -387,7 +392,7 @@ def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    if ckpt is None:
+    if ckpt is None or cfg.lora_rank is not None:  # LoRA: the base is rebuilt, checkpoint.pt holds the adapter
         raw = _build_model(cfg, log, d.device)
     else:
         model_config = GPT2Config(**ckpt["model_config"])
@@ -397,6 +402,11 @@ def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
     cfg, accum = _resolve(cfg, raw, d.world_size)
     raw.to(d.device)
     _make_contiguous(raw)
+    what = finetune.prepare(raw, cfg)  # LoRA, frozen parameters, activation checkpointing
+    if what is not None:
+        log(what)
+    if ckpt is not None and cfg.lora_rank is not None:
+        finetune.load_checkpoint_state(raw, cfg, ckpt["model"])
     torch.manual_seed(cfg.seed + d.rank)  # ranks draw different dropout masks
     if d.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # as nanoGPT/llm.c: TF32 matmuls for float32 on GPUs
@@ -504,7 +514,7 @@ def _loop(run: _Run, *, fresh: bool) -> TrainResult:
         if metrics is not None:
             metrics.close()
     if run.step >= end and tokens == 0:  # nothing to do (e.g. resumed at max_steps)
-        if not (run.out / "config.json").exists():  # the previous invocation died before exporting
+        if not finetune.output_written(run.out, cfg):  # the previous invocation died before exporting
             _save(run, metrics, model_too=True)
         reporter.line(f"nothing to do: {run.out} is already at step {run.step} (--max-steps {cfg.max_steps}"
                       + (f", --stop-at {cfg.stop_at}" if cfg.stop_at is not None else "")
@@ -603,7 +613,7 @@ def _save(run: _Run, metrics: Metrics | None, *, model_too: bool) -> None:
             "step": run.step,
             "config": run.cfg.to_dict(),
             "model_config": dataclasses.asdict(run.raw.config),
-            "model": run.raw.state_dict(),
+            "model": finetune.checkpoint_state(run.raw, run.cfg),
             "optimizer": run.optimizer.state_dict(),
             "rng": rngs,
             "loader": run.train_loader.state_dict(),
@@ -612,7 +622,7 @@ def _save(run: _Run, metrics: Metrics | None, *, model_too: bool) -> None:
         write_checkpoint(run.out / CHECKPOINT_NAME, state)
         if model_too:
             try:
-                save_model(run.raw, run.out)
+                finetune.save_output(run.raw, run.cfg, run.out)
             except (OSError, RuntimeError) as e:
                 if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or no_space(run.out):
                     raise OSError(errno.ENOSPC, f"no space left on {run.out} while saving the model; "
