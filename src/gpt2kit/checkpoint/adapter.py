@@ -198,27 +198,3 @@ def apply_adapter(model: nn.Module, directory: str | os.PathLike[str], *, merge:
             # else: a block the adapter leaves alone (layers_to_transform); its lora_B is zero
     return merge_lora(model) if merge else model.eval()
 
-
-def merge_adapter(base: str | os.PathLike[str], adapter: str | os.PathLike[str], dst: str | os.PathLike[str], *,
-                  dtype: str | None = None, overwrite: bool = False) -> Path:
-    """`gpt2kit merge`: write base + adapter, merged, as a plain HF model directory (atomically).
-
-    Refused before anything is loaded: dst holding a model unless overwrite, and dst being the base
-    or the adapter directory (whose files would be replaced)."""
-    from gpt2kit._io import same_path
-    from gpt2kit.checkpoint.api import load_model, load_tokenizer, save_model
-    from gpt2kit.checkpoint.info import holds_model
-    from gpt2kit.checkpoint.source import resolve_source
-
-    out = Path(dst).expanduser()
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"{dst}: exists and is not a directory")
-    if holds_model(out) and not overwrite:
-        raise FileExistsError(f"{dst} already holds a model; pass --overwrite (overwrite=True) to replace it")
-    read_adapter(adapter)  # a bad adapter fails before the base loads
-    _, src = resolve_source(base)
-    for what, path in (("base model", src), ("adapter", Path(adapter).expanduser())):
-        if same_path(path, out):
-            raise ValueError(f"{dst} is the {what}; write the merged model to another directory")
-    model = load_model(src, dtype=dtype, adapter=adapter, allow_int8=False)
-    return save_model(model, out, tokenizer=load_tokenizer(src))

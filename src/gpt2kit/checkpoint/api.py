@@ -32,7 +32,7 @@ from gpt2kit.quant import is_quantized
 from gpt2kit.tokenizer import Tokenizer
 
 __all__ = ["HUB_NAMES", "describe", "holds_model", "load_model", "load_state", "load_tokenizer",
-           "quantize_checkpoint", "read_checked_header", "resolve_source", "save_model"]
+           "merge_adapter", "quantize_checkpoint", "read_checked_header", "resolve_source", "save_model"]
 
 
 def _refuse_int8(path: Path) -> None:
@@ -141,6 +141,29 @@ def quantize_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str]
     quantize_model(model, scheme, lm_head=lm_head, scale_dtype=scale_dtype)
     written = save_model(model, out, tokenizer=load_tokenizer(path))
     return {"path": written, "float_bytes": float_bytes, "int8_bytes": weight_bytes(model)}
+
+
+def merge_adapter(base: str | os.PathLike[str], adapter: str | os.PathLike[str], dst: str | os.PathLike[str], *,
+                  dtype: str | None = None, overwrite: bool = False) -> Path:
+    """`gpt2kit merge`: write base + adapter, merged, as a plain HF model directory (atomically).
+
+    Refused before anything is loaded: dst holding a model unless overwrite, and dst being the base
+    or the adapter directory (whose files would be replaced)."""
+    from gpt2kit._io import same_path
+    from gpt2kit.checkpoint.adapter import read_adapter
+
+    out = Path(dst).expanduser()
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{dst}: exists and is not a directory")
+    if holds_model(out) and not overwrite:
+        raise FileExistsError(f"{dst} already holds a model; pass --overwrite (overwrite=True) to replace it")
+    read_adapter(adapter)  # a bad adapter fails before the base loads
+    _, src = resolve_source(base)
+    for what, path in (("base model", src), ("adapter", Path(adapter).expanduser())):
+        if same_path(path, out):
+            raise ValueError(f"{dst} is the {what}; write the merged model to another directory")
+    model = load_model(src, dtype=dtype, adapter=adapter, allow_int8=False)
+    return save_model(model, out, tokenizer=load_tokenizer(src))
 
 
 def _refuse_same(src: Path, out: Path, dst: str | os.PathLike[str]) -> None:
