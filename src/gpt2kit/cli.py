@@ -316,12 +316,21 @@ def _one_line_warnings(command: str) -> Iterator[None]:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    from gpt2kit.completions import is_prompt_completion, prepare_completions
     from gpt2kit.data import prepare
 
+    pairs = [is_prompt_completion(i) for i in args.inputs]
+    if any(pairs) and not all(pairs):
+        raise CLIError("prompt/completion .jsonl files cannot be mixed with text inputs in one prepare")
     with _one_line_warnings("prepare"):
-        s = prepare(args.inputs, args.out, val_fraction=args.val_fraction, glob=args.glob,
-                    workers=args.workers, shard_size=args.shard_size, progress=sys.stderr.isatty(),
-                    overwrite=args.overwrite, shuffle_seed=None if args.no_shuffle else args.shuffle_seed)
+        if all(pairs):  # {"prompt", "completion"} lines: shards + loss masks (docs/training.md)
+            s = prepare_completions(args.inputs, args.out, val_fraction=args.val_fraction,
+                                    shard_size=args.shard_size, overwrite=args.overwrite,
+                                    shuffle_seed=None if args.no_shuffle else args.shuffle_seed)
+        else:
+            s = prepare(args.inputs, args.out, val_fraction=args.val_fraction, glob=args.glob,
+                        workers=args.workers, shard_size=args.shard_size, progress=sys.stderr.isatty(),
+                        overwrite=args.overwrite, shuffle_seed=None if args.no_shuffle else args.shuffle_seed)
     print(f"{s.documents:,} documents: {s.train_tokens:,} train tokens in {len(s.train_shards)} shard(s), "
           f"{s.val_tokens:,} val tokens ({s.val_documents:,} documents) in {len(s.val_shards)} shard(s), "
           f"in {s.out_dir}")
@@ -331,7 +340,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def _register_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prepare", help="tokenize text / .jsonl into llm.c-format token shards for training")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="text files, directories (searched recursively for --glob) or .jsonl files (a \"text\" field)")
+                   help="text files, directories (searched recursively for --glob) or .jsonl files (a \"text\" field, "
+                        "or \"prompt\" + \"completion\": the loss on completions only)")
     p.add_argument("--out", "-o", required=True, help="output directory for train_*.bin / val_*.bin")
     p.add_argument("--val-fraction", type=float, default=0.0005,
                    help="fraction of documents kept for validation (default 0.0005; at least one document)")

@@ -55,6 +55,7 @@ from torch import nn
 from gpt2kit import distributed, finetune
 from gpt2kit.checkpoint import load_model, resolve_source
 from gpt2kit.checkpoint.source import HUB_NAMES
+from gpt2kit.completions import with_masks
 from gpt2kit.config import PRESETS, GPT2Config
 from gpt2kit.data import RandomWindowLoader, ShardLoader, find_shards
 from gpt2kit.distributed import Dist
@@ -428,6 +429,7 @@ def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
     else:
         train_loader = ShardLoader(cfg.data, "train", batch_size=B, seq_len=T, rank=d.rank, world_size=W)
     val_loader, eval_batches = _val_loader(cfg, d)
+    train_loader, val_loader = with_masks(train_loader), with_masks(val_loader)  # prompt/completion loss masks
     for loader in (train_loader, val_loader):
         if loader is not None:
             loader.check_vocab(raw.config.n_vocab)
