@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gpt2kit import distributed, finetune
+from gpt2kit import distributed, finetune, fsdp
 from gpt2kit.checkpoint import load_model, resolve_source
 from gpt2kit.checkpoint.source import HUB_NAMES
 from gpt2kit.completions import with_masks
@@ -325,7 +325,7 @@ def _resolve(cfg: TrainConfig, model: GPT2, world_size: int) -> tuple[TrainConfi
         min_lr=cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr,
         warmup_steps=cfg.max_steps // 20 if cfg.warmup_steps is None else cfg.warmup_steps,
         dropout=model.config.dropout,
-        optimizer=cfg.optimizer or _default_optimizer(),
+        optimizer=cfg.optimizer or ("adamw" if cfg.fsdp else _default_optimizer()),
     )
     return cfg, total // unit
 
@@ -389,11 +389,14 @@ def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
         raise FileExistsError(f"{out / CHECKPOINT_NAME} exists: pass --resume to continue that run, "
                               f"or choose another --out (or delete it) to start a new one")
     find_shards(cfg.data, "train")  # fail early, with the data module's message, if there are none
+    if cfg.fsdp:
+        fsdp.check(cfg, d)
 
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    if ckpt is None or cfg.lora_rank is not None:  # LoRA: the base is rebuilt, checkpoint.pt holds the adapter
+    if ckpt is None or cfg.lora_rank is not None or cfg.fsdp:  # rebuilt; checkpoint.pt holds the adapter / the
+        # sharded checkpoint's name
         raw = _build_model(cfg, log, d.device)
     else:
         model_config = GPT2Config(**ckpt["model_config"])
@@ -413,12 +416,14 @@ def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
         torch.backends.cuda.matmul.allow_tf32 = True  # as nanoGPT/llm.c: TF32 matmuls for float32 on GPUs
         torch.backends.cudnn.allow_tf32 = True
 
-    optimizer = _make_optimizer(raw, cfg)
     # What runs forward: the model with the fused chunked loss (no (B, T, V) logits; gpt2kit.loss).
     loss_model = TrainingLoss(raw)
+    if cfg.fsdp:
+        fsdp.shard(loss_model)  # before the optimizer: it takes the sharded parameters
+    optimizer = _make_optimizer(raw, cfg)
     fwd: nn.Module = torch.compile(loss_model) if cfg.compile else loss_model
     model = fwd
-    if d.enabled:
+    if d.enabled and not cfg.fsdp:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(fwd, device_ids=[d.device.index] if d.device.type == "cuda" else None)
@@ -436,8 +441,11 @@ def _train(cfg: TrainConfig, d: Dist) -> TrainResult:
     run = _Run(cfg, d, raw, model, fwd, optimizer, train_loader, val_loader, eval_batches, accum,
                _autocast(cfg, d.device), out)
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
-        _match_param_layout(optimizer)
+        if cfg.fsdp:
+            fsdp.load_sharded(loss_model, optimizer, out, ckpt["sharded"])
+        else:
+            optimizer.load_state_dict(ckpt["optimizer"])
+            _match_param_layout(optimizer)
         train_loader.load_state_dict(ckpt["loader"])
         run.step = int(ckpt["step"])
         if cfg.max_steps < run.step:
@@ -561,7 +569,7 @@ def _train_step(run: _Run, stop_requested: Callable[[], bool]) -> tuple[float, f
     loss_sum = torch.zeros((), device=d.device)
     for i, (x, y) in enumerate(_batches(run)):
         # Gradients are averaged across ranks on the last micro-step only.
-        sync = i == run.accum - 1 or not d.enabled
+        sync = i == run.accum - 1 or not d.enabled or cfg.fsdp  # FSDP reduce-scatters every micro-step
         with contextlib.nullcontext() if sync else model.no_sync():
             with run.autocast():
                 loss = model(x, y) / run.accum
@@ -572,6 +580,7 @@ def _train_step(run: _Run, stop_requested: Callable[[], bool]) -> tuple[float, f
     stats = d.sum(torch.stack([loss_sum, torch.tensor(float(stop_requested()), device=d.device)]))
     clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf  # inf: the norm, with no clipping (x1.0)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.raw.parameters(), clip)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a DTensor
     factor = lr_factor(run.step, schedule=cfg.schedule, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
                        min_lr_ratio=cfg.min_lr / cfg.lr)
     run.optimizer.set_lr_factor(factor)  # every group's own peak rate (lr, muon_lr) times the schedule
@@ -609,22 +618,27 @@ def _evaluate(run: _Run, metrics: Metrics | None, reporter: Reporter) -> float:
 def _save(run: _Run, metrics: Metrics | None, *, model_too: bool) -> None:
     """checkpoint.pt (all ranks gather their RNG states, rank 0 writes) and, if model_too, the HF model."""
     rngs = run.dist.gather(rng_state(run.dist.device))
+    sharded = fsdp.save_sharded(run.model, run.optimizer, run.out, run.step) if run.cfg.fsdp else None
+    result = fsdp.full_model(run.model, run.raw) if run.cfg.fsdp and model_too else run.raw  # collectives
     if run.dist.master:
         state = {
             "format": CHECKPOINT_FORMAT,
             "step": run.step,
             "config": run.cfg.to_dict(),
             "model_config": dataclasses.asdict(run.raw.config),
-            "model": finetune.checkpoint_state(run.raw, run.cfg),
-            "optimizer": run.optimizer.state_dict(),
+            "model": {} if sharded else finetune.checkpoint_state(run.raw, run.cfg),
+            "optimizer": {} if sharded else run.optimizer.state_dict(),
+            "sharded": sharded,  # the torch.distributed.checkpoint directory holding both (--fsdp)
             "rng": rngs,
             "loader": run.train_loader.state_dict(),
             "world_size": run.dist.world_size,
         }
         write_checkpoint(run.out / CHECKPOINT_NAME, state)
+        if sharded:
+            fsdp.remove_older(run.out, keep=sharded)
         if model_too:
             try:
-                finetune.save_output(run.raw, run.cfg, run.out)
+                finetune.save_output(result, run.cfg, run.out)
             except (OSError, RuntimeError) as e:
                 if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or no_space(run.out):
                     raise OSError(errno.ENOSPC, f"no space left on {run.out} while saving the model; "

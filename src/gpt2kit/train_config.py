@@ -94,6 +94,8 @@ class TrainConfig:
                                         "'h.[0-9].*'", default_text="none")
     train_only: str | None = _setting(None, "comma list of parameter-name globs: train these, freeze the rest, "
                                             "e.g. 'h.1[01].*,ln_f.*'", default_text="all")
+    fsdp: bool = _setting(False, "shard parameters, gradients and AdamW state across the torchrun processes "
+                                 "(FSDP2; AdamW only; checkpoints sharded with torch.distributed.checkpoint)")
     stop_at: int | None = _setting(None, "end this invocation after this step, saving a checkpoint (the "
                                          "schedule still runs to --max-steps; continue with --resume)",
                                    default_text="none")
