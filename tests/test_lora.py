@@ -160,3 +160,32 @@ def test_an_adapter_for_another_base_names_the_tensor(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "lora_A.weight has shape (2, 48)" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_adapter_flag_on_score_and_generate(tmp_path, capsys):
+    from gpt2kit.cli import main
+    from gpt2kit.generate import SamplingSettings, generate
+    from gpt2kit.score import score_text
+
+    base = tmp_path / "base"
+    save_model(random_model(GPT2Config(n_vocab=50257, n_ctx=64, n_embd=32, n_head=4, n_layer=2), seed=4), base)
+    model = apply_lora(load_model(base), 4, 8, targets=ALL)
+    _randomise_adapter(model, seed=2)
+    save_adapter(model, tmp_path / "adapter")
+    (tmp_path / "t.txt").write_text("the river runs to the sea", encoding="utf-8")
+    assert main(["score", str(tmp_path / "t.txt"), "--model", str(base), "--adapter", str(tmp_path / "adapter"),
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["nll"]
+    from gpt2kit.checkpoint import load_tokenizer
+
+    tok = load_tokenizer(base)
+    adapted = load_model(base, adapter=tmp_path / "adapter")
+    assert abs(got - score_text(adapted, tok, "the river runs to the sea").nll) < 1e-6
+    assert abs(got - score_text(load_model(base), tok, "the river runs to the sea").nll) > 1e-3
+    assert main(["generate", "the river", "--model", str(base), "--adapter", str(tmp_path / "adapter"), "--greedy",
+                 "-n", "8", "--json"]) == 0
+    ids = json.loads(capsys.readouterr().out.splitlines()[0])["tokens"]
+    want = generate(adapted, ["the river"], SamplingSettings(max_new_tokens=8, temperature=0.0), tokenizer=tok)
+    plain = generate(load_model(base), ["the river"], SamplingSettings(max_new_tokens=8, temperature=0.0),
+                     tokenizer=tok)
+    assert ids == want[0].tokens and ids != plain[0].tokens
