@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import TINY, random_hf_model, random_model
 
-from gpt2kit.checkpoint import CheckpointError, load_model, read_adapter, save_adapter, save_model
+from gpt2kit.checkpoint import CheckpointError, apply_adapter, load_model, read_adapter, save_adapter, save_model
 from gpt2kit.config import GPT2Config
 from gpt2kit.lora import LoRALinear, apply_lora, lora_state, merge_lora, parse_targets
 
@@ -98,7 +98,11 @@ def test_a_peft_adapter_loads_in_gpt2kit_with_the_same_logits(tmp_path):
     with torch.no_grad():
         theirs = pm(ids).logits
         ours = load_model(base, adapter=tmp_path / "peft_adapter")(ids).logits
+        unmerged = apply_adapter(load_model(base), tmp_path / "peft_adapter", merge=False)
+        assert any(isinstance(m, LoRALinear) for m in unmerged.modules())
+        swapped = unmerged(ids).logits
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(swapped, theirs, atol=1e-4, rtol=0)
     ad = read_adapter(tmp_path / "peft_adapter")
     assert ad.tensors["h.1.attn.c_attn"][0].shape[0] == 2 and "h.0.mlp.c_proj" in ad.tensors
 
@@ -189,3 +193,21 @@ def test_adapter_flag_on_score_and_generate(tmp_path, capsys):
     plain = generate(load_model(base), ["the river"], SamplingSettings(max_new_tokens=8, temperature=0.0),
                      tokenizer=tok)
     assert ids == want[0].tokens and ids != plain[0].tokens
+
+
+def test_merge_never_writes_over_its_inputs_and_serve_checks_the_adapter_first(tmp_path, capsys):
+    from gpt2kit.cli import main
+
+    base = _base(tmp_path)
+    model = apply_lora(load_model(base), 2, targets="c_attn")
+    save_adapter(model, tmp_path / "adapter")
+    before = (base / "model.safetensors").read_bytes()
+    assert main(["merge", str(base), str(tmp_path / "adapter"), str(base), "--overwrite"]) == 1
+    assert "is the base model; write the merged model to another directory" in capsys.readouterr().err
+    assert (base / "model.safetensors").read_bytes() == before
+    assert main(["merge", str(base), str(tmp_path / "adapter"), str(tmp_path / "adapter")]) == 1
+    assert "is the adapter" in capsys.readouterr().err
+    pytest.importorskip("fastapi")
+    assert main(["serve", "--model", str(base), "--adapter", str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no adapter_config.json: not a LoRA adapter directory" in err

@@ -169,7 +169,7 @@ def apply_adapter(model: nn.Module, directory: str | os.PathLike[str], *, merge:
     not fit the model raises CheckpointError naming it."""
     import torch
 
-    from gpt2kit.lora import apply_lora, lora_modules, merge_lora
+    from gpt2kit.lora import apply_lora, lora_modules
 
     ad = read_adapter(directory)
     n_layer = len(model.h)
@@ -184,6 +184,13 @@ def apply_adapter(model: nn.Module, directory: str | os.PathLike[str], *, merge:
                 raise CheckpointError(f"{ad.path / ADAPTER_WEIGHTS}: {_peft_key(module, part)} has shape "
                                       f"{tuple(t.shape)}, the model's {module} ({out_f} x {in_f}) needs {want}: "
                                       f"the adapter was made for another base")
+    if merge:  # W + scaling * B A in float32 from the stored tensors, then the model's dtype
+        with torch.no_grad():
+            for module, (a, b) in ad.tensors.items():
+                w = model.get_submodule(module).weight
+                delta = ad.scalings[module] * (b.float() @ a.float())
+                w.copy_((w.float() + delta.to(w.device)).to(w.dtype))
+        return model
     targets = sorted({m.split(".", 2)[2] for m in ad.tensors}, key=TARGETS.index)
     missing = [f"h.{i}.{t}" for i in range(n_layer) for t in targets if f"h.{i}.{t}" not in ad.tensors]
     ranks = {m: a.shape[0] for m, (a, _) in ad.tensors.items()}
@@ -196,5 +203,4 @@ def apply_adapter(model: nn.Module, directory: str | os.PathLike[str], *, merge:
                 m.lora_A.copy_(a)
                 m.lora_B.copy_(b)
             # else: a block the adapter leaves alone (layers_to_transform); its lora_B is zero
-    return merge_lora(model) if merge else model.eval()
-
+    return model.eval()
