@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 
 import pytest
 from helpers import random_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+# measured kernel choices go to a store of the session's own, never the user's (decode/kernel_choice.py)
+os.environ.setdefault("GPT2KIT_KERNEL_STORE", tempfile.mkdtemp(prefix="gpt2kit-test-kernel-store-"))
 warnings.filterwarnings("ignore", message=".*bos_token_id.*")
 
 

@@ -55,22 +55,22 @@ def _w_times_xt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
-def choose_half_kernels(weight: torch.Tensor, trials: int = kernel_choice.ROUNDS) -> None:
+def choose_half_kernels(weight: torch.Tensor, trials: int = kernel_choice.ROUNDS, remeasure: bool = False) -> None:
     """Decide F.linear against W @ x^T on `weight` (a model's largest block matrix, bf16/fp16, CPU)
     for 1 and 8 rows, once per dtype per process: the choice stored for this machine, else `trials`
     interleaved rounds decided by kernel_choice.decide against the default ("mv"); a measured choice
-    is stored (decode/kernel_choice.py)."""
+    is stored (decode/kernel_choice.py). `remeasure`: measure again, stored or not."""
     if weight.device.type != "cpu" or weight.dtype == torch.float32 or not weight.is_contiguous():
         return
     store = kernel_choice.Store()
     for single in (True, False):
         key = (weight.dtype, single)
-        if key in _HALF_CHOICE:
+        if key in _HALF_CHOICE and not remeasure:
             continue
         rows = 1 if single else 8
         bucket = (f"half {str(weight.dtype).removeprefix('torch.')} {'1 row' if single else f'2-{FEW_ROWS} rows'} "
                   f"{weight.shape[0]}x{weight.shape[1]} threads={torch.get_num_threads()}")
-        choice = store.get(bucket)
+        choice = None if remeasure else store.get(bucket)
         if choice is None or choice.kernel not in HALF_KERNELS:
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
             bias = torch.zeros(weight.shape[0], dtype=weight.dtype)
