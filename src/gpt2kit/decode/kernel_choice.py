@@ -41,8 +41,9 @@ from pathlib import Path
 
 import torch
 
+import gpt2kit.decode.kernel_cache as kernel_cache
+import gpt2kit.decode.native as native
 from gpt2kit.bench.machine import cpu_flags, cpu_info, cpu_ticks
-from gpt2kit.decode import kernel_cache, native
 
 STORE_ENV = "GPT2KIT_KERNEL_STORE"
 TIMINGS_ENV = "GPT2KIT_KERNEL_TIMINGS"

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpt2kit.decode import kernel_choice
+import gpt2kit.decode.kernel_choice as kernel_choice
 
 FEW_ROWS = 16  # up to this many rows a decode product is weight streaming, not compute
 
