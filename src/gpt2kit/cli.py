@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -44,6 +45,24 @@ def _warn(message: str) -> None:
 def _add_quantize_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=None, metavar="SCHEME",
                    help="quantize the weights at load time: int8 (weight-only; see docs/quantization.md)")
+    p.add_argument("--int8-kernel", default=None, metavar="KERNEL",
+                   help="run int8 products with this kernel instead of the measured choice (as GPT2KIT_INT8_KERNEL): "
+                        "native-avx2, i8pack-bf16, i8pack, dequant")
+
+
+def _check_quantize(args: argparse.Namespace) -> None:
+    """--quantize's scheme and the int8 kernel asked for (--int8-kernel or GPT2KIT_INT8_KERNEL), before
+    anything loads: an unknown or unavailable kernel is one line naming it and the choices."""
+    if args.quantize is not None:
+        from gpt2kit.quant import check_scheme
+
+        check_scheme(args.quantize)
+    flag, env = getattr(args, "int8_kernel", None), os.environ.get("GPT2KIT_INT8_KERNEL")
+    if flag or env:
+        from gpt2kit.decode.int8 import ENV, check_kernel
+
+        device = args.device if str(getattr(args, "device", None) or "").startswith("cuda") else "cpu"
+        os.environ[ENV] = check_kernel(flag or env, device, "--int8-kernel " if flag else None)
 
 
 def _quantize_loaded(model, args: argparse.Namespace):
@@ -169,10 +188,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     from gpt2kit.score import score_text
 
     text = _read_text(args.file)
-    if args.quantize is not None:
-        from gpt2kit.quant import check_scheme
-
-        check_scheme(args.quantize)  # before reading the text and loading the model
+    _check_quantize(args)  # before the model loads
     model, tok = _load_for(args)
     args.status.show(f"scoring {len(text):,} characters")
     result = score_text(model, tok, text, stride=args.stride)
@@ -513,10 +529,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError("--interactive reads its prompts from stdin; drop PROMPT / --prompts-file")
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.quantize is not None:
-        from gpt2kit.quant import check_scheme
-
-        check_scheme(args.quantize)  # before the model loads
+    _check_quantize(args)  # before the model loads
     texts = _read_prompts(args.prompts_file) if args.prompts_file is not None else [args.prompt or ""]
     model, tok = _load_for(args)
     if not args.interactive:  # no prompt: unconditional samples from <|endoftext|>
@@ -624,10 +637,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise CLIError(f"unknown --patch {args.patch!r}; choose from {', '.join(MODES)}")
     if args.compare is not None and args.pairs is not None:
         raise CLIError("give --compare TEXT or --pairs FILE, not both")
-    if args.quantize is not None:
-        from gpt2kit.quant import check_scheme
-
-        check_scheme(args.quantize)
+    _check_quantize(args)  # before the model loads
     from gpt2kit.trace.intervene import parse_ablate, parse_replace, parse_steer
 
     interventions = ([parse_ablate(s) for s in args.ablate] + [parse_steer(s) for s in args.steer]
@@ -715,10 +725,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise CLIError(f"{flag} must be >= {1 if flag == '--max-batch' else 0}, got {value}")
     if args.max_tokens_per_request is not None and args.max_tokens_per_request < 1:
         raise CLIError(f"--max-tokens-per-request must be >= 1, got {args.max_tokens_per_request}")
-    if args.quantize is not None:
-        from gpt2kit.quant import check_scheme
-
-        check_scheme(args.quantize)  # before the "loading" line
+    _check_quantize(args)  # before the model loads
     template = _read_text(args.chat_template) if args.chat_template is not None else None
     api_key, warnings = resolve_api_key(args.api_key, args.api_key_file)
     for w in warnings:
