@@ -29,8 +29,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from gpt2kit.bench.core import time_alternating
 from gpt2kit.bench.machine import describe_cpu
+from gpt2kit.bench.timing import time_alternating
 from gpt2kit.decode import native
 
 SHAPES = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12  # c_attn, c_proj, c_fc, mlp.c_proj

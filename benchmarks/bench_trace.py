@@ -9,6 +9,10 @@ The CPU column is the process's CPU seconds for trace+html (time.process_time): 
 with other jobs, CPU seconds / threads is what the wall time would be if the threads had the cores
 to themselves (an estimate, not a measurement of an idle machine).
 
+The second table splits the HTML step into its parts (one round, on a fresh trace each, so no
+view is cached): next-token stats, the logit lens, direct logit attribution, the attention maps and
+head scores, the walk-through, and the rest (norms, rounding, JSON, the page).
+
     python benchmarks/bench_trace.py                 # T = 64 and 128, 3 rounds, 2 threads
 """
 
@@ -23,6 +27,7 @@ import torch
 from gpt2kit.bench.machine import describe_cpu
 from gpt2kit.model import GPT2
 from gpt2kit.tokenizer import Tokenizer
+from gpt2kit.trace import report as trace_report
 from gpt2kit.trace import trace
 
 
@@ -32,6 +37,22 @@ def _load() -> str:
             return f.read().split()[0]
     except OSError:
         return "?"
+
+
+def breakdown(model, tok, ids) -> dict[str, float]:
+    """Seconds for each part of to_html() on a fresh trace."""
+    tr = trace(model, tok, ids)
+    parts: dict[str, float] = {}
+    for name, fn in (("stats", tr.next_token_stats), ("lens", tr.logit_lens),
+                     ("attribution", tr.direct_logit_attribution), ("attention", tr.attention_summary),
+                     ("walk", lambda: trace_report.walkthrough(tr, len(ids) - 1))):
+        t0 = time.perf_counter()
+        fn()
+        parts[name] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tr.to_html()  # the views above are cached now: what is left is the page itself
+    parts["rest"] = time.perf_counter() - t0
+    return parts
 
 
 def main() -> None:
@@ -64,15 +85,20 @@ def main() -> None:
             times["trace"].append(t2 - t1)
             times["trace+html"].append(t3 - t2)
         med = {k: statistics.median(v) for k, v in times.items()}
-        rows.append((T, med, size))
+        rows.append((T, med, size, breakdown(model, tok, ids)))
     print(f"machine: {describe_cpu()}; torch {torch.__version__}, {args.threads} threads; gpt2 (124M), float32")
     print(f"load average before/after: {load0} / {_load()}")
     print(f"{'T':>5} {'forward s':>10} {'trace s':>9} {'trace+html s':>13} {'x forward':>10} "
           f"{'CPU s':>7} {'CPU s/threads':>14} {'HTML MB':>8}")
-    for T, med, size in rows:
+    for T, med, size, _ in rows:
         print(f"{T:>5} {med['forward']:>10.2f} {med['trace']:>9.2f} {med['trace+html']:>13.2f} "
               f"{med['trace+html'] / med['forward']:>10.1f} {med['cpu']:>7.2f} {med['cpu'] / args.threads:>14.2f} "
               f"{size / 2**20:>8.2f}")
+    names = list(rows[0][3])
+    print("\nwhere the HTML step's time goes (s, one round):")
+    print(f"{'T':>5} " + " ".join(f"{n:>11}" for n in names))
+    for T, _, _, parts in rows:
+        print(f"{T:>5} " + " ".join(f"{parts[n]:>11.2f}" for n in names))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from gpt2kit.config import GPT2Config
-from gpt2kit.data import RandomWindowLoader, ShardLoader, find_shards, read_shard
+from gpt2kit.data.loaders import RandomWindowLoader, ShardLoader
+from gpt2kit.data.shard import find_shards, read_shard
 from gpt2kit.loss import TrainingLoss
 from gpt2kit.model import GPT2
 from gpt2kit.optim import ADAM_BETAS, ADAM_EPS, lr_factor, make_optimizer, param_groups

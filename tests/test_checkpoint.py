@@ -202,7 +202,7 @@ def test_openai_dir_tokenizer_files_win(tmp_path):
     d = tmp_path / "124M"
     shutil.copytree(FIXTURE_TF, d)
     assert load_tokenizer(d).encode("Hello world") == [15496, 995]  # packaged files
-    pkg = Path(__file__).parents[1] / "src" / "gpt2kit" / "data"
+    pkg = Path(__file__).parents[1] / "src" / "gpt2kit" / "vocab"
     (d / "vocab.bpe").write_text((pkg / "vocab.bpe").read_text(encoding="utf-8"), encoding="utf-8")
     (d / "encoder.json").write_text("{broken", encoding="utf-8")
     with pytest.raises(ValueError, match="encoder.json"):
@@ -601,7 +601,6 @@ def test_checkpoint_api_is_typed_and_its_init_only_reexports():
     assert all(getattr(obj, "__module__", "") != "gpt2kit.checkpoint" for obj in public)
 
 
-@pytest.mark.slow
 def test_kill_9_during_saves_leaves_one_whole_model(tmp_path):
     """A writer killed at arbitrary moments while replacing a model: the directory always loads as
     exactly one of the two models, and the next save clears what the dead writer left."""
@@ -670,9 +669,9 @@ def test_a_lock_held_on_a_file_in_the_dir_survives_a_save(tmp_path):
 
     d = tmp_path / "run"
     d.mkdir()
-    lock = open(d / ".lock", "w")  # noqa: SIM115
+    lock = open(d / ".lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    metrics = open(d / "metrics.jsonl", "a")  # noqa: SIM115
+    metrics = open(d / "metrics.jsonl", "a")
     try:
         save_model(random_model(TINY), d)
         save_model(random_model(TINY, seed=3), d)
@@ -684,3 +683,33 @@ def test_a_lock_held_on_a_file_in_the_dir_survives_a_save(tmp_path):
     finally:
         lock.close()
         metrics.close()
+
+
+# --- the published GPT-2 names' tokenizer is the packaged one ------------------------------------
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "openai-community/gpt2",
+                                  "openai-community/gpt2-xl"])
+def test_published_gpt2_tokenizer_needs_no_hub(name, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError(f"the hub was asked for {args} {kwargs}")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_hub)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    tok = load_tokenizer(name)
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.n_vocab == 50257
+
+
+def test_a_local_directory_named_gpt2_keeps_its_own_tokenizer(tmp_path, monkeypatch):
+    d = tmp_path / "gpt2"
+    shutil.copytree(FIXTURE_TF, d)
+    (d / "encoder.json").write_text("{broken", encoding="utf-8")
+    pkg = Path(__file__).parents[1] / "src" / "gpt2kit" / "vocab"
+    (d / "vocab.bpe").write_text((pkg / "vocab.bpe").read_text(encoding="utf-8"), encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="encoder.json"):  # its own (broken) files were read
+        load_tokenizer("gpt2")

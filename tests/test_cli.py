@@ -217,3 +217,73 @@ def test_detokenize_and_version_do_not_import_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout == "Hello", proc.stderr
+
+
+# --- progress on a terminal, nothing extra in piped output ---------------------------------------
+
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal (what the progress line checks)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _progress_argvs(model_dir, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The capital of France is Paris. " * 3, encoding="utf-8")
+    return {
+        "score": (["score", "--model", str(model_dir), str(text)], ["loading", "scoring"]),
+        "convert": (["convert", str(model_dir), str(tmp_path / "converted")], ["loading", "writing"]),
+        "quantize": (["quantize", str(model_dir), str(tmp_path / "int8"), "--int8"],
+                     ["loading", "quantizing to int8", "writing"]),
+        "trace": (["trace", "Hello world", "--model", str(model_dir), "--out", str(tmp_path / "r.html")],
+                  ["loading", "tracing", "writing"]),
+        "generate": (["generate", "Hi", "--model", str(model_dir), "-n", "3", "--seed", "0"],
+                     ["loading", "generating"]),
+    }
+
+
+@pytest.mark.parametrize("command", ["score", "convert", "quantize", "trace", "generate"])
+def test_long_commands_show_progress_on_a_terminal_only(command, capsys, monkeypatch, tmp_path, model_dir):
+    for d in ("piped", "tty"):
+        (tmp_path / d).mkdir()
+    argv, _ = _progress_argvs(model_dir, tmp_path / "piped")[command]
+    code, piped_out, err = run(capsys, argv)
+    assert code == 0, err
+    assert err == ""  # piped or redirected: nothing but the command's own output
+
+    argv, stages = _progress_argvs(model_dir, tmp_path / "tty")[command]
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    code = main(argv)
+    out = capsys.readouterr().out
+    err = terminal.getvalue()
+    assert code == 0, err
+    assert err.startswith(f"\rgpt2kit {command}: loading "), err
+    for stage in stages:
+        assert stage in err, (stage, err)
+    assert err.endswith(("\r\x1b[K", " \r"))  # the line (or tqdm's bar) is wiped when the command is done
+    assert out.count("\n") == piped_out.count("\n") and "\r" not in out  # stdout carries no progress
+
+
+def test_an_error_wipes_the_progress_line_before_its_one_line(capsys, monkeypatch, tmp_path, model_dir):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    code = main(["trace", "Hello", "--model", str(model_dir), "--out", str(tmp_path / "no" / "such" / "r.html")])
+    err = terminal.getvalue()
+    assert code == 1
+    last = err.rsplit("\r\x1b[K", 1)[1]
+    assert last == (f"gpt2kit trace: error: {tmp_path / 'no' / 'such' / 'r.html'}: cannot write it: the directory "
+                    f"{tmp_path / 'no' / 'such'} does not exist\n")
+
+
+def test_trace_out_in_a_missing_directory_names_the_users_path(capsys, tmp_path, model_dir):
+    out = tmp_path / "nonexistent" / "x.html"
+    code, _, err = run(capsys, ["trace", "Hello", "--model", str(model_dir), "--out", str(out)])
+    assert code == 1 and str(out) in err and ".tmp" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_without_transformers_names_the_extra(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what an environment without it gives
+    code, _, err = run(capsys, ["bench", "--size", "gpt2-tiny", "--quick", "--no-memory"])
+    assert code == 1 and "pip install 'gpt2kit[bench]'" in err and len(err.strip().splitlines()) == 1

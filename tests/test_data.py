@@ -38,7 +38,7 @@ def reference_gpt2():
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
 
-    data = importlib.resources.files("gpt2kit") / "data"
+    data = importlib.resources.files("gpt2kit") / "vocab"
     with (
         importlib.resources.as_file(data / "vocab.bpe") as merges,
         importlib.resources.as_file(data / "encoder.json") as vocab,
@@ -337,13 +337,14 @@ _KILL_A_WORKER = r"""
 import os, signal, sys, threading, time
 from pathlib import Path
 import gpt2kit.data as data
+import gpt2kit.data.corpus as corpus
 
 first_result = threading.Event()
-add = data._ShardWriter.add
+add = corpus._ShardWriter.add
 def add_and_tell(self, tokens):
     first_result.set()
     return add(self, tokens)
-data._ShardWriter.add = add_and_tell
+corpus._ShardWriter.add = add_and_tell
 
 def kill_a_busy_worker():
     first_result.wait()  # the workers are now in the middle of their next documents
@@ -491,12 +492,12 @@ def test_first_token_at_least_scans_in_blocks(tmp_path):
 def test_a_full_disk_names_the_directory(tmp_path, monkeypatch):
     import errno
 
-    import gpt2kit.data as data
+    import gpt2kit.data.shard as shard
 
     def full(path, write):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(data, "atomic_write", full)
+    monkeypatch.setattr(shard, "atomic_write", full)
     with pytest.raises(OSError, match=rf"no space left on {tmp_path} while writing train_000000\.bin"):
         write_shard(tmp_path / "train_000000.bin", [1, 2, 3])
 

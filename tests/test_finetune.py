@@ -115,7 +115,6 @@ def test_lora_with_bf16_autocast_tracks_float32(data, base, tmp_path):
     _close(a, b, 0.05)
 
 
-@pytest.mark.slow
 def test_lora_two_ranks_match_one_process(data, base, tmp_path):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")

@@ -56,7 +56,6 @@ def _close(a, b, tol: float) -> None:
     assert worst <= tol, f"curves differ by {worst:.3g} > {tol}"
 
 
-@pytest.mark.slow
 def test_fsdp_two_ranks_equal_one_process_and_resume_exactly(data, tmp_path):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")

@@ -13,19 +13,14 @@ import torch
 from helpers import SMALL, cached_real_gpt2, hf_from_ours, needs_real_gpt2, random_model, varied_model
 
 from gpt2kit import generate as gen
+from gpt2kit import sampling
 from gpt2kit.checkpoint import save_model
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import decode_step, prefill
-from gpt2kit.generate import (
-    SamplingSettings,
-    generate,
-    generate_stream,
-    stream_text,
-    top_k_filter,
-    top_p_filter,
-    warp,
-)
+from gpt2kit.engine import scheduler
+from gpt2kit.generate import generate, generate_stream, stream_text
 from gpt2kit.kv_cache import KVCache
+from gpt2kit.sampling import SamplingSettings, top_k_filter, top_p_filter, warp
 from gpt2kit.tokenizer import Tokenizer
 
 GREEDY = SamplingSettings(temperature=0, max_new_tokens=16, stop_token_ids=())
@@ -57,6 +52,14 @@ def tokens_of(completions):
     ({"max_new_tokens": 0}, r"max_new_tokens must be an integer >= 1.*0"),
     ({"max_new_tokens": 2.5}, "max_new_tokens"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-45}, r"repetition_penalty must be a number >= 0\.01 .*1e-45"),
+    ({"frequency_penalty": 1e30}, r"frequency_penalty must be a number in \[-1e9, 1e9\]"),
+    ({"presence_penalty": -1e30}, "presence_penalty"),
+    ({"logit_bias": {5: 1e30}}, r"logit_bias\[5\] must be a number in \[-1e9, 1e9\]"),
+    ({"logit_bias": [(5, 1.0), (5, 2.0)]}, "logit_bias names token id 5 more than once"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias token id must be an integer"),
+    ({"logit_bias": {True: 1.0}}, "logit_bias token id must be an integer"),
+    ({"logit_bias": [(5,)]}, "logit_bias must map token ids to biases"),
     ({"top_p_mode": "nucleus"}, "openai, hf"),
     ({"num_samples": 0}, "num_samples"),
     ({"stop_strings": ("",)}, "stop_strings"),
@@ -66,6 +69,19 @@ def tokens_of(completions):
 def test_settings_reject_bad_values(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         SamplingSettings(**kwargs)
+
+
+def test_tiny_temperatures_are_greedy_and_never_overflow(model):
+    """Dividing by 1e-45 made the logits inf and the draw raise; below GREEDY_BELOW it is the argmax."""
+    from gpt2kit.sampling import GREEDY_BELOW
+
+    greedy = generate(model, [[464, 2068]], SamplingSettings(max_new_tokens=8, temperature=0, stop_token_ids=()))
+    for t in (1e-45, 5e-324, GREEDY_BELOW / 2):
+        s = SamplingSettings(max_new_tokens=8, temperature=t, seed=3, stop_token_ids=())
+        assert s.greedy and tokens_of(generate(model, [[464, 2068]], s)) == tokens_of(greedy)
+    s = SamplingSettings(max_new_tokens=8, temperature=GREEDY_BELOW, seed=3, stop_token_ids=(),
+                         repetition_penalty=0.01, logit_bias={13: 1e9}, frequency_penalty=-1e9)
+    assert not s.greedy and len(generate(model, [[464, 2068]], s)[0].tokens) == 8  # the extremes stay finite
 
 
 def test_prompt_checks(model):
@@ -147,7 +163,7 @@ def test_repetition_penalty_matches_transformers():
     logits = _random_logits(B=2, V=50, seed=3)
     ids = torch.tensor([[1, 5, 5, 7], [0, 2, 49, 3]])
     seen = torch.zeros(2, 50, dtype=torch.bool).scatter_(1, ids, True)
-    ours = gen.apply_repetition_penalty(logits, seen, 1.3)
+    ours = sampling.apply_repetition_penalty(logits, seen, 1.3)
     assert torch.equal(ours, RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone()))
 
 
@@ -181,7 +197,7 @@ def test_sampling_respects_the_filters(model):
 def test_sampled_frequencies_follow_the_distribution():
     probs = torch.tensor([[0.1, 0.6, 0.3]])
     g = torch.Generator().manual_seed(0)
-    draws = torch.cat([gen.sample(probs.log(), [g]) for _ in range(4000)])
+    draws = torch.cat([sampling.sample(probs.log(), [g]) for _ in range(4000)])
     freq = torch.bincount(draws, minlength=3).float() / len(draws)
     torch.testing.assert_close(freq, probs[0], rtol=0, atol=0.03)  # ~4 sigma
 
@@ -335,7 +351,7 @@ def test_stop_strings(model, tok):
 def _scripted(monkeypatch, script: list[int]):
     """Make the sampler emit `script` (one row), to test the text layer on chosen tokens."""
     calls = iter(script)
-    monkeypatch.setattr(gen, "next_tokens", lambda logits, *a: torch.tensor([next(calls)] * logits.shape[0]))
+    monkeypatch.setattr(scheduler, "next_tokens", lambda logits, *a: torch.tensor([next(calls)] * logits.shape[0]))
 
 
 @pytest.mark.parametrize("text", ["héllo 😀 世界 naïve café 🎉🎉", "plain ascii, nothing split"])
@@ -459,10 +475,11 @@ def test_cli_json_matches_library(capsys, monkeypatch, model_dir, model, tok):
                                                    "--max-new-tokens", "10", "--ignore-eot"])
     assert code == 0, err
     lines = [json.loads(line) for line in out.splitlines()]
-    assert len(lines) == 1 and set(lines[0]) == {"prompt_tokens", "tokens", "text", "finish_reason"}
+    assert len(lines) == 1
     want = generate(model, "Hello world", SamplingSettings(temperature=0, max_new_tokens=10, stop_token_ids=()),
                     tokenizer=tok)[0]
-    assert lines[0] == {"prompt_tokens": tok.encode("Hello world"), "tokens": want.tokens, "text": want.text,
+    assert lines[0] == {"prompt_index": 0, "sample_index": 0, "prompt": "Hello world",
+                        "prompt_tokens": tok.encode("Hello world"), "tokens": want.tokens, "text": want.text,
                         "finish_reason": "length"}
 
 
@@ -495,6 +512,100 @@ def test_cli_prompts_file_plain_and_jsonl_in_order(capsys, monkeypatch, model_di
         assert [x["prompt_tokens"] for x in lines] == [tok.encode(p) for p in prompts for _ in range(2)]
         results.append(lines)
     assert results[0] == results[1]
+
+
+def test_cli_prompts_file_headers_and_json_lines_name_their_prompt(capsys, monkeypatch, model_dir, tmp_path):
+    prompts = ["The", "A much longer prompt than the others, long enough to be cut in the header line"]
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(prompts) + "\n", encoding="utf-8")
+    common = ["-m", str(model_dir), "--prompts-file", str(f), "--greedy", "--max-new-tokens", "3"]
+    code, out, err = run_cli(capsys, monkeypatch, [*common, "--num-samples", "2", "--json"])
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [(x["prompt_index"], x["sample_index"], x["prompt"]) for x in lines] == [
+        (0, 0, prompts[0]), (0, 1, prompts[0]), (1, 0, prompts[1]), (1, 1, prompts[1])]
+    code, out, err = run_cli(capsys, monkeypatch, common)
+    assert code == 0, err
+    headers = [line for line in out.splitlines() if line.startswith("=" * 40)]
+    cut = json.dumps(prompts[1][:59] + "\u2026", ensure_ascii=False)
+    assert headers == [f"{'=' * 40} PROMPT 1 SAMPLE 1: \"The\" {'=' * 40}",
+                       f"{'=' * 40} PROMPT 2 SAMPLE 1: {cut} {'=' * 40}"]
+    one = tmp_path / "one.txt"
+    one.write_text("Only\n", encoding="utf-8")  # one prompt from a file still says which
+    code, out, err = run_cli(capsys, monkeypatch, ["-m", str(model_dir), "--prompts-file", str(one), "--greedy",
+                                                   "-n", "2"])
+    assert code == 0 and out.startswith(f"{'=' * 40} PROMPT 1 SAMPLE 1: \"Only\" {'=' * 40}\n"), out
+
+
+def test_cli_generate_help_shows_every_default(capsys):
+    from gpt2kit.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    text = text[text.index("options:"):]  # past the usage line
+    for flag, default in [("-n MAX_NEW_TOKENS", "(default: 128)"), ("--top-k TOP_K", "(default: 0)"),
+                          ("--top-p TOP_P", "(default: 1.0)"), ("--top-p-mode {openai,hf}", "(default: openai)"),
+                          ("--repetition-penalty REPETITION_PENALTY", "(default: 1.0)"),
+                          ("--num-samples NUM_SAMPLES", "(default: 1)"), ("--batch-size BATCH_SIZE", "(default 8)"),
+                          ("--temperature TEMPERATURE, -t TEMPERATURE", "(default 1)"),
+                          ("--seed SEED", "default: none"), ("--window WINDOW", "(default n_ctx/2)")]:
+        start = text.index(flag)
+        assert default in text[start:start + 200], (flag, text[start:start + 200])
+
+
+def test_cli_interactive_ctrl_c_stops_the_sample_and_at_the_prompt_quits(model_dir):
+    import queue
+    import signal
+    import subprocess
+    import threading
+
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2kit", "generate", "-m", str(model_dir), "--interactive",
+                             "--max-new-tokens", "100000000", "--ignore-eot", "--seed", "0"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    chunks: dict[str, queue.Queue] = {"out": queue.Queue(), "err": queue.Queue()}
+
+    def pump(stream, q):
+        for chunk in iter(lambda: stream.read1(4096), b""):
+            q.put(chunk)
+
+    pumps = {name: threading.Thread(target=pump, args=(stream, chunks[name]), daemon=True)
+             for name, stream in (("out", proc.stdout), ("err", proc.stderr))}
+    for t in pumps.values():
+        t.start()
+    seen = {"out": b"", "err": b""}
+
+    def wait_for(name, done, timeout=180.0):
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not done(seen[name]):
+            try:
+                seen[name] += chunks[name].get(timeout=1.0)
+            except queue.Empty:
+                if pumps[name].is_alive() and time.monotonic() < deadline:  # not at the stream's end yet
+                    continue
+                proc.kill()
+                raise AssertionError(f"ended ({proc.poll()}) or timed out; stdout {seen['out'][-200:]!r}, "
+                                     f"stderr {seen['err'][-500:]!r}") from None
+
+    try:
+        for n, prompt in enumerate((b"Hello\n", b"Again\n"), start=1):
+            before = len(seen["out"])
+            proc.stdin.write(prompt)
+            proc.stdin.flush()
+            # The sample is streaming (it never ends). +1: the newline that ended the stopped sample may
+            # reach this pipe after its stderr notice did.
+            wait_for("out", lambda b, before=before: len(b) > before + 1)
+            proc.send_signal(signal.SIGINT)
+            wait_for("err", lambda b, n=n: b.count(b"quits)\n") == n)  # back at the prompt, still running
+            assert proc.poll() is None, seen
+        proc.send_signal(signal.SIGINT)  # Ctrl-C at the prompt quits
+        wait_for("err", lambda b: b.endswith(b"gpt2kit: interrupted\n"))
+        assert proc.wait(timeout=120) == 130, seen
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_cli_unconditional_starts_from_endoftext(capsys, monkeypatch, model_dir):
@@ -538,6 +649,7 @@ def test_cli_interactive_reads_prompts_until_eof(capsys, monkeypatch, model_dir,
     (["--prompts-file", "MISSING"], "no such file"),
     (["--strict", "--max-new-tokens", "60", "a b c d e f g h i j"], "strict"),
     (["--top-p-mode", "nucleus"], "invalid choice"),
+    (["--repetition-penalty", "1e-45"], "repetition_penalty must be a number >= 0.01"),
 ])
 def test_cli_bad_values_one_line_nonzero(capsys, monkeypatch, model_dir, tmp_path, argv, needle):
     empty = tmp_path / "empty.txt"
@@ -558,6 +670,8 @@ def test_cli_bad_values_one_line_nonzero(capsys, monkeypatch, model_dir, tmp_pat
 
 def test_bench_transformers_copy_and_table(model):
     from gpt2kit.bench import core as bench
+    from gpt2kit.bench.report import format_table
+    from gpt2kit.bench.timing import time_alternating
 
     hf = bench.to_transformers(model)
     ids = torch.tensor([PROMPTS[2]])
@@ -567,7 +681,7 @@ def test_bench_transformers_copy_and_table(model):
     bench.hf_decode(hf, ids, 5, out)()
     assert out == [generate(model, [PROMPTS[2]], SamplingSettings(temperature=0, max_new_tokens=5,
                                                                   stop_token_ids=()))[0].tokens]
-    timings = bench.time_alternating({"a": lambda: None, "b": lambda: sum(range(1000))}, trials=2, max_trials=3)
+    timings = time_alternating({"a": lambda: None, "b": lambda: sum(range(1000))}, trials=2, max_trials=3)
     assert set(timings) == {"a", "b"} and all(t.trials >= 2 and t.seconds < 1 for t in timings.values())
     assert bench.weight_bytes_per_token(model) == 4 * (model.num_parameters() - model.wpe.weight[1:].numel())
     tok_s = {wl: {"transformers/float32": 10.0, "gpt2kit/float32": 12.0, "gpt2kit/bfloat16": 20.0}
@@ -577,7 +691,7 @@ def test_bench_transformers_copy_and_table(model):
             "peak_MiB": {"transformers/float32": 100.0, "gpt2kit/float32": 90.0, "gpt2kit/bfloat16": 50.0},
             "limit_tok_s": {"float32": 40.0, "bfloat16": 80.0}, "bytes_per_token": {"float32": 5e8, "bfloat16": 2.5e8},
             "bandwidth_GBs": 20.0, "dlogprob_next": 1e-3, "dlogprob_vocab": 2e-3, "greedy_identical": True}
-    table = bench.format_table(fake)
+    table = format_table(fake)
     assert "| decode tok/s, batch 1 (128 new) | 10.0 | 12.0 | 1.20x | 20.0 | 2.00x |" in table
     assert "decode_b1 float32 1.20x >= 1.1" in table and "decode_b8 float32 1.20x < 1.6" in table
 
@@ -592,13 +706,14 @@ def test_cli_bench_bad_threads(capsys):
 
 def test_bench_full_run_on_a_tiny_model():
     from gpt2kit.bench import core as bench
+    from gpt2kit.bench.report import format_table
 
     cfg = GPT2Config(n_vocab=50257, n_ctx=64, n_embd=32, n_head=4, n_layer=2)
     r = bench.run(quick=True, memory=False, config=cfg, log=lambda s: None, device="cpu")
     assert r["T"] == 64 and r["new_tokens"] == 32 and r["greedy_identical"]
     assert all(v > 0 for wl in r["tok_s"].values() for v in wl.values())
     assert r["machine"]["device_type"] == "cpu" and r["bandwidth_GBs"] > 0
-    assert "| prefill tok/s (T=64) |" in bench.format_table(r)
+    assert "| prefill tok/s (T=64) |" in format_table(r)
 
 
 @pytest.mark.parametrize("device,needle", [("cuda", "CUDA is not available"), ("tpu", "not a device")])
@@ -645,3 +760,21 @@ def test_cli_bench_size_runs_a_small_preset_and_names_bad_ones(capsys):
     assert main(["bench", "--size", "gpt2-tiny", "--quick", "--no-memory"]) == 0
     out = capsys.readouterr().out
     assert "| decode tok/s, batch 1" in out and "| workload |" in out
+
+
+def test_cli_a_distribution_that_is_not_finite_is_one_line(capsys, monkeypatch, tmp_path):
+    """torch's 'probability tensor contains either inf, nan or element < 0' never reaches the user."""
+    from helpers import SMALL, varied_model
+
+    from gpt2kit.checkpoint import save_model
+
+    broken = varied_model(SMALL, seed=0)
+    with torch.no_grad():
+        broken.wpe.weight[3] = float("nan")
+    save_model(broken, tmp_path / "nan")
+    for extra in ([], ["--greedy"]):
+        code, _, err = run_cli(capsys, monkeypatch, ["-m", str(tmp_path / "nan"), "--seed", "1", "-n", "8",
+                                                     *extra, "Hello world"])
+        assert code != 0 and len(err.strip().splitlines()) == 1, err
+        assert "probability tensor" not in err and "Traceback" not in err
+        assert "finite" in err or "nan" in err.lower()  # at the draw, or (should loading check it) at load

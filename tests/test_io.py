@@ -9,7 +9,7 @@ from collections import namedtuple
 
 import pytest
 
-from gpt2kit._io import atomic_write, atomic_write_text
+from gpt2kit._io import atomic_write, atomic_write_at, atomic_write_text
 
 
 def test_atomic_write_replaces_whole_with_the_umask_mode(tmp_path):
@@ -46,3 +46,43 @@ def test_full_disk_is_named_as_such_and_the_old_file_survives(tmp_path, monkeypa
     with pytest.raises(RuntimeError, match="enforce fail"):  # plenty of space: the real error, unchanged
         atomic_write(f, torch_like)
     assert f.read_bytes() == b"old"
+
+
+def test_errors_name_the_users_path_never_the_temporary_file(tmp_path):
+    missing = tmp_path / "nonexistent" / "x.html"
+    with pytest.raises(FileNotFoundError) as e:
+        atomic_write_text(missing, "x")
+    assert str(e.value) == f"{missing}: cannot write it: the directory {missing.parent} does not exist"
+    assert e.value.errno == errno.ENOENT
+
+    with pytest.raises(IsADirectoryError) as e:
+        atomic_write_text(tmp_path, "x")  # a directory where the file should go
+    assert str(e.value) == f"{tmp_path}: is a directory; give a file name"
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError) as e:
+        atomic_write(tmp_path / "file" / "x.json", lambda f: f.write(b"x"))
+    assert str(e.value).startswith(f"{tmp_path / 'file' / 'x.json'}: cannot write it: {tmp_path / 'file'} is not")
+    assert not [p for p in tmp_path.rglob("*.tmp")]  # and nothing is left behind
+
+
+def test_atomic_write_at_writes_in_the_directory_held_open_with_the_mode_given(tmp_path):
+    # The kernel cache checks its directory once and writes through the descriptor: a rename of the
+    # path afterwards does not move the write; the mode is the one given, whatever the umask.
+    held = tmp_path / "held"
+    held.mkdir()
+    fd = os.open(held, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        (held / "lib.so").write_bytes(b"old")
+        held.rename(tmp_path / "moved")
+        held.mkdir()  # what the old path names now
+        old = os.umask(0o002)
+        try:
+            atomic_write_at(fd, "lib.so", b"new", mode=0o644)
+        finally:
+            os.umask(old)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "moved" / "lib.so").read_bytes() == b"new" and list(held.iterdir()) == []
+    assert os.stat(tmp_path / "moved" / "lib.so").st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in (tmp_path / "moved").iterdir()) == ["lib.so"]  # no temporary left

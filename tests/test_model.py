@@ -87,7 +87,6 @@ def test_logits_match_transformers(cfg):
     assert (ours - ref).abs().max().item() < ATOL
 
 
-@pytest.mark.slow
 def test_logits_match_transformers_full_gpt2_size():
     cfg = GPT2Config.from_name("gpt2")
     model = random_model(cfg, seed=2)

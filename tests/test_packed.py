@@ -14,8 +14,9 @@ from helpers import SMALL, varied_model
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import PLAIN, decode_step, is_packed
 from gpt2kit.decode import packed as pk
-from gpt2kit.generate import SamplingSettings, generate
+from gpt2kit.generate import generate
 from gpt2kit.kv_cache import KVCache
+from gpt2kit.sampling import SamplingSettings
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 

@@ -9,7 +9,7 @@ import torch
 from helpers import hf_from_ours, random_model
 
 from gpt2kit.config import GPT2Config
-from gpt2kit.score import score_text, score_tokens
+from gpt2kit.score import score_text, score_tokens, score_tokens_top
 from gpt2kit.tokenizer import Tokenizer
 
 CFG = GPT2Config(n_vocab=50257, n_ctx=64, n_embd=16, n_head=2, n_layer=2)
@@ -62,3 +62,30 @@ def test_bad_stride_and_empty_text(models):
         score_tokens(model, [1, 2], stride=64)
     with pytest.raises(ValueError, match="no tokens"):
         score_tokens(model, [])
+
+
+@pytest.mark.parametrize("stride", [None, 40])
+def test_top_alternatives_come_from_the_same_forward(models, stride):
+    """score_tokens_top: the log-probs of score_tokens, and at each position the top-k of the same
+    distribution, with one forward per window (a forward hook counts them)."""
+    model, _ = models
+    n = 40 if stride is None else 100  # 41 positions: one window of n_ctx 64; 101 with stride 40: two
+    tokens = torch.randint(0, 50257, (n,), generator=torch.Generator().manual_seed(2)).tolist()
+    calls = []
+    hook = model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        lps, tops = score_tokens_top(model, tokens, 4, stride=stride)
+    finally:
+        hook.remove()
+    assert len(calls) == (1 if stride is None else 2)
+    assert lps == score_tokens(model, tokens, stride=stride) and len(tops) == len(tokens)
+    if stride is None:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([[50256, *tokens]])).logits[0, :-1].float(), -1)
+        best = logp.topk(4)
+        assert [[t for t, _ in top] for top in tops] == best.indices.tolist()
+        assert [[v for _, v in top] for top in tops] == best.values.tolist()
+    assert all(len(top) == 4 and top[0][1] >= lp for top, lp in zip(tops, lps, strict=True))
+    assert score_tokens_top(model, tokens, 0)[1] == [()] * len(tokens)
+    with pytest.raises(ValueError, match="top must be an int >= 0"):
+        score_tokens_top(model, tokens, -1)

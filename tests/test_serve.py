@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 import torch  # noqa: E402
 from helpers import (  # noqa: E402
     SMALL,
-    live_server,  # noqa: E402
+    live_server,
     varied_model,
 )
 
@@ -91,7 +91,7 @@ def test_greedy_equals_cli_generate(client, model_dir, capsys, tok):
                                   logit_bias={"50256": -100})  # no <|endoftext|>, as --ignore-eot
     c = r.choices[0]
     assert c.text == cli["text"] and c.finish_reason == "length"
-    from gpt2kit.serve.app import token_key
+    from gpt2kit.serve.logprobs import token_key
     assert c.logprobs.tokens == [token_key(tok, t) for t in cli["tokens"]]
     assert r.usage.prompt_tokens == len(tok.encode("Hello world")) and r.usage.completion_tokens == 20
 
@@ -113,6 +113,40 @@ def test_echo_prompt_logprobs_equal_score(gpt2_init_dir, tok):
                      ServeOptions(served_model_name=NAME)) as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         _check_echo(client, model, tok)
+
+
+def test_echo_top_logprobs_come_from_one_forward_per_prompt(gpt2_init_dir, tok):
+    """Echo with logprobs > 0 runs the model over each prompt once (log-probs and their top
+    alternatives from the same forward), and the alternatives are the full forward's top-k."""
+    from gpt2kit.serve.logprobs import top_dict
+
+    calls = []
+
+    def loader():
+        m = load_model(gpt2_init_dir)
+        m.register_forward_hook(lambda *a: calls.append(1))
+        return m, load_tokenizer(gpt2_init_dir)
+
+    model = load_model(gpt2_init_dir)
+    texts = ["The quick brown fox jumps over the lazy dog.", "Hello there, world"]
+    with live_server(loader, ServeOptions(served_model_name=NAME)) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        before = len(calls)
+        r = client.completions.create(model=NAME, prompt=texts, max_tokens=0, echo=True, logprobs=3)
+        assert len(calls) - before == len(texts)
+    for text, choice in zip(texts, r.choices, strict=True):
+        ids = tok.encode(text)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)  # (T - 1, V)
+        top = logp.topk(3)
+        got = choice.logprobs
+        assert got.top_logprobs[0] is None
+        assert [list(d) for d in got.top_logprobs[1:]] == [list(top_dict(tok, [(t, 0.0) for t in row]))
+                                                          for row in top.indices.tolist()]
+        torch.testing.assert_close(torch.tensor([list(d.values()) for d in got.top_logprobs[1:]]), top.values,
+                                   rtol=0, atol=1e-5)
+        want = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(got.token_logprobs[1:]), want, rtol=0, atol=1e-5)
 
 
 def _check_echo(client, model, tok):
@@ -188,7 +222,7 @@ def test_n_and_best_of(client):
 
 
 def test_top_logprobs_keys_never_collapse(tok):
-    from gpt2kit.serve.app import token_key, top_dict
+    from gpt2kit.serve.logprobs import token_key, top_dict
 
     keys = [token_key(tok, t) for t in range(tok.n_vocab)]
     assert len(set(keys)) == tok.n_vocab  # distinct ids, distinct keys (byte tokens: "bytes:\\xNN")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from helpers import SMALL, random_model, varied_model
 
-from gpt2kit.generate import Engine, generate
+from gpt2kit.engine import Engine
+from gpt2kit.generate import generate
 from gpt2kit.sampling import SamplingSettings
 
 PROMPTS = [[464, 2068, 7586, 21831], [15496], [40, 588, 257, 922, 1110, 13, 383], [11, 12, 13]]
@@ -87,3 +88,93 @@ def test_reported_logprobs_are_the_models():
         top = lp.topk(3)
         assert [t for t, _ in e.top_logprobs] == top.indices.tolist()
         torch.testing.assert_close(torch.tensor([v for _, v in e.top_logprobs]), top.values, rtol=0, atol=1e-5)
+
+
+def _nan_at_position(pos: int):
+    """A model whose position `pos` embedding is NaN: a row reaching that position gets NaN logits,
+    rows that stay below it are untouched (a public seam for a row whose sampling fails)."""
+    model = varied_model(SMALL, seed=0)
+    with torch.no_grad():
+        model.wpe.weight[pos] = float("nan")
+    return model
+
+
+def test_a_row_whose_sampling_fails_fails_alone():
+    model = _nan_at_position(20)
+    long = list(range(300, 316))  # 16 tokens: fed at position 20 at its 5th step, its 6th choice fails
+    bad_s = SamplingSettings(max_new_tokens=20, seed=5, stop_token_ids=())
+    good = [(PROMPTS[1], SETTINGS[0]), (PROMPTS[3], SETTINGS[1]), (PROMPTS[0], SETTINGS[2])]  # stay below 20
+    engine = Engine(model)
+    bad = engine.new_row(long, bad_s, seed=5)
+    rows = [engine.new_row(p, s, seed=s.seed) for p, s in good]
+    engine.submit([rows[0], bad, *rows[1:]])
+    events = []
+    while engine.has_work:
+        events += engine.step()
+    failed = [e for e in events if e.error is not None]
+    assert [e.row for e in failed] == [bad] and failed[0].finish_reason == "error" and failed[0].token == -1
+    assert isinstance(bad.error, ValueError) and "not finite" in str(bad.error)
+    assert len(bad.tokens) == 5 and bad.finish_reason == "error"
+    for row, (p, s) in zip(rows, good, strict=True):
+        assert row.finish_reason == "length" and row.tokens == _alone(model, p, s)
+
+
+def test_engine_loop_reports_a_failed_row_alone():
+    import threading
+
+    from gpt2kit.engine import EngineLoop
+
+    model = _nan_at_position(20)
+    done, errors, lock = threading.Event(), [], threading.Lock()
+    finished = []
+
+    def on_events(events):
+        with lock:
+            finished.extend(e.row for e in events if e.finish_reason)
+            if len(finished) == 2:
+                done.set()
+
+    def on_error(rows, exc):
+        with lock:
+            errors.append((rows, exc))
+
+    engine = Engine(model)
+    loop = EngineLoop(engine, on_events, on_error).start()
+    try:
+        bad = engine.new_row(list(range(300, 316)), SamplingSettings(max_new_tokens=20, seed=5), seed=5)
+        good = [engine.new_row(p, s, seed=s.seed) for p, s in zip(PROMPTS[1:3], SETTINGS[:2], strict=True)]
+        loop.submit([bad, *good])
+        assert done.wait(60)
+    finally:
+        loop.stop()
+    assert [(rows, type(e)) for rows, e in errors] == [([bad], ValueError)]
+    assert sorted(finished, key=id) == sorted(good, key=id)
+    assert [r.tokens for r in good] == [_alone(model, p, s) for p, s in zip(PROMPTS[1:3], SETTINGS[:2], strict=True)]
+
+
+def test_a_hooked_model_keeps_rows_that_fit_when_the_padded_width_reaches_n_ctx():
+    """A long row joins a short one and leaves early; the short one goes on until the cache's padded
+    width would pass n_ctx. A hooked model decodes through its own forward, which refused that
+    width (ValueError for every row) before the cache was trimmed there."""
+    model = varied_model(SMALL, seed=0)
+    model.wte.register_forward_hook(lambda *a: None)
+    short_s = SamplingSettings(temperature=0, max_new_tokens=40, stop_token_ids=())
+    long_s = SamplingSettings(temperature=0, max_new_tokens=3, stop_token_ids=())
+    engine = Engine(model)
+    short, long = engine.new_row([15496], short_s), engine.new_row(list(range(300, 350)), long_s)
+    _run(engine, {0: [short], 2: [long]})
+    assert long.tokens == _alone(model, list(range(300, 350)), long_s)
+    assert short.finish_reason == "length" and short.tokens == _alone(model, [15496], short_s)
+
+
+def test_a_greedy_row_with_non_finite_logits_fails_alone_too():
+    """The plain greedy path (one batched argmax) would pick a NaN's index silently."""
+    model = _nan_at_position(20)
+    s = SamplingSettings(temperature=0, max_new_tokens=20, stop_token_ids=())
+    engine = Engine(model)
+    bad, good = engine.new_row(list(range(300, 316)), s), engine.new_row(PROMPTS[1], s)
+    engine.submit([bad, good])
+    while engine.has_work:
+        engine.step()
+    assert bad.finish_reason == "error" and len(bad.tokens) == 5 and "not finite" in str(bad.error)
+    assert good.finish_reason == "length" and good.tokens == _alone(model, PROMPTS[1], s)

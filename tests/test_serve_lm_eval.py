@@ -48,7 +48,6 @@ def _direct(model, tok, context: str, continuation: str) -> float:
     return math.fsum(lps[ctx - 1:])
 
 
-@pytest.mark.slow
 def test_lm_eval_local_completions_loglikelihoods_equal_direct_scoring(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

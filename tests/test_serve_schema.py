@@ -11,7 +11,7 @@ schemathesis = pytest.importorskip("schemathesis")
 
 from helpers import (  # noqa: E402
     SMALL,
-    live_server,  # noqa: E402
+    live_server,
     varied_model,
 )
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -13,9 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gpt2kit.checkpoint.tf_bundle as tb
+import gpt2kit.checkpoint.crc32c as crcmod
+from gpt2kit.checkpoint.crc32c import crc32c, crc32c_python, mask
 from gpt2kit.checkpoint.errors import CheckpointError
-from gpt2kit.checkpoint.tf_bundle import crc32c, crc32c_python, list_tf_checkpoint, read_tf_checkpoint
+from gpt2kit.checkpoint.sstable import read_table
+from gpt2kit.checkpoint.tf_bundle import list_tf_checkpoint, read_tf_checkpoint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "openai_tf_tiny"
 DATA_NAME = "model.ckpt.data-00000-of-00001"
@@ -128,9 +130,9 @@ def test_bad_index_magic(ckpt):
 
 @pytest.mark.parametrize("fast", [True, False], ids=["google_crc32c", "pure_python"])
 def test_index_block_crc_mismatch(ckpt, monkeypatch, fast):
-    if fast and not tb.HAVE_FAST_CRC32C:
+    if fast and not crcmod.HAVE_FAST_CRC32C:
         pytest.skip("google-crc32c (C implementation) is not installed")
-    monkeypatch.setattr(tb, "HAVE_FAST_CRC32C", fast)
+    monkeypatch.setattr(crcmod, "HAVE_FAST_CRC32C", fast)
     index = ckpt / "model.ckpt.index"
     _flip_byte(index, 10)  # inside the first data block (the bundle header entry)
     with pytest.raises(CheckpointError, match="crc32c mismatch in index block") as info:
@@ -184,7 +186,7 @@ def _write_sstable(entries: list[tuple[bytes, bytes]], per_block: int) -> bytes:
 
     def emit(block: bytes) -> bytes:
         handle = _varint_bytes(len(out)) + _varint_bytes(len(block))
-        crc = tb._mask(crc32c_python(block + b"\x00"))
+        crc = mask(crc32c_python(block + b"\x00"))
         out.extend(block + b"\x00" + crc.to_bytes(4, "little"))
         return handle
 
@@ -198,7 +200,7 @@ def _write_sstable(entries: list[tuple[bytes, bytes]], per_block: int) -> bytes:
 
 
 def test_index_with_many_blocks_and_restarts(ckpt, reference):
-    entries = tb._read_table(ckpt / "model.ckpt.index", verify=True)
+    entries = read_table(ckpt / "model.ckpt.index", verify=True)
     assert len(entries) == len(reference) + 1  # + the bundle header under the empty key
     (ckpt / "model.ckpt.index").write_bytes(_write_sstable(entries, per_block=5))
     _assert_bit_exact(read_tf_checkpoint(ckpt), reference)
@@ -212,7 +214,7 @@ def _flip_inside_tensor(ckpt: Path, reference: dict[str, np.ndarray], name: str)
 
 
 def test_flipped_data_byte_fails_crc(ckpt, reference):
-    if not tb.HAVE_FAST_CRC32C:
+    if not crcmod.HAVE_FAST_CRC32C:
         pytest.skip("per-tensor data crc is checked only with google-crc32c (C implementation)")
     _flip_inside_tensor(ckpt, reference, "model/h0/attn/c_attn/w")
     with pytest.raises(CheckpointError, match="crc32c mismatch") as info:
@@ -226,7 +228,7 @@ def test_verify_false_and_slow_crc_skip_the_data_crc(ckpt, reference, monkeypatc
     _flip_inside_tensor(ckpt, reference, name)
     got = read_tf_checkpoint(ckpt, verify=False)
     assert got[name].tobytes() != reference[name].tobytes()  # the damage is read, not hidden
-    monkeypatch.setattr(tb, "HAVE_FAST_CRC32C", False)  # documented: no C crc32c, no data crc
+    monkeypatch.setattr(crcmod, "HAVE_FAST_CRC32C", False)  # documented: no C crc32c, no data crc
     got = read_tf_checkpoint(ckpt)
     assert got[name].tobytes() != reference[name].tobytes()
     assert got["model/wte"].tobytes() == reference["model/wte"].tobytes()
@@ -251,8 +253,8 @@ def test_crc32c_known_vectors(impl, data, expected):
 
 
 def test_crc32c_chunked_buffer_matches_python(monkeypatch):
-    if not tb.HAVE_FAST_CRC32C:
+    if not crcmod.HAVE_FAST_CRC32C:
         pytest.skip("google-crc32c (C implementation) is not installed")
-    monkeypatch.setattr(tb, "_CRC_CHUNK", 7)  # force many chunks, one of them partial
+    monkeypatch.setattr(crcmod, "_CRC_CHUNK", 7)  # force many chunks, one of them partial
     buf = np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8)
-    assert tb._crc32c_of_buffer(buf) == crc32c_python(buf.tobytes())
+    assert crcmod.crc32c_of_buffer(buf) == crc32c_python(buf.tobytes())

@@ -27,7 +27,7 @@ from tiktoken_ext.openai_public import r50k_pat_str
 from gpt2kit.checkpoint import load_tokenizer
 from gpt2kit.tokenizer import LONG_WHITESPACE, IncrementalDecoder, Tokenizer
 
-DATA = Path(str(importlib.resources.files("gpt2kit") / "data"))
+DATA = Path(str(importlib.resources.files("gpt2kit") / "vocab"))
 ENCODER_JSON, VOCAB_BPE = DATA / "encoder.json", DATA / "vocab.bpe"
 ENCODER_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
 VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"

@@ -153,7 +153,19 @@ def test_residual_norms_and_attention_summary(tiny_model):
     assert summ["induction"][0] is not None
 
 
-def test_patching_with_clean_activations_restores_clean_logits_exactly(tiny_model):
+def strong_model():
+    """A tiny random model with its matrices scaled up, so one token's change moves the last logits
+    well above float noise (the unscaled one's patching differences are ~1e-4: see test_trace_patching)."""
+    m = random_model()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(8)
+    return m
+
+
+def test_patching_with_clean_activations_restores_clean_logits_exactly():
+    tiny_model = strong_model()
     clean = _ids(TINY.n_vocab, 12)
     corrupt = list(clean)
     corrupt[3] = (corrupt[3] + 1) % TINY.n_vocab

@@ -109,3 +109,122 @@ def test_a_partial_selection_renders_without_errors(tmp_path):
     assert p.errors.strip() == "" and p.body.get("data-rendered") == "ok"
     assert p.n("panel-heads", "div.hcell") == TINY.n_head  # one block's heads
     assert p.n("panel-lens", "tr") == 2  # only H(L) is recorded
+
+
+def test_the_large_map_on_load_is_the_outlined_thumbnail(tmp_path):
+    tr = trace(random_model(), None, list(range(12)))
+    page = tmp_path / "r.html"
+    tr.save_html(page)
+    dom = _chromium(tmp_path, page.as_uri(), "--dump-dom")
+    sel = re.findall(r'<div class="hcell sel" data-layer="(\d+)" data-head="(\d+)"', dom)
+    shown = re.search(r'<div class="help">block (\d+), head (\d+) \(rows: query', dom)
+    assert len(sel) == 1 and shown is not None
+    assert sel[0] == shown.groups()
+
+
+def test_the_docs_screenshot_command_works(tmp_path):
+    """docs/trace.md's chromium command, as written (run as root here, which needs --no-sandbox)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "trace.md").read_text(encoding="utf-8")
+    cmd = re.search(r"`(chromium --headless[^`]*)`", doc).group(1)
+    page = tmp_path / "r.html"
+    trace(random_model(), None, list(range(8))).save_html(page)
+    argv = cmd.replace("file://$PWD/r.html", page.as_uri()).split()
+    argv[0] = CHROMIUM
+    argv.insert(1, f"--user-data-dir={tmp_path / 'profile'}")
+    subprocess.run(argv, cwd=tmp_path, capture_output=True, timeout=120)
+    assert (tmp_path / "screenshot.png").stat().st_size > 1000
+
+
+def test_an_intervened_report_shows_both_runs(tmp_path):
+    from gpt2kit.trace import ablate
+
+    T = 12
+    tr = trace(random_model(), None, list(range(T)), interventions=[ablate("h.1.attn.head.0"), ablate("h.0.mlp")])
+    page = tmp_path / "iv.html"
+    tr.save_html(page)
+    p = _Counter()
+    dom = _chromium(tmp_path, page.as_uri(), "--dump-dom")
+    p.feed(dom)
+    assert p.errors.strip() == "" and p.body.get("data-rendered") == "ok"
+    assert p.n("panel-intervene", "li") == 2
+    n_last = len(tr.intervention_effect()["last"])
+    L = TINY.n_layer
+    # the last-position table (header + rows), the per-position table (3 rows), the clean lens
+    assert p.n("panel-intervene", "tr") == (1 + n_last) + (1 + 3) + (L + 2)
+    assert "INTERVENED run" in dom
+
+
+def test_patching_panel_states_its_metric_and_shows_attribution(tmp_path):
+    T = 10
+    clean = list(range(T))
+    corrupt = list(clean)
+    corrupt[2] = 999
+    # the plain random model: the clean and corrupted metric differ by ~1e-4, so the panel must warn
+    tr = trace(random_model(), None, clean, patch_from=corrupt, patch_mode="heads", attribution=True)
+    page = tmp_path / "p.html"
+    tr.save_html(page)
+    dom = _chromium(tmp_path, page.as_uri(), "--dump-dom")
+    p = _Counter()
+    p.feed(dom)
+    assert p.errors.strip() == "" and p.body.get("data-rendered") == "ok"
+    assert p.n("panel-patch", "td") == 2 * TINY.n_layer * TINY.n_head  # exact grid + attribution grid
+    assert 'id="patch-warning"' in dom and "amplified noise" in dom
+    assert re.search(r'id="patch-metric">Metric: logit (difference|of)', dom)
+    assert 'id="patch-attr-help"' in dom
+
+
+# Measures, after the report has drawn: table cells whose text is cut off, and whether the page
+# itself is wider than the window (long tables must scroll inside their panel instead).
+_MEASURE = """<script>(function(){var n=0,c=document.querySelectorAll('td,th'),bad=[];
+for(var i=0;i<c.length;i++){if(c[i].scrollWidth>c[i].clientWidth+1){n++;if(bad.length<3)bad.push(c[i].textContent);}}
+document.body.setAttribute('data-clipped',n+' '+JSON.stringify(bad));
+document.body.setAttribute('data-page-wider',String(document.documentElement.scrollWidth>window.innerWidth+1));
+})();</script></body>"""
+
+
+@pytest.mark.parametrize("width", [1200, 1600])
+def test_tables_are_readable_at_common_widths(tmp_path, width):
+    from gpt2kit.config import GPT2Config
+    from gpt2kit.tokenizer import Tokenizer
+
+    m = random_model(GPT2Config(n_vocab=50257, n_ctx=64, n_embd=32, n_head=4, n_layer=2))
+    text = ("If you are in the top window, CTRL-W w jumps to the window below it. If you are in the "
+            "bottom window, CTRL-W w jumps to the")
+    corrupt = text.replace("top", "left")
+    tr = trace(m, Tokenizer.default(), text, patch_from=corrupt)
+    page = tmp_path / "w.html"
+    page.write_text(tr.to_html().replace("</body>", _MEASURE), encoding="utf-8")
+    dom = _chromium(tmp_path, page.as_uri(), f"--window-size={width},900", "--dump-dom")
+    p = _Counter()
+    p.feed(dom)
+    assert p.errors.strip() == ""
+    assert p.body.get("data-clipped", "").startswith("0 "), p.body.get("data-clipped")
+    assert p.body.get("data-page-wider") == "false"
+
+
+def test_the_sae_panel_renders(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    d, F = tmp_path / "sae", 24
+    d.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({"W_enc": torch.randn(TINY.n_embd, F, generator=g), "b_enc": torch.zeros(F),
+               "W_dec": torch.randn(F, TINY.n_embd, generator=g), "b_dec": torch.zeros(TINY.n_embd)},
+              str(d / "sae_weights.safetensors"))
+    (d / "cfg.json").write_text(json.dumps({"d_in": TINY.n_embd, "d_sae": F, "architecture": "standard",
+                                            "metadata": {"hook_name": "blocks.1.hook_resid_pre"}}))
+    T = 9
+    tr = trace(random_model(), None, list(range(T)), sae=d)
+    page = tmp_path / "s.html"
+    tr.save_html(page)
+    p = _Counter()
+    dom = _chromium(tmp_path, page.as_uri(), "--dump-dom")
+    p.feed(dom)
+    assert p.errors.strip() == "" and p.body.get("data-rendered") == "ok"
+    assert p.n("panel-sae", "tr") == T + 1 and p.n("panel-sae", "li") == len(tr.sae_features()["features"]) > 0
+    assert 'id="sae-summary"' in dom and "fraction of variance explained" in dom

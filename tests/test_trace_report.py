@@ -112,7 +112,6 @@ def test_cli_trace_bad_input_is_one_line(model_dir, tmp_path, capsys, monkeypatc
     assert not (tmp_path / "x.html").exists()
 
 
-@pytest.mark.slow
 def test_report_size_for_gpt2_small_at_64_tokens():
     """64 tokens through a gpt2-124M-sized network: at most 3 MB of HTML."""
     from gpt2kit.model import GPT2
@@ -133,3 +132,16 @@ def test_long_inputs_keep_the_file_small(tiny_model, monkeypatch):
     assert data["attention"]["layers"] == [0] and data["attention"]["omitted"] == [1]
     assert len(data["attention"]["summary"]["prev"]) == 1
     assert len(base64.b64decode(data["attention"]["u8"])) == tiny_model.config.n_head * 40 * 40
+
+
+def test_pieces_of_a_character_show_their_bytes():
+    """A token that is part of a multi-byte character is named by its bytes (the server's
+    `bytes:\\xNN` convention), not U+FFFD; whole tokens keep their text."""
+    tok = Tokenizer.default()
+    tr = trace(random_model(SMALL_VOCAB), tok, "🤖 robot")
+    assert tr.ids == [8582, 97, 244, 9379]
+    assert tr.tokens == ["bytes:\\xf0\\x9f", "bytes:\\xa4", "bytes:\\x96", " robot"]
+    data = tr.to_json()
+    assert data["tokens"] == tr.tokens
+    assert "\ufffd" not in json.dumps(data, ensure_ascii=False)
+    assert data["vocab"]["9379"] == " robot" and data["vocab"]["97"] == "bytes:\\xa4"

@@ -327,7 +327,6 @@ def test_ctrl_c_saves_a_checkpoint_then_resume_continues(shards, tmp_path):
 # --- data parallel ----------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_two_ranks_match_one_process(shards, tmp_path, optimizer):
     """torchrun with 2 gloo ranks x batch 2 == 1 process x batch 4 (same global batch, 2 micro-steps).
@@ -742,6 +741,62 @@ def test_log_lines_carry_elapsed_time_and_eta_and_evaluations_show_progress(shar
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].endswith("| ETA 0:00:27")  # 3 s per step, 9 steps left
     assert lines[1:] == [f"evaluating: {i}/3 batches, 0:00:00" for i in (1, 2, 3)]
+
+
+def test_eta_counts_the_evaluations_still_to_come():
+    from gpt2kit.metrics import eta_seconds, evaluations_left
+
+    assert evaluations_left(0, 300, 50) == 6  # 50, 100, ..., 300 (the last is one of them)
+    assert evaluations_left(120, 300, 50) == 4  # 150, 200, 250, 300
+    assert evaluations_left(120, 310, 50) == 5  # 150 ... 300 and the last step, 310
+    assert evaluations_left(3, 10, 0) == 1  # no periodic evaluations: only the last step's
+    assert evaluations_left(10, 10, 5) == 0
+    # 180 steps left at 2 s, 4 evaluations at 30 s
+    assert eta_seconds(step=120, total=300, seconds_per_step=2.0, eval_every=50, seconds_per_eval=30.0) == 480.0
+    assert eta_seconds(step=120, total=300, seconds_per_step=2.0, eval_every=50, seconds_per_eval=None) == 360.0
+
+
+def test_reporter_eta_estimates_evaluations_from_tokens_then_from_measured_ones(capsys):
+    from gpt2kit.metrics import Reporter, eta_seconds
+
+    # 300 tokens per evaluation; a step of 300 tokens took 3 s, so an evaluation is estimated at 3 s
+    rep = Reporter(True, 0, 10, log_every=100, heartbeat=0.0, eval_every=5, eval_tokens=300)
+    rep.step({"step": 1, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0}, 3.0)
+    assert capsys.readouterr().err.rstrip().endswith("| ETA 0:00:33")  # 9 steps x 3 s + 2 evaluations x 3 s
+    with rep.evaluating(1) as advance:
+        advance()
+    assert rep.eta(1) == eta_seconds(step=1, total=10, seconds_per_step=3.0, eval_every=5,
+                                     seconds_per_eval=rep.eval_seconds)  # the measured evaluation
+
+
+def test_loss_plot_tells_train_from_validation_and_draws_lr_and_grad_norm(tmp_path):
+    from matplotlib.colors import to_rgba
+
+    from gpt2kit.metrics import Metrics
+
+    m = Metrics(tmp_path, None)
+    for step in range(1, 21):
+        m.log({"step": step, "loss": 5.0 - step / 10, "lr": step * 1e-4, "grad_norm": 1.0 + step % 3,
+               "tokens_per_s": 100.0})
+        if step % 10 == 0:
+            m.log({"step": step, "val_loss": 5.2 - step / 10})
+    fig = m.figure("tiny on shards")
+    m.close()
+    loss_ax, lr_ax, gn_ax = fig.axes
+    lines = {line.get_label(): line for line in loss_ax.get_lines()}
+    assert {"train", "train (smoothed)", "validation"} <= set(lines)
+    assert to_rgba(lines["train (smoothed)"].get_color()) != to_rgba(lines["validation"].get_color())
+    legend = loss_ax.get_legend()
+    assert legend is not None
+    handles = dict(zip([t.get_text() for t in legend.get_texts()], legend.legend_handles, strict=True))
+    assert to_rgba(handles["train (smoothed)"].get_color()) != to_rgba(handles["validation"].get_color())
+    assert list(lines["validation"].get_xdata()) == [10, 20]
+    (lr_line,) = lr_ax.get_lines()
+    assert list(lr_line.get_ydata()) == pytest.approx([s * 1e-4 for s in range(1, 21)])
+    (gn_line,) = gn_ax.get_lines()
+    assert list(gn_line.get_ydata()) == [1.0 + s % 3 for s in range(1, 21)]
+    assert lr_ax.get_ylabel() == "lr" and gn_ax.get_ylabel() == "grad norm"
+    assert gn_ax.get_xlabel() == "step"
 
 
 def test_temporaries_of_a_killed_run_are_removed_and_warnings_are_one_line(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """The one place that writes files: atomic single files and atomically swapped directories.
 
-Every file gpt2kit writes goes through `atomic_write` (or `atomic_write_path` / `atomic_write_text`):
+Every file gpt2kit writes goes through `atomic_write` (or `atomic_write_path` / `atomic_write_text`,
+or `atomic_write_at` for a directory held open by its descriptor):
 a temporary file in the same directory, the umask's mode (what open() would give), fsync, rename,
 then fsync of the directory so the rename itself is durable. Directory-level saves (a model
 directory) go through `atomic_directory`: the new directory is built beside the old one and
@@ -50,7 +51,10 @@ def atomic_write_path(path: str | os.PathLike[str], write: Callable[[str], None]
     half a file.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise _naming(path, e) from None
     try:
         os.close(fd)
         write(tmp)
@@ -68,8 +72,26 @@ def atomic_write_path(path: str | os.PathLike[str], write: Callable[[str], None]
         if full:
             raise OSError(errno.ENOSPC, f"no space left on the device holding {path.parent} while writing "
                           f"{path.name}; the previous {path.name}, if any, is untouched", str(path)) from None
+        if isinstance(e, OSError) and tmp in (e.filename, e.filename2):
+            raise _naming(path, e) from None  # the user named `path`, never our temporary file
         raise
     fsync_dir(path.parent)
+
+
+def _naming(path: Path, e: OSError) -> OSError:
+    """`e` (about the temporary file beside `path`) said about `path`, in one line, same type and errno."""
+    where = path.parent
+    reasons = {
+        errno.ENOENT: f"cannot write it: the directory {where} does not exist",
+        errno.ENOTDIR: f"cannot write it: {where} is not a directory (or a directory above it is a file)",
+        errno.EISDIR: "is a directory; give a file name",
+        errno.EACCES: f"cannot write it: permission denied in {where}",
+        errno.EPERM: f"cannot write it: permission denied in {where}",
+        errno.EROFS: f"cannot write it: {where} is on a read-only file system",
+    }
+    err = type(e)(f"{path}: {reasons.get(e.errno, f'cannot write it: {e.strerror}')}")
+    err.errno = e.errno  # no filename or strerror set: str(err) stays the one line above
+    return err
 
 
 def _out_of_space(e: BaseException, directory: Path) -> bool:
@@ -97,6 +119,30 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """`text` as UTF-8 with '\\n' line ends, replacing `path` atomically."""
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def atomic_write_at(dir_fd: int, name: str, data: bytes, mode: int | None = None) -> None:
+    """`data` replacing the file `name` in the directory open as `dir_fd`, atomically (a temporary file,
+    `mode` or the umask's, fsync, rename, directory fsync), every step relative to the descriptor: a
+    directory checked once (say, for its owner) is the one written, whatever its path names by then."""
+    tmp = f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fchmod(fd, file_mode() if mode is None else mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    with contextlib.suppress(OSError):
+        os.fsync(dir_fd)
 
 
 def read_bytes(path: str | os.PathLike[str]) -> bytes:

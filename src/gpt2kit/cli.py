@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,13 +32,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     _add_device_args(p)
 
 
-def _load(args: argparse.Namespace):
-    """--model (+ --adapter, merged), then --quantize."""
-    from gpt2kit.checkpoint import load_model
-
-    return _quantize_loaded(load_model(args.model, dtype=args.dtype, device=args.device, adapter=args.adapter), args)
-
-
 def _add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None,
                    help="float32 | bfloat16 | float16 | auto (the fastest here within bf16 accuracy; default float32)")
@@ -54,6 +48,24 @@ def _warn(message: str) -> None:
 def _add_quantize_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=None, metavar="SCHEME",
                    help="quantize the weights at load time: int8 (weight-only; see docs/quantization.md)")
+    p.add_argument("--int8-kernel", default=None, metavar="KERNEL",
+                   help="run int8 products with this kernel instead of the measured choice (as GPT2KIT_INT8_KERNEL): "
+                        "native-avx2, i8pack-bf16, i8pack, dequant")
+
+
+def _check_quantize(args: argparse.Namespace) -> None:
+    """--quantize's scheme and the int8 kernel asked for (--int8-kernel or GPT2KIT_INT8_KERNEL), before
+    anything loads: an unknown or unavailable kernel is one line naming it and the choices."""
+    if args.quantize is not None:
+        from gpt2kit.quant import check_scheme
+
+        check_scheme(args.quantize)
+    flag, env = getattr(args, "int8_kernel", None), os.environ.get("GPT2KIT_INT8_KERNEL")
+    if flag or env:
+        from gpt2kit.decode.int8 import ENV, check_kernel
+
+        device = args.device if str(getattr(args, "device", None) or "").startswith("cuda") else "cpu"
+        os.environ[ENV] = check_kernel(flag or env, device, "--int8-kernel " if flag else None)
 
 
 def _quantize_loaded(model, args: argparse.Namespace):
@@ -63,6 +75,21 @@ def _quantize_loaded(model, args: argparse.Namespace):
     from gpt2kit.quant import quantize_model
 
     return quantize_model(model, args.quantize)
+
+
+def _load_for(args: argparse.Namespace):
+    """--model's model (--adapter merged; --dtype, --device, --quantize applied) and tokenizer, the
+    status line saying so. The line is off while the source is resolved, so a download shows only
+    huggingface_hub's own bars."""
+    args.status.show(f"loading {args.model}")  # importing torch is part of the wait
+    from gpt2kit.checkpoint import load_model, load_tokenizer, resolve_source
+
+    args.status.hide()
+    _, path = resolve_source(args.model)
+    args.status.show(f"loading {args.model}")
+    model = _quantize_loaded(load_model(path, dtype=args.dtype, device=args.device,
+                                        adapter=getattr(args, "adapter", None)), args)
+    return model, load_tokenizer(path)
 
 
 def _read_text(path: str | None) -> str:
@@ -163,16 +190,14 @@ def _register_detokenize(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from gpt2kit.checkpoint import load_tokenizer
     from gpt2kit.score import score_text
 
     text = _read_text(args.file)
-    if args.quantize is not None:
-        from gpt2kit.quant import check_scheme
-
-        check_scheme(args.quantize)  # before reading the text and loading the model
-    model = _load(args)
-    result = score_text(model, load_tokenizer(args.model), text, stride=args.stride)
+    _check_quantize(args)  # before the model loads
+    model, tok = _load_for(args)
+    args.status.show(f"scoring {len(text):,} characters")
+    result = score_text(model, tok, text, stride=args.stride)
+    args.status.hide()
     if args.json:
         print(json.dumps(result.to_json()))
     else:
@@ -203,8 +228,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     _, src = resolve_source(args.src)
     if same_path(src, dst):
         raise CLIError(f"{args.dst} is the source being converted; write to another directory")
+    args.status.show(f"loading {args.src}")
     model = load_model(src, dtype=args.dtype)
+    args.status.show(f"writing {args.dst}")
     out = save_model(model, dst, tokenizer=load_tokenizer(src))
+    args.status.hide()
     from gpt2kit.quant import parameter_count, quantization
 
     q = quantization(model)  # an int8 checkpoint is copied as int8 (docs/quantization.md), not dequantized
@@ -229,7 +257,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     scheme = "int8" if args.int8 else args.scheme or ""
     r = quantize_checkpoint(args.src, args.dst, scheme, lm_head=args.lm_head, scale_dtype=args.scale_dtype,
-                            overwrite=args.overwrite)
+                            overwrite=args.overwrite, progress=args.status.show)
+    args.status.hide()
     after, before = r["int8_bytes"], r["float_bytes"]
     print(f"wrote {r['path']} ({scheme}, LM head {'quantized' if args.lm_head else 'float32'}, {args.scale_dtype} "
           f"scales): weights {after / 1e6:.1f} MB, {after / before:.0%} of float32's {before / 1e6:.1f} MB")
@@ -317,7 +346,7 @@ def _one_line_warnings(command: str) -> Iterator[None]:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from gpt2kit.completions import is_prompt_completion, prepare_completions
-    from gpt2kit.data import prepare
+    from gpt2kit.data.corpus import prepare
 
     pairs = [is_prompt_completion(i) for i in args.inputs]
     if any(pairs) and not all(pairs):
@@ -431,7 +460,8 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _sampling_settings(args: argparse.Namespace):
-    from gpt2kit.generate import EOT_ID, SamplingSettings
+    from gpt2kit.config import EOT_ID
+    from gpt2kit.sampling import SamplingSettings
 
     return SamplingSettings(
         max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
@@ -461,9 +491,18 @@ def _read_prompts(path: str) -> list[str]:
     return prompts
 
 
+def _quoted(prompt: str, limit: int = 60) -> str:
+    """A prompt for a header line: JSON-quoted (newlines visible), cut to `limit` characters."""
+    return json.dumps(prompt if len(prompt) <= limit else prompt[: limit - 1] + "…", ensure_ascii=False)
+
+
 def _generate_and_print(model, tok, texts: list[str], settings, args: argparse.Namespace) -> None:
-    """Run one generation and print its samples in order; the first unfinished one streams live."""
+    """Run one generation and print its samples in order; the first unfinished one streams live.
+
+    Headers (several samples, or --prompts-file) and --json lines name the prompt each sample
+    belongs to; with stdout redirected and stderr a terminal, a bar counts the tokens."""
     from gpt2kit.generate import encode_prompts, generate_stream
+    from gpt2kit.progress import is_terminal
 
     ids = encode_prompts(tok, texts)
     n_rows = len(ids) * settings.num_samples
@@ -471,43 +510,52 @@ def _generate_and_print(model, tok, texts: list[str], settings, args: argparse.N
     text = [""] * n_rows
     done: dict[int, str] = {}
     head = 0  # the next sample to print; its text goes out as it arrives
+    many_prompts = len(ids) > 1 or args.prompts_file is not None
 
     def header(k: int) -> None:
-        if n_rows > 1 and not args.json:
+        if (n_rows > 1 or many_prompts) and not args.json:
             i, j = divmod(k, settings.num_samples)
-            label = f"PROMPT {i + 1} SAMPLE {j + 1}" if len(ids) > 1 else f"SAMPLE {k + 1}"
+            label = f"PROMPT {i + 1} SAMPLE {j + 1}: {_quoted(texts[i])}" if many_prompts else f"SAMPLE {k + 1}"
             print(f"{'=' * 40} {label} {'=' * 40}")
 
     def finish(k: int) -> None:
         if args.json:
-            print(json.dumps({"prompt_tokens": ids[k // settings.num_samples], "tokens": tokens[k],
-                              "text": text[k], "finish_reason": done[k]}), flush=True)
+            i, j = divmod(k, settings.num_samples)
+            print(json.dumps({"prompt_index": i, "sample_index": j, "prompt": texts[i], "prompt_tokens": ids[i],
+                              "tokens": tokens[k], "text": text[k], "finish_reason": done[k]}), flush=True)
         else:
             print(flush=True)
 
-    header(0)
-    for step in generate_stream(model, ids, settings, tokenizer=tok, batch_size=args.batch_size):
-        for k, t in step.tokens.items():
-            tokens[k].append(t)
-        for k, piece in step.text.items():
-            text[k] += piece
-            if k == head and piece and not args.json:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-        done.update(step.finished)
-        while head in done:
-            finish(head)
-            head += 1
-            if head < n_rows:
-                header(head)
-                if not args.json and text[head]:
-                    sys.stdout.write(text[head])  # buffered while an earlier sample was printing
+    args.status.hide()  # the samples (or the token bar) take the terminal from here
+    bar = None if is_terminal(sys.stdout) else args.status.bar(n_rows * settings.max_new_tokens, unit="token",
+                                                                  desc="generating")
+    try:
+        header(0)
+        for step in generate_stream(model, ids, settings, tokenizer=tok, batch_size=args.batch_size):
+            for k, t in step.tokens.items():
+                tokens[k].append(t)
+            if bar is not None:
+                bar.update(len(step.tokens))
+            for k, piece in step.text.items():
+                text[k] += piece
+                if k == head and piece and not args.json:
+                    sys.stdout.write(piece)
                     sys.stdout.flush()
+            done.update(step.finished)
+            while head in done:
+                finish(head)
+                head += 1
+                if head < n_rows:
+                    header(head)
+                    if not args.json and text[head]:
+                        sys.stdout.write(text[head])  # buffered while an earlier sample was printing
+                        sys.stdout.flush()
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from gpt2kit.checkpoint import load_tokenizer
-
     settings = _sampling_settings(args)  # bad values fail before the model loads
     if args.prompt is not None and args.prompts_file is not None:
         raise CLIError("give a PROMPT or --prompts-file, not both")
@@ -515,39 +563,54 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError("--interactive reads its prompts from stdin; drop PROMPT / --prompts-file")
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.quantize is not None:
-        from gpt2kit.quant import check_scheme
-
-        check_scheme(args.quantize)  # before the model loads
+    _check_quantize(args)  # before the model loads
     texts = _read_prompts(args.prompts_file) if args.prompts_file is not None else [args.prompt or ""]
-    model = _load(args)
-    tok = load_tokenizer(args.model)
+    model, tok = _load_for(args)
     if not args.interactive:  # no prompt: unconditional samples from <|endoftext|>
         _generate_and_print(model, tok, texts, settings, args)
         return 0
-    while True:  # as openai/gpt-2's interactive_conditional_samples.py, until EOF
+    while True:  # as openai/gpt-2's interactive_conditional_samples.py, until EOF or Ctrl-C at the prompt
         if sys.stdin.isatty():
             print("Model prompt >>> ", end="", file=sys.stderr, flush=True)
         line = sys.stdin.readline()
         if not line:
             return 0
-        if line.strip():
+        if not line.strip():
+            continue
+        try:
             _generate_and_print(model, tok, [line.rstrip("\r\n")], settings, args)
+        except KeyboardInterrupt:  # Ctrl-C stops this sample only
+            print(flush=True)
+            print("(sample stopped; Ctrl-C at the prompt or end of input quits)", file=sys.stderr, flush=True)
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """Help lines that name each option's default (argparse's ArgumentDefaultsHelpFormatter also
+    tags the flags whose default is None or False, and repeats a default the text already gives)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not unset and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def _register_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="sample text from a model (KV-cached, batched, streamed)")
+    p = sub.add_parser("generate", help="sample text from a model (KV-cached, batched, streamed)",
+                       formatter_class=_DefaultsShown)
     p.add_argument("prompt", nargs="?", default=None,
                    help="prompt text (default: unconditional samples starting from <|endoftext|>)")
     _add_model_args(p)
     p.add_argument("--max-new-tokens", "-n", type=int, default=128, help="tokens to generate per sample")
-    p.add_argument("--temperature", "-t", type=float, default=1.0, help="0 = greedy (default 1)")
+    p.add_argument("--temperature", "-t", type=float, default=1.0, help="0 (or below 1e-5) = greedy (default 1)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold in (0, 1] (1 = off)")
     p.add_argument("--top-p-mode", choices=("openai", "hf"), default="openai",
                    help="openai: keep tokens with cumulative prob <= p (sample.py); hf: also the one crossing p")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's penalty (1 = off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's penalty (1 = off; >= 0.01)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed (same seed, same text; default: none, a different sample each run)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
     p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     p.add_argument("--batch-size", type=int, default=8, help="rows generated together (default 8)")
@@ -556,8 +619,10 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts-file", default=None, metavar="FILE",
                    help='one prompt per line, or JSONL with a "prompt" field')
     p.add_argument("--json", action="store_true",
-                   help='one line per sample: {"prompt_tokens", "tokens", "text", "finish_reason"}')
-    p.add_argument("--interactive", "-i", action="store_true", help="read prompts from stdin until EOF")
+                   help='one line per sample: {"prompt_index", "sample_index", "prompt", "prompt_tokens", '
+                        '"tokens", "text", "finish_reason"} (indexes from 0)')
+    p.add_argument("--interactive", "-i", action="store_true",
+                   help="read prompts from stdin until EOF; Ctrl-C stops a sample, Ctrl-C at the prompt quits")
     p.add_argument("--strict", action="store_true",
                    help="error if prompt + new tokens exceed the context (default: re-encode a recent window)")
     p.add_argument("--window", type=int, default=None,
@@ -583,7 +648,6 @@ def _register_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from gpt2kit.checkpoint import load_tokenizer
     from gpt2kit.trace import parse_what, trace
 
     if args.text is not None and args.file is not None:
@@ -592,19 +656,34 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise CLIError("nothing to write: give --out report.html, --json FILE and/or --npz FILE")
     if args.top_k < 1:
         raise CLIError(f"--top-k must be >= 1, got {args.top_k}")
-    text = args.text if args.text is not None else _read_text(args.file)
-    if not text:
-        raise CLIError("the text is empty: nothing to trace")
+    if args.text is None and args.file is None and args.pairs is not None:
+        text = None  # the first pair's clean text is traced
+    else:
+        text = args.text if args.text is not None else _read_text(args.file)
+        if not text:
+            raise CLIError("the text is empty: nothing to trace")
     parse_what(args.what)  # a bad --what fails before the model loads
-    if args.quantize is not None:
-        from gpt2kit.quant import check_scheme
+    from gpt2kit.trace.metrics import parse_metric
+    from gpt2kit.trace.patching import MODES
 
-        check_scheme(args.quantize)
-    model = _load(args)
-    tok = load_tokenizer(args.model)
+    metric = parse_metric(args.metric)
+    if args.patch not in MODES:
+        raise CLIError(f"unknown --patch {args.patch!r}; choose from {', '.join(MODES)}")
+    if args.compare is not None and args.pairs is not None:
+        raise CLIError("give --compare TEXT or --pairs FILE, not both")
+    _check_quantize(args)  # before the model loads
+    from gpt2kit.trace.intervene import parse_ablate, parse_replace, parse_steer
+
+    interventions = ([parse_ablate(s) for s in args.ablate] + [parse_steer(s) for s in args.steer]
+                     + [parse_replace(s) for s in args.replace])  # a bad form or file fails before loading
+    model, tok = _load_for(args)
+    args.status.show(f"tracing {len(text):,} characters" if text is not None else f"tracing the pairs in {args.pairs}")
     tr = trace(model, tok, text, top_k=args.top_k, layers=args.layers, what=args.what,
-               prepend_eot=args.prepend_eot, patch_from=args.compare, name=str(args.model))
+               prepend_eot=args.prepend_eot, patch_from=args.compare, name=str(args.model),
+               interventions=interventions, mean_over=args.mean_over, patch_mode=args.patch, metric=metric,
+               pairs=args.pairs, attribution=args.attribution, sae=args.sae)
     wrote = []
+    args.status.show("writing " + ", ".join(p for p in (args.out, args.json, args.npz) if p))
     if args.out:
         tr.save_html(args.out)
         wrote.append(args.out)
@@ -617,6 +696,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.npz:
         tr.save_npz(args.npz)
         wrote.append(args.npz)
+    args.status.hide()
     print(f"traced {len(tr.ids)} tokens, {len(tr.tensors)} tensors; wrote {', '.join(wrote)}")
     return 0
 
@@ -632,11 +712,32 @@ def _register_trace(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=10, help="next-token predictions shown per position (default 10)")
     p.add_argument("--compare", default=None, metavar="TEXT",
                    help="a corrupted text of the same token length: residual-stream activation patching")
+    p.add_argument("--pairs", default=None, metavar="FILE.jsonl",
+                   help='patching averaged over (clean, corrupt) pairs: lines {"clean","corrupt","answer","wrong"}')
+    p.add_argument("--patch", default="resid", metavar="MODE",
+                   help="what --compare/--pairs patch: resid (default), attn, mlp, heads, heads-pos")
+    p.add_argument("--metric", default=None, metavar="SPEC",
+                   help="the patching metric: logit-diff:A,B | logit:T | prob:T | loss[:T] (A, B, T one token "
+                        "each, taken verbatim: ' Paris'); default the clean - corrupted top-1 logit difference")
+    p.add_argument("--attribution", action="store_true",
+                   help="also estimate every patching cell by attribution patching (gradient x difference)")
     p.add_argument("--layers", default=None, help="blocks to record: all (default), N, N-M, comma list; -1 = last")
     p.add_argument("--what", default=None,
                    help="tensors to record: all (default) or a comma list of attn, mlp, embed, resid, ln, qkv, "
                         "scores, probs, z, attn_out, mlp_pre, mlp_post, mlp_out")
     p.add_argument("--prepend-eot", action="store_true", help="put <|endoftext|> before the text (and --compare)")
+    p.add_argument("--sae", default=None, metavar="DIR",
+                   help="a sparse autoencoder saved in SAELens's format (cfg.json + sae_weights.safetensors): "
+                        "its features at its hook point")
+    p.add_argument("--ablate", action="append", default=[], metavar="NAME[@POS][:mean]",
+                   help="zero (or mean-) ablate at a trace or TransformerLens name, e.g. h.5.attn.head.3, "
+                        "h.7.mlp:mean, resid.2@4 (repeatable; docs/trace.md)")
+    p.add_argument("--steer", action="append", default=[], metavar="NAME[@POS]:VEC.npy[*SCALE]",
+                   help="add SCALE x the vector at a name, e.g. h.6.resid:happy.npy*4 (repeatable)")
+    p.add_argument("--replace", action="append", default=[], metavar="NAME[@POS]:VALUE.npy",
+                   help="set the tensor at a name to the array (repeatable)")
+    p.add_argument("--mean-over", default=None, metavar="TEXT",
+                   help="the text a :mean ablation averages over (default: the traced text)")
     _add_quantize_arg(p)
     p.set_defaults(func=cmd_trace)
 
@@ -658,10 +759,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise CLIError(f"{flag} must be >= {1 if flag == '--max-batch' else 0}, got {value}")
     if args.max_tokens_per_request is not None and args.max_tokens_per_request < 1:
         raise CLIError(f"--max-tokens-per-request must be >= 1, got {args.max_tokens_per_request}")
-    if args.quantize is not None:
-        from gpt2kit.quant import check_scheme
-
-        check_scheme(args.quantize)  # before the "loading" line
+    _check_quantize(args)  # before the model loads
     if args.adapter is not None:
         from gpt2kit.checkpoint import read_adapter
 
@@ -758,8 +856,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.debug = debug
     _PROG = f"gpt2kit {args.command}"
+    from gpt2kit.progress import Status
+
     try:
-        code = int(args.func(args) or 0)
+        with Status(_PROG) as args.status:  # a status line while the command works, on a terminal only
+            code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed stdout shows up here, not at interpreter exit
         return code
     except KeyboardInterrupt:
@@ -768,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`gpt2kit tokenize big.txt | head`): stop quietly
         _detach_stdout()
         return 141  # what a shell reports for a process ended by SIGPIPE (128 + 13)
-    except Exception as e:  # noqa: BLE001 - the CLI's one place that turns errors into exit codes
+    except Exception as e:  # the CLI's one place that turns errors into exit codes
         if debug:
             raise
         print(f"{_PROG}: error: {_one_line(e)}", file=sys.stderr)

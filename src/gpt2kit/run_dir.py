@@ -115,7 +115,7 @@ def read_checkpoint(path: Path, *, mmap: bool = False, verify: bool = True) -> d
         _verify_checkpoint(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as e:  # noqa: BLE001 - any unreadable file is one user-facing error
+    except Exception as e:  # any unreadable file is one user-facing error
         raise ValueError(f"{path}: not a readable gpt2kit training checkpoint ({e})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path}: not a gpt2kit training checkpoint (expected format {CHECKPOINT_FORMAT!r})")
@@ -209,7 +209,7 @@ def _lock(path: Path) -> tuple[Any, str | None]:
     import fcntl
     import socket
 
-    f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open while the run lasts
+    f = open(path, "a+", encoding="utf-8")  # held open while the run lasts
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

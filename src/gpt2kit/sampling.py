@@ -3,11 +3,16 @@
 Order, as OpenAI's API and sample.py apply them: logit_bias -> repetition penalty (CTRL's, as
 transformers) -> presence/frequency penalties (OpenAI's, over the tokens generated so far) ->
 temperature -> top-k -> top-p -> one draw per row. temperature 0 is greedy (argmax after the
-bias and the penalties). Each row draws from its own ``torch.Generator`` seeded from
+bias and the penalties), and so is any temperature below GREEDY_BELOW (1e-5, as vLLM): dividing by
+less could overflow float32, and the distribution there is the argmax to float32 precision anyway.
+The other settings are bounded so the warped logits stay finite (repetition_penalty >=
+MIN_REPETITION_PENALTY, biases and penalties within +-LOGIT_LIMIT); a row whose warped logits are
+still not usable (NaN, +inf, or every token -inf, e.g. from a model with non-finite weights) raises
+ValueError for that row alone. Each row draws from its own ``torch.Generator`` seeded from
 (seed, prompt ids, sample index), so a row's tokens do not depend on which other rows share its batch.
 
 :class:`RowSampler` holds one row's state (its generator, the tokens it has seen and generated)
-and chooses its next token from the row's logits; the generation scheduler (gpt2kit.generate)
+and chooses its next token from the row's logits; the generation scheduler (gpt2kit.engine)
 keeps one per row, so rows with different settings can share a batch.
 
 Legend: B rows, V vocab.
@@ -24,6 +29,14 @@ from gpt2kit.config import EOT_ID  # <|endoftext|>: the default stop token and t
 from gpt2kit.validate import check_int, check_number
 
 TOP_P_MODES = ("openai", "hf")
+GREEDY_BELOW = 1e-5  # temperatures in [0, GREEDY_BELOW) are greedy
+MIN_REPETITION_PENALTY = 0.01  # a seen token's logit is scaled by at most 100
+LOGIT_LIMIT = 1e9  # |logit_bias value|, |presence_penalty|, |frequency_penalty| at most this
+_LOGIT_RANGE = "in [-1e9, 1e9]"
+
+
+def _within_logit_limit(v: float) -> bool:
+    return -LOGIT_LIMIT <= v <= LOGIT_LIMIT
 
 
 # --- settings ---------------------------------------------------------------------------------
@@ -34,17 +47,17 @@ class SamplingSettings:
     """What to generate and how. Invalid values raise ValueError naming the value and the limit."""
 
     max_new_tokens: int = 128
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     # "openai": keep the tokens whose cumulative probability stays <= top_p (at least one), as
     # OpenAI's sample.py; "hf": also keep the token that crosses top_p, as transformers.
     top_p_mode: str = "openai"
-    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages tokens already in the row
+    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages tokens already in the row; >= 0.01
     # OpenAI's penalties, over the row's generated tokens: logit -= count * frequency + (count > 0) * presence
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    # token id -> bias added to its logit (a mapping or (id, bias) pairs; kept as sorted pairs)
+    # token id -> bias added to its logit (a mapping or (id, bias) pairs, each id once; kept sorted)
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None  # None: drawn from torch's global RNG (so torch.manual_seed applies)
     stop_token_ids: tuple[int, ...] = (EOT_ID,)
@@ -52,7 +65,7 @@ class SamplingSettings:
     num_samples: int = 1  # rows per prompt
     strict: bool = False  # past n_ctx: raise up front instead of re-encoding a window
     window: int | None = None  # tokens kept when re-encoding past n_ctx; None = n_ctx // 2
-    # CPU decode steps with oneDNN-prepacked copies of the weight matrices (gpt2kit.packed: faster,
+    # CPU decode steps with oneDNN-prepacked copies of the weight matrices (gpt2kit.decode.packed: faster,
     # a second copy of them in memory); None = where it is faster and the copy fits, True/False.
     pack_weights: bool | None = None
 
@@ -60,19 +73,17 @@ class SamplingSettings:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
-        object.__setattr__(self, "logit_bias", tuple(sorted((k, v) for k, v in bias)))
+        object.__setattr__(self, "logit_bias", _check_logit_bias(bias))
         check_int("max_new_tokens", self.max_new_tokens, ">= 1", lambda v: v >= 1)
-        check_number("temperature", self.temperature, ">= 0 (0 = greedy)", lambda v: v >= 0)
+        check_number("temperature", self.temperature, f">= 0 (below {GREEDY_BELOW:g} = greedy)", lambda v: v >= 0)
         check_int("top_k", self.top_k, ">= 0 (0 = off)", lambda v: v >= 0)
         check_number("top_p", self.top_p, "in (0, 1] (1 = off)", lambda v: 0 < v <= 1)
         if self.top_p_mode not in TOP_P_MODES:
             raise ValueError(f"top_p_mode must be one of {', '.join(TOP_P_MODES)}, got {self.top_p_mode!r}")
-        check_number("repetition_penalty", self.repetition_penalty, "> 0 (1 = off)", lambda v: v > 0)
-        check_number("presence_penalty", self.presence_penalty, "(0 = off)", lambda v: True)
-        check_number("frequency_penalty", self.frequency_penalty, "(0 = off)", lambda v: True)
-        for t, b in self.logit_bias:
-            check_int("logit_bias token id", t, ">= 0", lambda v: v >= 0)
-            check_number(f"logit_bias[{t}]", b, "(finite)", lambda v: True)
+        check_number("repetition_penalty", self.repetition_penalty, f">= {MIN_REPETITION_PENALTY:g} (1 = off)",
+                     lambda v: v >= MIN_REPETITION_PENALTY)
+        check_number("presence_penalty", self.presence_penalty, _LOGIT_RANGE + " (0 = off)", _within_logit_limit)
+        check_number("frequency_penalty", self.frequency_penalty, _LOGIT_RANGE + " (0 = off)", _within_logit_limit)
         if self.seed is not None:
             check_int("seed", self.seed, "in [0, 2**64)", lambda v: 0 <= v < 2**64)
         for t in self.stop_token_ids:
@@ -88,13 +99,30 @@ class SamplingSettings:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes the logits first: the argmax of the raw logits."""
         return (self.greedy and self.repetition_penalty == 1.0 and not self.logit_bias
                 and self.presence_penalty == 0 and self.frequency_penalty == 0)
+
+
+def _check_logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """(id, bias) pairs, sorted: each id an int >= 0 named once (so 5 and 5 never silently add up),
+    each bias finite and within LOGIT_LIMIT."""
+    pairs, seen = [], set()
+    for pair in bias:
+        if not isinstance(pair, Sequence) or len(pair) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases, got the entry {pair!r}")
+        t, b = pair
+        check_int("logit_bias token id", t, ">= 0", lambda v: v >= 0)
+        check_number(f"logit_bias[{t}]", b, _LOGIT_RANGE, _within_logit_limit)
+        if t in seen:
+            raise ValueError(f"logit_bias names token id {t} more than once")
+        seen.add(t)
+        pairs.append((t, b))
+    return tuple(sorted(pairs))
 
 
 # --- warpers (logits (B, V), float32) ---------------------------------------------------------
@@ -214,6 +242,15 @@ def resolve_seed(settings: SamplingSettings) -> int | None:
     return settings.seed
 
 
+def check_finite(logits: torch.Tensor, settings: SamplingSettings) -> None:
+    """ValueError unless one row's logits (1, V) can be drawn from: its max is NaN if any logit is,
+    +inf breaks the softmax, -inf means no token is left."""
+    if not torch.isfinite(logits.amax()):
+        raise ValueError(f"the sampling distribution is not finite (NaN, +inf or no token left) with "
+                         f"temperature={settings.temperature}, repetition_penalty={settings.repetition_penalty}: "
+                         f"the model's logits are not finite, or the settings overflow them")
+
+
 class RowSampler:
     """One row's sampling state: its settings, its generator and the token sets its penalties need.
 
@@ -238,8 +275,10 @@ class RowSampler:
         """The next token (1,) from the row's raw logits (1, V)."""
         s = self.settings
         if s.plain_greedy:
+            check_finite(logits, s)
             return logits.argmax(dim=-1)  # no float32 copy: the conversion is exact, the argmax the same
         warped = warp(logits, s, self.seen, self.counts)
+        check_finite(warped, s)
         return sample(warped, None if s.greedy else [self.generator])
 
     def observe(self, token: int) -> None:

@@ -39,9 +39,23 @@ class ScoreResult:
         return {"tokens": self.tokens, "logprobs": self.logprobs, "nll": self.nll, "ppl": self.ppl}
 
 
-@torch.inference_mode()
 def score_tokens(model, tokens: list[int], *, eot_token: int = EOT_ID, stride: int | None = None) -> list[float]:
     """ln p(tokens[i] | eot, tokens[:i]) for every i, with the strided sliding window."""
+    return _score(model, tokens, eot_token, stride, 0)[0]
+
+
+def score_tokens_top(model, tokens: list[int], top: int, *, eot_token: int = EOT_ID, stride: int | None = None
+                     ) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
+    """score_tokens, plus at every position the top `top` (id, log-prob) alternatives under the
+    same distribution, from the same forward pass (one per window)."""
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise ValueError(f"top must be an int >= 0, got {top!r}")
+    return _score(model, tokens, eot_token, stride, top)
+
+
+@torch.inference_mode()
+def _score(model, tokens: list[int], eot_token: int, stride: int | None, top: int
+           ) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
     n_ctx = model.config.n_ctx
     stride = n_ctx // 2 if stride is None else stride
     if not 1 <= stride < n_ctx:
@@ -54,6 +68,7 @@ def score_tokens(model, tokens: list[int], *, eot_token: int = EOT_ID, stride: i
     device = model.wte.weight.device
     seq = torch.tensor([eot_token, *tokens], device=device)  # targets are seq[1:]
     out: list[float] = []
+    tops: list[tuple[tuple[int, float], ...]] = []
     scored_to = 1  # seq positions < scored_to have been scored (position 0 is the context)
     begin = 0
     while scored_to < len(seq):
@@ -65,9 +80,13 @@ def score_tokens(model, tokens: list[int], *, eot_token: int = EOT_ID, stride: i
         first = scored_to - begin - 1  # the row that predicts the first unscored position
         picked = logp[first:].gather(1, targets[first:, None])[:, 0]
         out.extend(picked.tolist())
+        if top:
+            best = logp[first:].topk(min(top, logp.shape[-1]), dim=-1)
+            tops.extend(tuple(zip(i, v, strict=True)) for i, v in zip(best.indices.tolist(), best.values.tolist(),
+                                                                     strict=True))
         scored_to = end
         begin += stride
-    return out
+    return out, tops if top else [() for _ in out]
 
 
 def score_text(model, tokenizer, text: str, *, stride: int | None = None) -> ScoreResult:

@@ -2,7 +2,7 @@
 
 The vocabulary is read from local files only (never downloaded): ``encoder.json`` + ``vocab.bpe``
 (OpenAI's names) or ``vocab.json`` + ``merges.txt`` (Hugging Face's names); the two pairs have the
-same formats. The GPT-2 files ship inside the package (``gpt2kit/data``).
+same formats. The GPT-2 files ship inside the package (``gpt2kit/vocab``).
 
 tiktoken's BPE merges the adjacent pair whose concatenation has the lowest *token id*, while
 ``encoder.py`` merges the pair that comes first in the merges list. That is the same BPE only when
@@ -241,11 +241,11 @@ class Tokenizer:
     @functools.lru_cache(maxsize=1)
     def default() -> Tokenizer:
         """The GPT-2 tokenizer from the packaged files; built once and shared."""
-        data = importlib.resources.files("gpt2kit") / "data"
+        vocab = importlib.resources.files("gpt2kit") / "vocab"
         # as_file gives a real path even for zipped installs; the files are read before it exits.
         with (
-            importlib.resources.as_file(data / "encoder.json") as v,
-            importlib.resources.as_file(data / "vocab.bpe") as m,
+            importlib.resources.as_file(vocab / "encoder.json") as v,
+            importlib.resources.as_file(vocab / "vocab.bpe") as m,
         ):
             return Tokenizer.from_files(v, m)
 

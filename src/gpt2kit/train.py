@@ -57,7 +57,8 @@ from gpt2kit.checkpoint import load_model, resolve_source
 from gpt2kit.checkpoint.source import HUB_NAMES
 from gpt2kit.completions import with_masks
 from gpt2kit.config import PRESETS, GPT2Config
-from gpt2kit.data import RandomWindowLoader, ShardLoader, find_shards
+from gpt2kit.data.loaders import RandomWindowLoader, ShardLoader
+from gpt2kit.data.shard import find_shards
 from gpt2kit.distributed import Dist
 from gpt2kit.loss import TrainingLoss
 from gpt2kit.metrics import PLOT_NAME, Metrics, Reporter
@@ -485,7 +486,9 @@ def _val_loader(cfg: TrainConfig, d: Dist) -> tuple[ShardLoader | None, int]:
 def _loop(run: _Run, *, fresh: bool) -> TrainResult:
     cfg, d = run.cfg, run.dist
     metrics = Metrics(run.out, None if fresh else run.step) if d.master else None
-    reporter = Reporter(d.master, run.step, cfg.max_steps, cfg.log_every)
+    eval_tokens = run.eval_batches * cfg.batch_size * cfg.seq_len * d.world_size if run.val_loader else 0
+    reporter = Reporter(d.master, run.step, cfg.max_steps, cfg.log_every, eval_every=cfg.eval_every,
+                        eval_tokens=eval_tokens)
     last_loss = val_loss = None
     tokens, seconds = 0, 0.0
     end = cfg.max_steps if cfg.stop_at is None else min(cfg.max_steps, cfg.stop_at)

@@ -1,4 +1,5 @@
-"""`gpt2kit bench`: generation speed against transformers, side by side (the measurement: core.py).
+"""`gpt2kit bench`: generation speed against transformers, side by side (measured by core.py,
+timed by timing.py, printed by report.py).
 
 This module owns the command's options and is light to import (no torch), so the CLI can build its
 parser without loading the benchmark; `python -m gpt2kit.bench` runs it on its own too.
@@ -7,6 +8,7 @@ parser without loading the benchmark; `python -m gpt2kit.bench` runs it on its o
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -24,13 +26,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="before each trial, wait up to S seconds for other processes to leave the CPU")
     p.add_argument("--quantize", default=None, metavar="SCHEME",
                    help="add a gpt2kit column with int8 weights (weight-only, LM head included)")
+    p.add_argument("--kernels", action="store_true",
+                   help="print which kernel each product bucket runs here, from where (default / stored / "
+                        "measured / forced) and the measured medians, then exit (no transformers needed)")
+    p.add_argument("--remeasure", action="store_true", help="with --kernels: measure anew, whatever is stored")
+    p.add_argument("--int8-kernel", default=None, metavar="KERNEL",
+                   help="run int8 products with this kernel (as GPT2KIT_INT8_KERNEL): native-avx2, i8pack-bf16, "
+                        "i8pack, dequant")
     p.add_argument("--_memory-worker", nargs=6, default=None, help=argparse.SUPPRESS)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be an integer >= 1, got {args.threads}")
+    if getattr(args, "int8_kernel", None) is not None:
+        from gpt2kit.decode.int8 import ENV, check_kernel
+
+        os.environ[ENV] = check_kernel(args.int8_kernel, getattr(args, "device", "cpu"), "--int8-kernel ")
+    if getattr(args, "kernels", False):
+        return _print_kernels(args)
+    if not getattr(args, "_memory_worker", None):
+        require_transformers()
     from gpt2kit.bench.core import run_from_args as run
 
     return run(args)
+
+
+def _print_kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from gpt2kit.bench.kernels import format_kernels, kernel_choices
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(format_kernels(kernel_choices(remeasure=args.remeasure)))
+    return 0
+
+
+def require_transformers() -> None:
+    """ImportError naming the extra that installs transformers, the peer every run measures against."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise ImportError("gpt2kit bench compares with transformers, which is not installed: "
+                          "pip install 'gpt2kit[bench]'")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +78,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run_from_args(args)
-    except ValueError as e:  # bad values: one line, as the gpt2kit CLI does
+    except (ValueError, ImportError) as e:  # bad values, a missing peer: one line, as the gpt2kit CLI does
         print(f"gpt2kit bench: error: {e}", file=sys.stderr)
         return 2

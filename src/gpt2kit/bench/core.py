@@ -18,38 +18,36 @@ gpt2kit runs in float32 and in bfloat16 (``model.to(torch.bfloat16)``); transfor
 Each timing is the best of a few trials, alternating the libraries; on Linux a trial during which
 other processes used the CPU is discarded (and retried) when possible, and the table says how many
 trials were quiet. Ratios are gpt2kit / transformers (for memory, lower is better).
+
+This module measures; the trials are timed by timing.py and the results printed by report.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import subprocess
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from gpt2kit._io import atomic_write_text
 from gpt2kit.bench.machine import cpu_info
+from gpt2kit.bench.report import format_table
+from gpt2kit.bench.timing import synced, time_alternating, trial
 from gpt2kit.checkpoint.keymap import to_hf_state
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import prefill, use_decode_layout
 from gpt2kit.decode.int8 import chosen
-from gpt2kit.generate import SamplingSettings, generate
+from gpt2kit.generate import generate
 from gpt2kit.kv_cache import KVCache
 from gpt2kit.model import GPT2
 from gpt2kit.quant import check_scheme, quantize_model, quantized_skeleton, weight_bytes
+from gpt2kit.sampling import SamplingSettings
 from gpt2kit.tokenizer import Tokenizer
 
-TARGETS = {  # gpt2kit / transformers float32, from the generation issue
-    ("decode_b1", "float32"): 1.1, ("decode_b1", "bfloat16"): 1.8, ("decode_b8", "float32"): 1.6,
-    ("prefill", "float32"): 1.0, ("prefill", "bfloat16"): 1.6,
-    ("decode_b1", "int8"): 2.5, ("decode_b8", "int8"): 2.0,  # the int8 issue (with --quantize int8)
-}
 TEXT = (
     "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
     "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, "
@@ -57,90 +55,6 @@ TEXT = (
     "everything before us, we had nothing before us, we were all going direct to Heaven, we were all going "
     "direct the other way. "
 )
-
-
-# --- timing ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Timing:
-    seconds: float  # best trial
-    quiet: int  # trials during which no other process used the CPU
-    trials: int
-
-
-def _cpu_ticks() -> tuple[int, int] | None:
-    """(busy ticks of the whole machine, ticks of this process), or None where /proc is absent."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-    except OSError:
-        return None
-    t = os.times()
-    return sum(v) - v[3] - v[4], round((t.user + t.system) * os.sysconf("SC_CLK_TCK"))
-
-
-def _wait_for_idle(max_wait: float, idle: float = 1.0) -> None:
-    """On a shared machine, wait (at most max_wait s) until other processes have left the CPU
-    alone for `idle` seconds, so that a trial has a chance to be quiet."""
-    start = last = _cpu_ticks()
-    if start is None:
-        return
-    t0 = quiet_since = time.monotonic()
-    while time.monotonic() - t0 < max_wait and time.monotonic() - quiet_since < idle:
-        time.sleep(0.2)
-        now = _cpu_ticks()
-        if (now[0] - last[0]) - (now[1] - last[1]) > 4:  # over ~20% of a core in 0.2 s
-            quiet_since = time.monotonic()
-        last = now
-
-
-def synced(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
-    """fn, then wait for the device's queued work (CUDA runs asynchronously), so a trial times it all."""
-    if device.type != "cuda":
-        return fn
-
-    def run():
-        fn()
-        torch.cuda.synchronize(device)
-    return run
-
-
-def _trial(fn: Callable[[], object], wait: float = 0.0) -> tuple[float, bool]:
-    if wait:
-        _wait_for_idle(wait)
-    before = _cpu_ticks()
-    t0 = time.perf_counter()
-    fn()
-    dt = time.perf_counter() - t0
-    after = _cpu_ticks()
-    if before is None or after is None:
-        return dt, True
-    others = (after[0] - before[0]) - (after[1] - before[1])
-    # Background daemons use ~1% of a core here; more than 5% of one core is another workload.
-    return dt, others <= 2 + 0.05 * dt * os.sysconf("SC_CLK_TCK")
-
-
-def time_alternating(fns: dict[str, Callable[[], object]], trials: int, max_trials: int,
-                     wait: float = 0.0) -> dict[str, Timing]:
-    """Best wall time of each fn, running them in turn; stop once each has `trials` quiet trials.
-    wait: before each trial, wait up to this many seconds for other processes to leave the CPU."""
-    results = {k: Timing(float("inf"), 0, 0) for k in fns}
-    quiet_times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(max_trials):
-        for name, fn in fns.items():
-            r = results[name]
-            if r.quiet >= trials:
-                continue
-            dt, quiet = _trial(fn, wait)
-            r.trials += 1
-            if quiet:
-                r.quiet += 1
-                quiet_times[name].append(dt)
-            r.seconds = min(quiet_times[name]) if quiet_times[name] else min(r.seconds, dt)
-        if all(r.quiet >= trials for r in results.values()):
-            break
-    return results
 
 
 # --- models and workloads -------------------------------------------------------------------------
@@ -212,7 +126,7 @@ def memory_bandwidth(trials: int = 5, device: torch.device | str = "cpu") -> flo
     x = torch.ones(2**28, device=device)
     fn = synced(lambda: x.sum(), device)
     fn()
-    best = min(_trial(fn)[0] for _ in range(trials))
+    best = min(trial(fn)[0] for _ in range(trials))
     return x.numel() * 4 / best
 
 
@@ -421,75 +335,6 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
     return results
 
 
-def format_table(r: dict) -> str:
-    m = r["machine"]
-    ref, cols = "transformers/float32", ("gpt2kit/float32", "gpt2kit/bfloat16")
-    on_gpu = m.get("device_type") == "cuda"
-    lines = [
-        (f"device: {m['device']} (cuda); " if on_gpu else "")
-        + f"machine: {m['cpu']}, {m['cores']} cores ({' '.join(m['isa'])}); {m['threads']} threads; "
-        f"torch {m['torch']}, transformers {m['transformers']}, python {m['python']}",
-        "model: GPT-2 124M, random weights (the same in both); eager; greedy; best of the quiet trials; "
-        "gpt2kit with its defaults (prepacked weights where they help: float32 batches, bfloat16)",
-        "",
-        "| workload | transformers fp32 | gpt2kit fp32 | ratio | gpt2kit bf16 | ratio | quiet trials |",
-        "|---|--:|--:|--:|--:|--:|---|",
-    ]
-    names = {"prefill": f"prefill tok/s (T={r['T']})", "decode_b1": f"decode tok/s, batch 1 ({r['new_tokens']} new)",
-             "decode_b8": f"decode tok/s, batch 8 ({r['new_tokens']} new)"}
-    i8 = "gpt2kit/int8" if "gpt2kit/int8" in r["tok_s"]["prefill"] else None
-    if i8:  # the int8 column goes in before the quiet-trials one
-        lines[-2] = lines[-2].replace(" | quiet trials |", " | gpt2kit int8 | ratio | quiet trials |")
-        lines[-1] = lines[-1].replace("--:|---|", "--:|--:|--:|---|")
-    for wl, label in names.items():
-        v = r["tok_s"][wl]
-        q = r["quiet"][wl]
-        extra = f"{v[i8]:.1f} | {v[i8] / v[ref]:.2f}x | " if i8 else ""
-        lines.append(f"| {label} | {v[ref]:.1f} | {v[cols[0]]:.1f} | {v[cols[0]] / v[ref]:.2f}x | "
-                     f"{v[cols[1]]:.1f} | {v[cols[1]] / v[ref]:.2f}x | {extra}{q[ref]}, {q[cols[0]]}, {q[cols[1]]}"
-                     f"{', ' + q[i8] if i8 else ''} |")
-    if r.get("peak_MiB"):
-        p = r["peak_MiB"]
-        what = "peak GPU memory allocated" if on_gpu else "peak RSS above baseline"
-        extra = f"{p[i8]:.0f} | {p[i8] / p[ref]:.2f}x | " if i8 and p.get(i8) is not None else ""
-        lines.append(f"| {what}, MiB (lower is better) | {p[ref]:.0f} | {p[cols[0]]:.0f} | "
-                     f"{p[cols[0]] / p[ref]:.2f}x | {p[cols[1]]:.0f} | {p[cols[1]] / p[ref]:.2f}x | {extra}|")
-    if i8:
-        w = r["weight_MB"]
-        lines.append(f"| weight memory, MB (lower is better) | {w['float32']:.0f} | {w['float32']:.0f} | 1.00x | "
-                     f"{w['float32'] / 2:.0f} | 0.50x | {w['int8']:.0f} | {w['int8'] / w['float32']:.2f}x | |")
-    lim, bpt = r["limit_tok_s"], r["bytes_per_token"]
-    b1 = r["tok_s"]["decode_b1"]
-    lines += [
-        "",
-        f"physical limit, batch-1 decode: weights read per token / bandwidth ({r['bandwidth_GBs']:.1f} GB/s, "
-        f"1 GiB float32 sum, {'GPU' if on_gpu else 'CPU'}): "
-        f"float32 {bpt['float32'] / 1e6:.0f} MB -> {lim['float32']:.1f} tok/s "
-        f"(gpt2kit at {b1[cols[0]] / lim['float32']:.0%}, transformers at {b1[ref] / lim['float32']:.0%}); "
-        f"bfloat16 {bpt['bfloat16'] / 1e6:.0f} MB -> {lim['bfloat16']:.1f} tok/s "
-        f"(gpt2kit at {b1[cols[1]] / lim['bfloat16']:.0%})",
-        f"bfloat16 vs float32 on the same text (512 tokens): mean |Δ logprob| {r['dlogprob_next']:.2e} "
-        f"(next tokens), {r['dlogprob_vocab']:.2e} (whole vocabulary)",
-        f"greedy batch-1 tokens identical to transformers: {'yes' if r['greedy_identical'] else 'NO'}",
-        "targets (gpt2kit / transformers fp32): " + ", ".join(
-            f"{wl} {dt} {r['tok_s'][wl][f'gpt2kit/{dt}'] / r['tok_s'][wl][ref]:.2f}x "
-            f"{'>=' if r['tok_s'][wl][f'gpt2kit/{dt}'] / r['tok_s'][wl][ref] >= goal else '<'} {goal}"
-            for (wl, dt), goal in TARGETS.items() if f"gpt2kit/{dt}" in r["tok_s"][wl]),
-    ]
-    if i8:
-        w = r["weight_MB"]
-        lines += [
-            f"int8 (weight-only, LM head included): physical limit {bpt['int8'] / 1e6:.0f} MB per token -> "
-            f"{lim['int8']:.1f} tok/s (gpt2kit int8 at {b1[i8] / lim['int8']:.0%}); weight memory "
-            f"{w['int8'] / w['float32']:.0%} of float32 ({'<=' if w['int8'] <= 0.30 * w['float32'] else '>'} 30%); "
-            f"kernels {r['int8_kernels']}",
-            f"int8 vs float32 on the same text (random weights): mean |Δ logprob| {r['dlogprob_int8_next']:.2e} "
-            f"(next tokens), {r['dlogprob_int8_vocab']:.2e} (whole vocabulary); the quality gate on a trained "
-            "model is in docs/quantization.md",
-        ]
-    return "\n".join(lines)
-
-
 def run_from_args(args: argparse.Namespace) -> int:
     if getattr(args, "_memory_worker", None):
         engine, dtype, T, n, threads, device = args._memory_worker
@@ -504,7 +349,6 @@ def run_from_args(args: argparse.Namespace) -> int:
                   config=None if size == "gpt2" else config)
     print(format_table(results))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2)
+        atomic_write_text(args.json, json.dumps(results, indent=2))
     return 0
 

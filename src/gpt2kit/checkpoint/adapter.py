@@ -133,7 +133,7 @@ def read_adapter(directory: str | os.PathLike[str]) -> Adapter:
         raise FileNotFoundError(f"{d}: no {ADAPTER_WEIGHTS} (a .bin adapter is not read; peft writes safetensors)")
     try:
         raw = load_file(weights)
-    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad file
+    except Exception as e:  # safetensors raises several types for a bad file
         raise CheckpointError(f"{weights}: cannot read safetensors file ({e}); is it truncated or corrupt?") from None
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in raw.items():

@@ -14,6 +14,7 @@ and no half-loaded model is ever returned.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,6 +34,11 @@ from gpt2kit.tokenizer import Tokenizer
 
 __all__ = ["HUB_NAMES", "describe", "holds_model", "load_model", "load_state", "load_tokenizer",
            "merge_adapter", "quantize_checkpoint", "read_checked_header", "resolve_source", "save_model"]
+
+# OpenAI's four released sizes under both hub names: one vocabulary, the one packaged in gpt2kit/vocab,
+# so their tokenizer never needs the hub.
+GPT2_TOKENIZER_NAMES = frozenset(n for size in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+                                  for n in (size, f"openai-community/{size}"))
 
 
 def _refuse_int8(path: Path) -> None:
@@ -96,8 +102,14 @@ def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str
 
 
 def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None) -> Tokenizer:
-    """The checkpoint's own vocab files when it has them, else GPT-2's packaged ones."""
+    """The checkpoint's own vocab files when it has them, else GPT-2's packaged ones.
+
+    A published GPT-2 name (GPT2_TOKENIZER_NAMES) that is not a local path gets the packaged files
+    without asking the hub: they are the files those repos publish, so this works offline."""
     if name_or_path is None:
+        return Tokenizer.default()
+    raw = os.fspath(name_or_path)
+    if raw in GPT2_TOKENIZER_NAMES and not os.path.lexists(Path(raw).expanduser()):
         return Tokenizer.default()
     _, path = resolve_source(name_or_path)
     return Tokenizer.from_dir(path)
@@ -115,12 +127,14 @@ def save_model(model: GPT2, directory: str | os.PathLike[str], *, tokenizer: Tok
 
 
 def quantize_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], scheme: str = "int8", *,
-                        lm_head: bool = True, scale_dtype: str = "float32", overwrite: bool = False) -> dict:
+                        lm_head: bool = True, scale_dtype: str = "float32", overwrite: bool = False,
+                        progress: Callable[[str], object] | None = None) -> dict:
     """Write an int8 weight-only copy of the float checkpoint `src` into `dst` (docs/quantization.md).
 
     Refused before anything is loaded: `dst` holding a model unless `overwrite`, and `dst` being
     `src` (through a symlink or another spelling too) even with `overwrite`, since the float
-    weights would be lost. Returns {"path", "float_bytes", "int8_bytes"}."""
+    weights would be lost. `progress`, if given, is called with each stage's name (the CLI's
+    status line). Returns {"path", "float_bytes", "int8_bytes"}."""
     from gpt2kit.quant import SCALE_DTYPES, check_scheme, quantize_model, weight_bytes
 
     check_scheme(scheme)
@@ -136,9 +150,13 @@ def quantize_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str]
         raise FileExistsError(f"{dst} already holds a model; pass --overwrite (overwrite=True) to replace it")
     _, path = resolve_source(src)
     _refuse_same(path, out, dst)  # a hub id resolves to its cache directory
+    stage = progress or (lambda _: None)
+    stage(f"loading {src}")
     model = load_model(path)
     float_bytes = weight_bytes(model)
+    stage(f"quantizing to {scheme}")
     quantize_model(model, scheme, lm_head=lm_head, scale_dtype=scale_dtype)
+    stage(f"writing {dst}")
     written = save_model(model, out, tokenizer=load_tokenizer(path))
     return {"path": written, "float_bytes": float_bytes, "int8_bytes": weight_bytes(model)}
 

@@ -63,13 +63,20 @@ def read_state(path: Path) -> tuple[GPT2Config, dict, dict[str, torch.Tensor]]:
     return config, scheme, state
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """t, in memory of its own on 64 bytes where it is not: safetensors packs tensors back to back (an
+    int8 matrix can start on 8 mod 16), and ATen's AVX-512 int8 kernel needs 16-byte weight rows, so a
+    weight read as it lies in the file would take gpt2kit.decode.int8's slow dequant path."""
+    return t if t.data_ptr() % 64 == 0 else t.clone()
+
+
 def load(path: Path, dtype: torch.dtype, device: torch.device):
     """The quantized GPT2 in eval mode: int8 weights as stored, scales in their stored dtype, the
     float tensors (biases, LayerNorms, wpe, an unquantized wte) in dtype, all on device."""
     config, scheme, state = read_state(path)
     model = _skeleton(config, scheme)
-    state = {k: v.to(device) if v.dtype == torch.int8 or k.endswith(".scale") else v.to(device=device, dtype=dtype)
-             for k, v in state.items()}
+    state = {k: _own(v.to(device)) if v.dtype == torch.int8 or k.endswith(".scale")
+             else v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     if scheme["lm_head"]:
         model.wte.dtype = dtype

@@ -5,8 +5,12 @@ of its model file.
 - kernels.py   the plain kernel set: few-row products, measured per machine for half precision
 - packed.py    the oneDNN-prepacked kernel set, with the GELU and residual adds fused
 - layout.py    use_decode_layout: the weight layout decode kernels read fastest (applied at load)
+- int8.py      the int8 weight products (gpt2kit.quant's modules call them), kernel measured per process
+- native.py    gpt2kit's own AVX2 int8 kernel (csrc/int8_linear.c), built on first use
 
-Each is proven equal to model.forward by tests (tests/test_decode.py).
+Each is proven equal to the spec by tests: the step against model.forward in tests/test_model.py
+(test_decode_step_equals_forward), the packed set against the plain one in tests/test_packed.py,
+the int8 kernels against the dequantized product in tests/test_quant.py.
 """
 
 from gpt2kit.decode.kernels import PLAIN, PlainKernels

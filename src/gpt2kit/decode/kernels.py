@@ -5,8 +5,8 @@ cost and how the GEMM kernel handles a tiny M decides the speed. For bfloat16/fl
 x @ W^T (F.linear) can be slow there while W @ x^T (torch.mv for one row, mm for a few) reads a
 row-major W faster; float32 stays on F.linear, fastest on MKL when W is stored (in, out), the layout
 decode.layout puts it in. Which is faster differs between CPUs (docs/benchmarks.md), so for the
-half-precision types the choice is measured once per process on the model's own matrices
-(choose_half_kernels) rather than assumed.
+half-precision types the choice is made on the model's own matrices (choose_half_kernels: "mv" by
+default, another only on clear evidence, stored per machine by decode/kernel_choice.py) rather than assumed.
 
 Every kernel set (these, decode.packed's) has the same methods: linear, linear_gelu, linear_add,
 lm_head and covers(rows, dtype). A layer that is not a plain nn.Linear (a quantized or adapted
@@ -22,11 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import gpt2kit.decode.kernel_choice as kernel_choice
+
 FEW_ROWS = 16  # up to this many rows a decode product is weight streaming, not compute
 
 # How half-precision few-row products run on this machine: "linear" (F.linear) or "mv" (W @ x^T),
 # for one row and for 2..FEW_ROWS rows; measured on first use (choose_half_kernels).
 _HALF_CHOICE: dict[tuple[torch.dtype, bool], str] = {}
+_HALF_DECIDED: dict[tuple[torch.dtype, bool], kernel_choice.Choice] = {}
+HALF_KERNELS = ("mv", "linear")
 
 
 def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,23 +55,48 @@ def _w_times_xt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
-def choose_half_kernels(weight: torch.Tensor, trials: int = 5) -> None:
-    """Measure F.linear against W @ x^T on `weight` (a model's largest block matrix, bf16/fp16, CPU)
-    for 1 and 8 rows, once per dtype per process, and remember the faster."""
+def choose_half_kernels(weight: torch.Tensor, trials: int = kernel_choice.ROUNDS, remeasure: bool = False) -> None:
+    """Decide F.linear against W @ x^T on `weight` (a model's largest block matrix, bf16/fp16, CPU)
+    for 1 and 8 rows, once per dtype per process: the choice stored for this machine, else `trials`
+    interleaved rounds decided by kernel_choice.decide against the default ("mv"); a measured choice
+    is stored (decode/kernel_choice.py). `remeasure`: measure again, stored or not."""
     if weight.device.type != "cpu" or weight.dtype == torch.float32 or not weight.is_contiguous():
         return
+    store = kernel_choice.Store()
     for single in (True, False):
         key = (weight.dtype, single)
-        if key in _HALF_CHOICE:
+        if key in _HALF_CHOICE and not remeasure:
             continue
         rows = 1 if single else 8
-        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-        bias = torch.zeros(weight.shape[0], dtype=weight.dtype)
-        cands = {"linear": lambda x=x, b=bias: F.linear(x, weight, b),
-                 "mv": lambda x=x, b=bias, r=rows: _w_times_xt(x, weight, b, r)}
-        with torch.inference_mode():
-            best = {name: _median_time(fn, trials) for name, fn in cands.items()}
-        _HALF_CHOICE[key] = min(best, key=best.get)
+        bucket = (f"half {str(weight.dtype).removeprefix('torch.')} {'1 row' if single else f'2-{FEW_ROWS} rows'} "
+                  f"{weight.shape[0]}x{weight.shape[1]} threads={torch.get_num_threads()}")
+        choice = None if remeasure else store.get(bucket)
+        if choice is None or choice.kernel not in HALF_KERNELS:
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+            bias = torch.zeros(weight.shape[0], dtype=weight.dtype)
+            cands = {"linear": lambda x=x, b=bias: F.linear(x, weight, b),
+                     "mv": lambda x=x, b=bias, r=rows: _w_times_xt(x, weight, b, r)}
+            def take(cands=cands):
+                with torch.inference_mode():
+                    got = kernel_choice.forced_timings() or _interleaved(cands, trials)
+                return {k: v for k, v in got.items() if k in cands}
+            choice = kernel_choice.measured(take, "mv")
+            if choice.source == "measured":
+                store.put(bucket, choice)
+        _HALF_CHOICE[key], _HALF_DECIDED[key] = choice.kernel, choice
+
+
+def _interleaved(cands: dict, rounds: int) -> dict[str, list[float]]:
+    for fn in cands.values():
+        fn()  # warm-up
+    out: dict[str, list[float]] = {k: [] for k in cands}
+    names = list(cands)
+    for r in range(rounds):
+        for k in names[r % 2:] + names[:r % 2]:
+            t0 = time.perf_counter()
+            cands[k]()
+            out[k].append(time.perf_counter() - t0)
+    return out
 
 
 def _median_time(fn, trials: int) -> float:
@@ -117,6 +146,12 @@ def half_kernel_choice() -> dict[str, str]:
     """What choose_half_kernels picked, e.g. {"bfloat16/1 row": "mv", "bfloat16/2-16 rows": "linear"}."""
     return {f"{str(d).removeprefix('torch.')}/{'1 row' if one else f'2-{FEW_ROWS} rows'}": how
             for (d, one), how in _HALF_CHOICE.items()}
+
+
+def half_decisions() -> dict[str, kernel_choice.Choice]:
+    """How each of half_kernel_choice()'s kernels was chosen (default / stored / measured, the medians)."""
+    return {f"{str(d).removeprefix('torch.')}/{'1 row' if one else f'2-{FEW_ROWS} rows'}": c
+            for (d, one), c in _HALF_DECIDED.items()}
 
 
 class PlainKernels:

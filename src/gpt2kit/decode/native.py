@@ -11,11 +11,14 @@ measurements). It is one candidate among the kernels gpt2kit.decode.int8 measure
 where it wins.
 
 The build: `cc -O3 -mavx2 -mfma -fopenmp -ffp-contract=off -shared -fPIC` (cc is $CC, else gcc, else
-cc) into `$GPT2KIT_CACHE/kernels/` (default `~/.cache/gpt2kit/kernels/`), named by a hash of the
-source, the compiler's version and the flags, so a changed source or compiler builds anew and an
-unchanged one loads in milliseconds (a cache that cannot be written to: built for the process
-alone in a private temporary directory, removed at exit). The library is written to a temporary
-name and renamed into place, so processes that build at once never load half a file.
+cc) in a private temporary directory, stored in `$GPT2KIT_CACHE/kernels/` (default
+`~/.cache/gpt2kit/kernels/`) under a name hashed from the source, the compiler and the flags, so a
+changed source or compiler builds anew and an unchanged one loads in milliseconds. Loading a library
+runs its code, so what may be loaded from that directory is decided by decode/kernel_cache.py: a
+directory only this user can write, a library owned by this user, writable by nobody else, whose
+bytes match the SHA-256 stored with them, loaded from the bytes that were checked. A library that
+fails is built again; a cache directory that fails (another user's, group- or world-writable) is not
+used, with a warning, and the kernel is built for the process alone.
 
 It is built only where it can run: on Linux (where PyTorch's wheels carry the libgomp that a gcc
 build links to), where PyTorch reports AVX2 or AVX-512 for the CPU and runs its threads on OpenMP
@@ -26,7 +29,6 @@ else, or without a C compiler, or when the build fails, `int8_linear()` is None,
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import hashlib
 import os
@@ -38,6 +40,8 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+
+import gpt2kit.decode.kernel_cache as kernel_cache
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 ABI = 1  # csrc/int8_linear.c's gpt2kit_int8_linear_abi(): the signature this module calls
@@ -73,48 +77,64 @@ def _cannot_run_here() -> str | None:
     return None
 
 
-def _build(cc: str) -> Path:
-    """The built library's path, compiling it unless a build of this source and compiler is cached."""
+def library_name(cc: str) -> str:
+    """The cached library's file name for compiler `cc`: a hash of the source, the compiler (its path
+    and version) and the flags, so a changed source, compiler or flag builds anew."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = _source()
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode()])).hexdigest()[:16]
-    out = cache_dir() / f"int8_linear-{key}.so"
-    if out.exists():
-        return out
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-")
-    except OSError:  # a read-only or unusable cache: build for this process alone, in a private directory
-        own = Path(tempfile.mkdtemp(prefix="gpt2kit-kernels-"))
-        atexit.register(shutil.rmtree, own, True)
-        out = own / out.name
-        probe = tempfile.TemporaryDirectory(dir=own, prefix=".build-")
-    with probe as tmp:
-        src = Path(tmp) / "int8_linear.c"
-        src.write_bytes(source)
-        lib = Path(tmp) / out.name
-        done = subprocess.run([cc, *FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True, timeout=300)
+    parts = [b"gpt2kit-native-2", _source(), (shutil.which(cc) or cc).encode(), version.encode(),
+             " ".join(FLAGS).encode()]
+    key = hashlib.sha256(b"".join(p + b"\0" for p in parts)).hexdigest()[:16]
+    return f"int8_linear-{key}.so"
+
+
+def _compile(cc: str) -> bytes:
+    """The library's bytes, compiled in a private temporary directory (0700, removed after)."""
+    with tempfile.TemporaryDirectory(prefix="gpt2kit-build-") as tmp:
+        Path(tmp, "int8_linear.c").write_bytes(_source())
+        # relative names, run in tmp: the library does not depend on where it was built
+        done = subprocess.run([cc, *FLAGS, "int8_linear.c", "-o", "int8_linear.so"], cwd=tmp,
+                              capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {(done.stderr.strip().splitlines() or ['no message'])[-1][:200]}")
-        os.replace(lib, out)  # atomic: another process sees no file or the whole one
-    return out
+        return Path(tmp, "int8_linear.so").read_bytes()
+
+
+def load(directory: Path | None = None):
+    """Load gpt2kit's int8 kernel and return its C function: the library cached in `directory`
+    (default cache_dir()) if it passes kernel_cache's checks, else built with the C compiler and
+    stored there (where `directory` is not this user's alone, or cannot be written, it is built for
+    this process only). Raises RuntimeError, OSError or subprocess.SubprocessError with the reason."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC, or install gcc)")
+    name = library_name(cc)
+    cache = kernel_cache.open_cache(cache_dir() if directory is None else Path(directory))
+    try:
+        body = cache.read(name) if cache else None
+        if body is None:
+            body = _compile(cc)
+            if cache:
+                cache.write(name, body)  # best effort: a cache that cannot be written builds each process
+    finally:
+        if cache:
+            cache.close()
+    lib = kernel_cache.load(body, name)
+    if lib.gpt2kit_int8_linear_abi() != ABI:
+        raise RuntimeError("the library is of another version")
+    fn = lib.gpt2kit_int8_linear
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = None
+    return fn
 
 
 def _load() -> None:
     why = _cannot_run_here()
-    cc = None if why else _compiler()
-    if why is None and cc is None:
+    if why is None and _compiler() is None:
         why = "no C compiler (set CC, or install gcc)"
     if why is None:
         try:
-            lib = ctypes.CDLL(str(_build(cc)))
-            if lib.gpt2kit_int8_linear_abi() != ABI:
-                raise RuntimeError("the cached library is of another version")
-            fn = lib.gpt2kit_int8_linear
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
-                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-            fn.restype = None
-            _STATE["fn"] = fn
+            _STATE["fn"] = load()
             return
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             why = f"the build failed ({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]})"

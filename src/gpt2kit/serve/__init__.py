@@ -3,7 +3,7 @@
     from gpt2kit.serve import create_app, ServeOptions
     app = create_app(lambda: (model, tokenizer), ServeOptions(served_model_name="gpt2"))
 
-The HTTP layer only: generation is gpt2kit.generate's engine, scoring gpt2kit.score. See
+The HTTP layer only: generation is gpt2kit.engine, scoring gpt2kit.score. See
 docs/serving.md.
 """
 

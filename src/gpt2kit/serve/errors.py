@@ -39,8 +39,28 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
+def _best(errors: list[dict]) -> dict:
+    """The error to report. pydantic reports a union field once per member (prompt: as a string,
+    as strings, as ids, as id lists), in declaration order, so the first one always blamed the
+    string member. Among the first field's errors, take a value error (an id below 0, a list over
+    its limit) over a type error, the deepest over a shallower; type errors that tie name every
+    type they wanted."""
+    if not errors:
+        return {}
+    field = errors[0].get("loc", ())[:2]
+    mine = [e for e in errors if e.get("loc", ())[:2] == field]
+    rank = sorted(mine, key=lambda e: (e.get("type", "").endswith("_type"), -len(e.get("loc", ()))))
+    best = rank[0]
+    if best.get("type", "").endswith("_type"):
+        ties = [e for e in rank if e.get("type", "").endswith("_type") and len(e["loc"]) == len(best["loc"])]
+        wants = list(dict.fromkeys(e.get("msg", "").removeprefix("Input should be ") for e in ties))
+        if len(wants) > 1:
+            best = {**best, "msg": "Input should be " + ", ".join(wants[:-1]) + " or " + wants[-1]}
+    return best
+
+
 def _validation(exc: RequestValidationError) -> JSONResponse:
-    err = exc.errors()[0] if exc.errors() else {}
+    err = _best(list(exc.errors()))
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     kind = err.get("type", "")
     if kind == "json_invalid" or (kind == "model_attributes_type" and not loc):

@@ -1,5 +1,7 @@
 """ASGI middleware in front of the routes: the Host check (DNS rebinding), 503 while the server
-drains for a shutdown, and the body read deadline (408).
+drains for a shutdown, and the body: read whole before the routes see it, within its deadline
+(408) and under the byte limit (413, chunked bodies included: FastAPI would call one "error
+parsing the body", a 400).
 
 Host: a web page can make a browser send requests to a loopback server by pointing its own name at
 127.0.0.1 (DNS rebinding); the browser then sends the page's name as Host. So a request that came
@@ -15,6 +17,7 @@ import ipaddress
 import json
 
 from gpt2kit.serve.errors import error_body
+from gpt2kit.serve.limits import read_body, replay
 
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 
@@ -74,36 +77,21 @@ class Gate:
             return await send_error(send, 503, "the server is shutting down; retry on another instance",
                                     code="server_shutting_down",
                                     headers=[(b"retry-after", b"1"), (b"connection", b"close")])
-        try:
-            body = await _read_body(receive, opts.read_timeout)
-        except TimeoutError:
+        limit = opts.max_body_bytes
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return await send_error(send, 413, f"the request body is larger than {limit} bytes",
+                                    code="request_too_large")
+        try:  # the whole body before the app sees it: a chunked body is limited too, and it has a deadline
+            messages = await asyncio.wait_for(read_body(receive, limit), opts.read_timeout)
+        except asyncio.TimeoutError:
             return await send_error(send, 408, f"the request body did not arrive within {opts.read_timeout:g} s "
                                     f"(--read-timeout)", code="request_timeout",
                                     headers=[(b"connection", b"close")])
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
-async def _read_body(receive, timeout: float) -> bytes:
-    """The whole request body, within `timeout` seconds of the headers (TimeoutError if not)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    parts = []
-    while True:
-        message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
-        if message["type"] != "http.request":
-            return b"".join(parts)  # the client left; the route sees the disconnect next
-        parts.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(parts)
+        if messages is None:
+            return await send_error(send, 413, f"the request body is larger than {limit} bytes",
+                                    code="request_too_large")
+        await self.app(scope, replay(messages, receive), send)
 
 
 async def send_error(send, status: int, message: str, code: str | None = None,

@@ -19,6 +19,12 @@ class Metrics:
         self.batch_size = Gauge("gpt2kit_batch_size", "rows in the running batch", registry=r)
         self.queue_length = Gauge("gpt2kit_queue_length", "rows waiting to join the batch", registry=r)
         self.batch_size.set_function(running)
+        self.scoring_tokens = Gauge("gpt2kit_scoring_tokens", "prompt tokens admitted for echo log-probs, unscored",
+                                    registry=r)
+        self.scored_tokens = Counter("gpt2kit_scored_tokens", "prompt tokens scored for echo log-probs", registry=r)
+        self.work_tokens = Gauge("gpt2kit_work_tokens", "tokens of work admitted (generation rows' prompt + "
+                                 "max_tokens, prompts to score); the limit is (max_batch + max_queue) x n_ctx",
+                                 registry=r)
         self.queue_length.set_function(waiting)
         self.ttft = Histogram("gpt2kit_time_to_first_token_seconds", "request arrival to its first token",
                               buckets=_LATENCY_BUCKETS, registry=r)

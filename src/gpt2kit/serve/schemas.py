@@ -28,7 +28,7 @@ class _SamplingRequest(BaseModel):
 
     model_config = _STRICT
     model: str
-    temperature: float | None = Field(1.0, ge=0, le=2, description="0 = greedy")
+    temperature: float | None = Field(1.0, ge=0, le=2, description="0 (or below 1e-5) = greedy")
     top_p: float | None = Field(1.0, gt=0, le=1)
     n: int | None = Field(1, ge=1, le=128)
     stream: bool | None = False
@@ -52,7 +52,8 @@ class CompletionRequest(_SamplingRequest):
     echo: bool | None = False
     # extensions
     top_k: int | None = Field(None, ge=0, description="extension: keep the k most likely tokens (0 = off)")
-    repetition_penalty: float | None = Field(None, gt=0, le=100, description="extension: CTRL's penalty (1 = off)")
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100,
+                                             description="extension: CTRL's penalty (1 = off)")
     top_p_mode: Literal["openai", "hf"] | None = Field(
         None, description="extension: openai keeps tokens with cumulative prob <= top_p; hf also the one crossing it")
 

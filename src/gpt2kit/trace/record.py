@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from gpt2kit.trace.points import edit_hooks
+
 KINDS: dict[str, tuple[str, ...]] = {
     "embed": ("embed.tok", "embed.pos"),  # not per block
     "resid": ("resid", "resid_mid"),
@@ -200,10 +202,13 @@ def _keep(name: str, what: frozenset[str], n_layer: int) -> bool:
 
 
 @torch.no_grad()
-def run_hooked(model, ids: list[int], layers: tuple[int, ...], what: frozenset[str]) -> dict[str, torch.Tensor]:
-    """One forward pass of ids with the recorder attached: {name: tensor} (logits included)."""
+def run_hooked(model, ids: list[int], layers: tuple[int, ...], what: frozenset[str],
+               edits: list | None = None) -> dict[str, torch.Tensor]:
+    """One forward pass of ids with the recorder attached: {name: tensor} (logits included).
+    edits: (name, fn) pairs for gpt2kit.trace.points.edit_hooks, registered before the recorder's
+    hooks so what is recorded is what the edited network computed."""
     idx = torch.tensor([ids], device=model.wte.weight.device)  # (1, T)
-    with _Recorder(model, layers, what) as rec:
+    with edit_hooks(model, edits or []), _Recorder(model, layers, what) as rec:
         logits = model(idx).logits  # (1, T, V)
     raw = rec.out
     if rec.silent:

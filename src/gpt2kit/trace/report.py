@@ -148,7 +148,15 @@ def report_data(tr, *, attention_encoding: str | None = "list", position: int = 
     except ValueError as e:  # a partial selection: say why the panel is empty
         data["dla"] = {"unavailable": str(e)}
     data["patching"] = tr.patching.to_json() if tr.patching is not None else None
+    data["intervention"] = None
+    data["sae"] = tr.sae_features()
     used = set(tr.ids)
+    if tr.clean is not None:
+        data["intervention"] = {**tr.intervention_effect(), "clean_lens": tr.clean.logit_lens(k=5)}
+        used.update(i for i, _, _ in data["intervention"]["last"])
+        for layer in data["intervention"]["clean_lens"]["top_ids"]:
+            for rows in layer:
+                used.update(rows)
     for rows in data["stats"]["top_ids"]:
         used.update(rows)
     for layer in data["lens"]["top_ids"]:
@@ -164,8 +172,24 @@ def report_data(tr, *, attention_encoding: str | None = "list", position: int = 
     return data
 
 
+def token_text(tokenizer, i: int) -> str:
+    """Token i as the report names it: its text when its bytes are UTF-8 on their own, else
+    `bytes:\\xNN...` (a piece of a multi-byte character; the server's log-probs use the same
+    convention), `<i>` without a tokenizer or for an id it does not know."""
+    if tokenizer is None:
+        return f"<{i}>"
+    try:
+        b = tokenizer.decode_bytes([i])
+    except ValueError:
+        return f"<{i}>"
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+
+
 def _token_text(tr, i: int) -> str:
-    return tr.tokenizer.decode([i]) if tr.tokenizer is not None else f"<{i}>"
+    return token_text(tr.tokenizer, i)
 
 
 def _asset(name: str) -> str:

@@ -62,6 +62,25 @@ def lens_logits(tr, layer: int) -> torch.Tensor:
     return unembed(tr.model, tr.model.ln_f(tr[f"resid.{layer}"]))
 
 
+def _lens_rows(logits: torch.Tensor, nxt: torch.Tensor, k: int) -> tuple[list, list, list, list]:
+    """Top-k ids and probabilities of every row of (g, T, V) logits, and the next token's probability
+    and rank (positions 0..T-2). Reads the logits a few times and writes nothing their size (the
+    probabilities are exp(logit - logsumexp), never a full log_softmax), so the lens holds one
+    (g, T, V) block at a time instead of three."""
+    g, T, V = logits.shape
+    lse = torch.logsumexp(logits, dim=-1)  # (g, T)
+    top_l, top_i = logits.topk(k, dim=-1)  # (g, T, K)
+    top_p = (top_l - lse[..., None]).exp()
+    target = nxt[None, :, None].expand(g, T - 1, 1)
+    tl = logits[:, :-1].gather(-1, target)  # (g, T - 1, 1)
+    next_p = (tl[..., 0] - lse[:, :-1]).exp()  # (g, T - 1)
+    rank = torch.empty(g, T - 1, dtype=torch.long)
+    for s in range(0, T - 1, 64):  # in row blocks: the comparison's mask stays small
+        e = min(s + 64, T - 1)
+        rank[:, s:e] = (logits[:, s:e] > tl[:, s:e]).sum(-1, dtype=torch.int32) + 1
+    return top_i.tolist(), top_p.tolist(), next_p.tolist(), rank.tolist()
+
+
 @torch.no_grad()
 def logit_lens(tr, k: int = 5) -> dict:
     """Per recorded residual layer x position: top-k tokens and probabilities; the probability and
@@ -69,32 +88,24 @@ def logit_lens(tr, k: int = 5) -> dict:
     layers = lens_layers(tr)
     T, V, L = len(tr.ids), tr.config.n_vocab, tr.config.n_layer
     nxt = _next_ids(tr)
-    top_ids, top_probs, next_prob, next_rank = [], [], [], []
+    k = min(k, V)
+    out: dict[int, tuple] = {}
+    # At the last layer the lens is the model's own output (tested equal): reuse it.
+    computed = [layer for layer in layers if layer != L]
     # Several layers per product (fewer, larger GEMMs), at most ~256 MB of (rows, V) logits at a time.
     per = max(1, (2**28 // 4) // max(1, T * V))
-    for s in range(0, len(layers), per):
-        group = layers[s:s + per]
-        # At the last layer the lens is the model's own output (tested equal): reuse it.
-        computed = [layer for layer in group if layer != L]
-        parts = []
-        if computed:
-            h = torch.cat([tr.model.ln_f(tr[f"resid.{layer}"]) for layer in computed])  # (g' T, C)
-            parts.append(unembed(tr.model, h).view(len(computed), T, V))
-        if L in group:  # always the last recorded layer
-            parts.append(tr.logits[None])
-        logits = torch.cat(parts)
-        logits = logits.float()  # (g, T, V)
-        logp = torch.log_softmax(logits, dim=-1)  # (g, T, V)
-        lp, i = logp.topk(min(k, V), dim=-1)  # (g, T, K)
-        top_ids += i.tolist()
-        top_probs += lp.exp().tolist()
-        target = nxt[None, :, None].expand(len(group), T - 1, 1)
-        next_prob += logp[:, :-1].gather(-1, target)[..., 0].exp().tolist()
-        tl = logits[:, :-1].gather(-1, target)  # (g, T - 1, 1)
-        next_rank += ((logits[:, :-1] > tl).sum(-1) + 1).tolist()
-        del logits, logp
-    return {"layers": layers, "top_ids": top_ids, "top_probs": top_probs, "next_prob": next_prob,
-            "next_rank": next_rank}
+    for s in range(0, len(computed), per):
+        group = computed[s:s + per]
+        h = torch.cat([tr.model.ln_f(tr[f"resid.{layer}"]) for layer in group])  # (g T, C)
+        logits = unembed(tr.model, h).float().reshape(len(group), T, V)  # (g, T, V)
+        for layer, *rows in zip(group, *_lens_rows(logits, nxt, k), strict=True):
+            out[layer] = rows
+        del logits
+    if L in layers:
+        out[L] = [r[0] for r in _lens_rows(tr.logits.float()[None], nxt, k)]
+    cols = list(zip(*(out[layer] for layer in layers), strict=True)) if layers else [(), (), (), ()]
+    return {"layers": layers, "top_ids": list(cols[0]), "top_probs": list(cols[1]), "next_prob": list(cols[2]),
+            "next_rank": list(cols[3])}
 
 
 def dla_targets(tr) -> list[int]:
@@ -151,7 +162,8 @@ def direct_logit_attribution(tr, position: int | None = None, token: int | None 
     labels.append("ln_f.bias")
     cols.append(W_U @ ln.bias.double())
     values = torch.stack(cols, dim=1)  # (T, n)
-    logit = tr.logits.double().gather(-1, torch.tensor(targets, device=x.device)[:, None])[:, 0]  # (T,)
+    # gather, then widen: only T numbers need float64, not all (T, V) logits
+    logit = tr.logits.gather(-1, torch.tensor(targets, device=x.device)[:, None])[:, 0].double()  # (T,)
     if position is not None:
         if not -T <= position < T:
             raise ValueError(f"position {position} is outside the input's {T} tokens")
@@ -197,3 +209,21 @@ def attention_summary(tr) -> dict:
         else:
             out["induction"].append(None)
     return out
+
+
+@torch.no_grad()
+def intervention_effect(tr, k: int = 5) -> dict:
+    """tr (the intervened run) against tr.clean: per position KL(clean || intervened) in nats and
+    the actual next token's log-prob in both; at the last position the union of both top-k with
+    each one's probability in both runs (sorted by the clean probability)."""
+    a = torch.log_softmax(tr.clean.logits.float(), dim=-1)  # (T, V)
+    b = torch.log_softmax(tr.logits.float(), dim=-1)  # (T, V)
+    kl = (a.exp() * (a - b)).sum(-1)  # (T,)
+    nxt = _next_ids(tr)
+    k = min(k, a.shape[-1])
+    ids = list(dict.fromkeys(a[-1].topk(k).indices.tolist() + b[-1].topk(k).indices.tolist()))
+    rows = sorted(([i, float(a[-1, i].exp()), float(b[-1, i].exp())] for i in ids), key=lambda r: -r[1])
+    return {"interventions": list(tr.interventions), "kl": kl.tolist(),
+            "clean_next_logprob": a[:-1].gather(-1, nxt[:, None])[:, 0].tolist(),
+            "next_logprob": b[:-1].gather(-1, nxt[:, None])[:, 0].tolist(), "last": rows,
+            "max_abs_logit_change": float((tr.logits.float() - tr.clean.logits.float()).abs().max())}

@@ -8,6 +8,8 @@ var D=JSON.parse(document.getElementById('trace-data').textContent);
 var T=D.ids.length;
 function tok(i){var s=D.vocab[String(i)];return s===undefined?'<'+i+'>':s;}
 function show(s){return s.replace(/\n/g,'\u21b5').replace(/\t/g,'\u21e5');}
+// a label cut to n characters says so (the whole text is in the cell's title)
+function short(s,n){s=show(s);return s.length>n?s.slice(0,n-1)+'\u2026':s;}
 function el(tag,attrs,text){var e=document.createElement(tag);if(attrs)for(var k in attrs)e.setAttribute(k,attrs[k]);
   if(text!==undefined)e.textContent=text;return e;}
 function fmt(x,d){if(x===null||x===undefined)return '\u2013';if(Math.abs(x)>=1e29)return x>0?'+inf':'\u2212inf';
@@ -76,15 +78,17 @@ function heads(){
         (ind!==null?' i'+fmt(ind,2):'')));
       cell.title='block '+A.layers[li]+' head '+h2+': prev '+fmt(S.prev[li][h2],3)+', first '+fmt(S.first[li][h2],3)+
         ', induction '+(ind!==null?fmt(ind,3):'n/a (no repeated token)');
-      (function(li,h,cell){cell.addEventListener('click',function(){big(li,h,cell);});})(li,h2,cell);
+      (function(li,h,cell){cell.addEventListener('click',function(){big(li,h);});})(li,h2,cell);
       box.appendChild(cell);}}
   if(A.omitted&&A.omitted.length)box.parentNode.insertBefore(el('p',{'class':'help'},'Blocks '+A.omitted.join(', ')+
     ' left out to keep the file small; trace fewer tokens or pick them with --layers.'),box.nextSibling);
-  big(nL-1,0,box.querySelector('.hcell'));
+  big(0,0);
 }
-function big(li,h,cellEl){
+function big(li,h){
   var A=D.attention,box=document.getElementById('head-detail');box.innerHTML='';
   var sel=document.querySelectorAll('.hcell.sel');for(var i=0;i<sel.length;i++)sel[i].classList.remove('sel');
+  // the outline is found from (block, head), so it always marks the map drawn large
+  var cellEl=document.querySelector('.hcell[data-layer="'+A.layers[li]+'"][data-head="'+h+'"]');
   if(cellEl)cellEl.classList.add('sel');
   box.appendChild(el('div',{'class':'help'},'block '+A.layers[li]+', head '+h+' (rows: query, columns: key)'));
   var cell=Math.max(6,Math.min(18,Math.floor(640/T))),pad=110,n=T*cell;
@@ -102,16 +106,17 @@ function big(li,h,cellEl){
   box.appendChild(c);
 }
 
-function lens(){
-  var Ls=D.lens,box=document.getElementById('lens'),tbl=el('table',{'class':'lens'}),hr=el('tr');
+function lens(){lensTable(D.lens,document.getElementById('lens'));}
+function lensTable(Ls,box){
+  var tbl=el('table',{'class':'lens'}),hr=el('tr');
   hr.appendChild(el('th',null,'layer'));
-  for(var t=0;t<T;t++)hr.appendChild(el('th',{title:'position '+t},show(D.tokens[t]).slice(0,8)));
+  for(var t=0;t<T;t++)hr.appendChild(el('th',{title:'position '+t+': '+JSON.stringify(D.tokens[t])},short(D.tokens[t],8)));
   tbl.appendChild(hr);
   for(var r=Ls.layers.length-1;r>=0;r--){
     var tr=el('tr');tr.appendChild(el('th',null,Ls.layers[r]===D.config.n_layer?'H('+Ls.layers[r]+') out':'H('+Ls.layers[r]+')'));
     for(var t2=0;t2<T;t2++){
       var top=Ls.top_ids[r][t2][0],p=Ls.top_probs[r][t2][0],np=t2<T-1?Ls.next_prob[r][t2]:null;
-      var td=el('td',null,show(tok(top)).slice(0,9)+' '+pct(p));
+      var td=el('td',null,short(tok(top),9)+'\n'+pct(p));  // token over its probability: narrow columns
       if(np!==null)td.style.background='hsl(140,60%,'+(100-50*Math.min(1,np))+'%)';
       var lines=['layer '+Ls.layers[r]+', position '+t2];
       for(var k=0;k<Ls.top_ids[r][t2].length;k++)lines.push(pct(Ls.top_probs[r][t2][k])+' '+JSON.stringify(tok(Ls.top_ids[r][t2][k])));
@@ -172,21 +177,92 @@ function norms(){
 
 function patch(){
   var P=D.patching,box=document.getElementById('patch');
-  if(!P){box.appendChild(el('p',{'class':'help'},'No comparison text was given (gpt2kit trace --compare TEXT, or trace(..., patch_from=...)).'));return;}
-  box.appendChild(el('p',{'class':'help'},'The compared text runs with one residual vector H(l)[p] taken from this text '+
-    '(rows: layer l, columns: position p). Colour: the fraction of the logit difference '+JSON.stringify(tok(P.answer))+
-    (P.foil!==null?' \u2212 '+JSON.stringify(tok(P.foil)):'')+' at the last position that the patch restores (clean '+
-    fmt(P.clean_metric,4)+', compared '+fmt(P.corrupt_metric,4)+'). Blank: the two runs agree there.'));
-  var tbl=el('table',{'class':'lens',id:'patch-grid'}),hr=el('tr');hr.appendChild(el('th',null,'layer'));
-  for(var t=0;t<T;t++)hr.appendChild(el('th',null,show(D.tokens[t]).slice(0,8)+(D.tokens[t]!==P.corrupt_tokens[t]?
-    '/'+show(P.corrupt_tokens[t]).slice(0,8):'')));
+  if(!P){box.appendChild(el('p',{'class':'help'},'No comparison text was given (gpt2kit trace --compare TEXT or --pairs FILE, '+
+    'or trace(..., patch_from=...)).'));return;}
+  var what={resid:'one residual vector H(l)[p]',attn:'one block\u2019s attention output at one position',
+    mlp:'one block\u2019s MLP output at one position',heads:'one head\u2019s weighted values z (every position)',
+    'heads-pos':'one head\u2019s weighted values z at one position'}[P.mode];
+  var frac=P.shown==='restored';
+  box.appendChild(el('p',{'class':'help',id:'patch-metric'},'Metric: '+P.metric_name+' (clean '+fmt(P.clean_metric,4)+
+    ', corrupted '+fmt(P.corrupt_metric,4)+(P.n_pairs>1?'; means over '+P.n_pairs+' pairs':'')+').'));
+  if(P.warning)box.appendChild(el('p',{'class':'warn',id:'patch-warning'},'\u26a0 '+P.warning));
+  box.appendChild(el('p',{'class':'help'},'The corrupted text runs with '+what+' taken from the clean text. '+
+    (frac?'Cell: the fraction of the clean \u2212 corrupted metric difference the patch restores':
+      'Cell: the metric\u2019s change m_patched \u2212 m_corrupt')+
+    (P.n_pairs>1?' (mean over pairs; hover for the spread)':'')+'. Blank: the two runs agree there.'));
+  box.appendChild(patchGrid(P,frac?P.restored:P.change,frac,'patch-grid',P.spread));
+  var A=P.attribution;
+  if(A){var g=A.agreement;
+    box.appendChild(el('p',{'class':'help',id:'patch-attr-help'},'Attribution patching (Nanda 2023): the same cells '+
+      'estimated to first order, (a_clean \u2212 a_corrupt) \u00b7 \u2202metric/\u2202a on the corrupted run, from one forward '+
+      'and one backward per pair. Agreement with the exact grid over '+g.cells+' cells (metric change): correlation '+
+      fmt(g.correlation,3)+', same sign in '+(g.sign_agreement===null?'\u2013':pct(g.sign_agreement))+
+      ', largest difference '+fmt(g.max_abs_difference,3)+'.'));
+    box.appendChild(patchGrid(P,frac?A.restored_estimate:A.estimate,frac,'patch-attr',null));}
+}
+function patchGrid(P,V,frac,id,spread){
+  var pos=P.mode!=='heads',tbl=el('table',{'class':'lens',id:id}),hr=el('tr');hr.appendChild(el('th',null,''));
+  for(var c=0;c<P.columns.length;c++)hr.appendChild(el('th',null,pos?short(D.tokens[c],8)+
+    (D.tokens[c]!==P.corrupt_tokens[c]?'\n'+short(P.corrupt_tokens[c],8):''):P.columns[c]));
   tbl.appendChild(hr);
-  for(var r=P.layers.length-1;r>=0;r--){var tr=el('tr');tr.appendChild(el('th',null,'H('+P.layers[r]+')'));
-    for(var t2=0;t2<T;t2++){var v=P.restored[r][t2],td=el('td',null,v===null?'':fmt(v,2));
-      if(v!==null){var a=Math.max(-1,Math.min(1,v));td.style.background=a>=0?'hsl(270,60%,'+(100-50*a)+'%)':'hsl(30,80%,'+(100+40*a)+'%)';}
-      td.title='layer '+P.layers[r]+', position '+t2+': metric '+fmt(P.metric[r][t2],4);tr.appendChild(td);}
+  var mx=1e-12;
+  if(!frac)for(var a=0;a<V.length;a++)for(var b=0;b<V[a].length;b++)if(V[a][b]!==null)mx=Math.max(mx,Math.abs(V[a][b]));
+  for(var r=P.rows.length-1;r>=0;r--){var tr=el('tr');tr.appendChild(el('th',null,P.rows[r]));
+    for(var t2=0;t2<P.columns.length;t2++){var v=V[r][t2],td=el('td',null,v===null?'':fmt(v,2));
+      if(v!==null){var x=Math.max(-1,Math.min(1,frac?v:v/mx));
+        td.style.background=x>=0?'hsl(270,60%,'+(100-50*x)+'%)':'hsl(30,80%,'+(100+40*x)+'%)';}
+      td.title=P.rows[r]+', '+(pos?'position ':'')+P.columns[t2]+(spread?': patched metric '+fmt(P.metric[r][t2],4)+
+        (spread[r][t2]!==null?'; spread over pairs (sd) '+fmt(spread[r][t2],3):''):': estimate '+fmt(v,4));tr.appendChild(td);}
     tbl.appendChild(tr);}
-  var wrap=el('div',{'class':'scroll'});wrap.appendChild(tbl);box.appendChild(wrap);
+  var wrap=el('div',{'class':'scroll'});wrap.appendChild(tbl);return wrap;
+}
+
+function intervene(){
+  var I=D.intervention,box=document.getElementById('intervene');
+  if(!I){box.appendChild(el('p',{'class':'help'},'No intervention was made (gpt2kit trace --ablate / --steer / --replace, '+
+    'or trace(..., interventions=...)).'));return;}
+  document.getElementById('summary').textContent+=' \u2014 every panel shows the INTERVENED run; clean vs intervened below.';
+  var ul=el('ul');for(var i=0;i<I.interventions.length;i++)ul.appendChild(el('li',null,I.interventions[i]));box.appendChild(ul);
+  box.appendChild(el('p',{'class':'help'},'Next-token distribution after the last token, clean vs intervened (the union of '+
+    'both top 5). Largest change of any logit anywhere: '+fmt(I.max_abs_logit_change,3)+'.'));
+  var t1=el('table',{'class':'lens',id:'intervene-last'}),hr=el('tr');
+  ['token','clean','intervened','change'].forEach(function(h){hr.appendChild(el('th',null,h));});t1.appendChild(hr);
+  for(var r=0;r<I.last.length;r++){var row=I.last[r],tr=el('tr');tr.appendChild(el('td',null,JSON.stringify(tok(row[0]))));
+    tr.appendChild(el('td',null,pct(row[1])));tr.appendChild(el('td',null,pct(row[2])));
+    var d=row[2]-row[1],td=el('td',null,(d>=0?'+':'\u2212')+pct(Math.abs(d)));
+    td.style.background=d>=0?'hsl(140,60%,88%)':'hsl(0,70%,90%)';tr.appendChild(td);t1.appendChild(tr);}
+  box.appendChild(t1);
+  box.appendChild(el('p',{'class':'help'},'Per position: KL(clean \u2016 intervened) of the next-token distribution (nats), '+
+    'and the log-probability of the token that actually comes next in both runs.'));
+  var t2=el('table',{'class':'lens',id:'intervene-pos'}),h2=el('tr');h2.appendChild(el('th',null,''));
+  for(var t=0;t<T;t++)h2.appendChild(el('th',{title:'position '+t},short(D.tokens[t],8)));t2.appendChild(h2);
+  function line(label,vals,n){var tr=el('tr');tr.appendChild(el('th',null,label));
+    for(var t=0;t<T;t++)tr.appendChild(el('td',null,t<n?fmt(vals[t],3):''));t2.appendChild(tr);}
+  line('KL',I.kl,T);line('log p clean',I.clean_next_logprob,T-1);line('log p interv.',I.next_logprob,T-1);
+  var w2=el('div',{'class':'scroll'});w2.appendChild(t2);box.appendChild(w2);
+  box.appendChild(el('p',{'class':'help'},'Logit lens of the clean run (the Logit lens panel above shows the intervened one):'));
+  var w3=el('div',{'class':'scroll',id:'intervene-lens'});box.appendChild(w3);lensTable(I.clean_lens,w3);
+}
+
+function sae(){
+  var S=D.sae,box=document.getElementById('sae');
+  if(!S){box.appendChild(el('p',{'class':'help'},'No SAE was given (gpt2kit trace --sae DIR, an SAE saved in SAELens\u2019s format).'));return;}
+  var l0=0;for(var i=0;i<S.l0.length;i++)l0+=S.l0[i];
+  box.appendChild(el('p',{'class':'help',id:'sae-summary'},S.architecture+' SAE, '+S.d_sae+' features, read at '+S.hook_name+
+    ' (= '+S.name+'): reconstruction MSE '+fmt(S.mse,3)+' per dimension, fraction of variance explained '+
+    (S.fve===null?'\u2013':fmt(S.fve,3))+', mean L0 '+fmt(l0/S.l0.length,3)+' active features per token.'));
+  box.appendChild(el('p',{'class':'help'},'The most active features anywhere in the text, each with the tokens that activate it most:'));
+  var ul=el('ul',{id:'sae-features'});
+  for(var f=0;f<S.features.length;f++){ul.appendChild(el('li',null,'feature '+S.features[f]+': '+
+    S.feature_tokens[f].map(function(x){return JSON.stringify(D.tokens[x[0]])+' @'+x[0]+' ('+fmt(x[1],3)+')';}).join(', ')));}
+  box.appendChild(ul);
+  var tbl=el('table',{'class':'lens',id:'sae-tokens'}),hr=el('tr');
+  ['position','token','L0','top features (activation)'].forEach(function(h){hr.appendChild(el('th',null,h));});tbl.appendChild(hr);
+  for(var t=0;t<T;t++){var tr=el('tr');tr.appendChild(el('td',null,String(t)));tr.appendChild(el('td',null,short(D.tokens[t],16)));
+    tr.appendChild(el('td',null,String(S.l0[t])));var parts=[];
+    for(var k=0;k<S.top_ids[t].length;k++)if(S.top_acts[t][k]>0)parts.push(S.top_ids[t][k]+' ('+fmt(S.top_acts[t][k],3)+')');
+    tr.appendChild(el('td',null,parts.join('  ')));tbl.appendChild(tr);}
+  var w=el('div',{'class':'scroll'});w.appendChild(tbl);box.appendChild(w);
 }
 
 function walk(){
@@ -211,7 +287,7 @@ function walk(){
 }
 
 var panels=[['summary',summary],['tokens',tokens],['heads',heads],['lens',lens],['dla',dla],['norms',norms],
-  ['patch',patch],['walk',walk]];
+  ['patch',patch],['intervene',intervene],['sae',sae],['walk',walk]];
 for(var i=0;i<panels.length;i++){try{panels[i][1]();}catch(e){report(panels[i][0]+': '+(e&&e.stack||e));}}
 document.body.setAttribute('data-rendered',errs.textContent?'with-errors':'ok');
 })();

@@ -1,0 +1,94 @@
+"""The engine in a worker thread, so that the caller's thread (an event loop) never waits on the model."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpt2kit.engine.rows import Row, RowEvent, RowKey
+    from gpt2kit.engine.scheduler import Engine
+    from gpt2kit.sampling import SamplingSettings
+
+
+class EngineLoop:
+    """Runs an Engine in a worker thread; the one object a server talks to. on_events(events) is
+    called from the worker after every step; on_error(rows, exc) when a step raises (every row is
+    dropped, the loop goes on) and, with just that row, for a row whose own sampling raised (its
+    neighbours go on). :meth:`call` runs a function in the worker between steps (e.g. scoring a
+    prompt) and returns a concurrent Future."""
+
+    def __init__(self, engine: Engine, on_events: Callable[[list[RowEvent]], None],
+                 on_error: Callable[[list[Row], BaseException], None]) -> None:
+        self.engine, self.on_events, self.on_error = engine, on_events, on_error
+        self._cond = threading.Condition()
+        self._jobs: deque = deque()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="gpt2kit-engine", daemon=True)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def new_row(self, prompt: Sequence[int], settings: SamplingSettings, *, seed: int | None = None,
+                sample_index: int = 0, logprobs: int | None = None, key: RowKey | None = None) -> Row:
+        """Engine.new_row (any thread: it only reads the model's config and device)."""
+        return self.engine.new_row(prompt, settings, seed=seed, sample_index=sample_index, logprobs=logprobs,
+                                   key=key)
+
+    def submit(self, rows: Sequence[Row]) -> None:
+        self.engine.submit(rows)
+        with self._cond:
+            self._cond.notify()
+
+    def cancel(self, row: Row) -> None:
+        self.engine.cancel(row)
+
+    @property
+    def n_running(self) -> int:
+        return self.engine.n_running
+
+    @property
+    def n_waiting(self) -> int:
+        return self.engine.n_waiting
+
+    def call(self, fn: Callable, *args, **kwargs) -> concurrent.futures.Future:
+        fut = concurrent.futures.Future()
+        with self._cond:
+            self._jobs.append((fut, fn, args, kwargs))
+            self._cond.notify()
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stop or self._jobs or self.engine.has_work):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                jobs, self._jobs = list(self._jobs), deque()
+            for fut, fn, args, kwargs in jobs:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(*args, **kwargs))
+                    except BaseException as e:  # handed to the caller
+                        fut.set_exception(e)
+            if self.engine.has_work:
+                try:
+                    events = self.engine.step()
+                except Exception as e:  # fail the rows, keep serving
+                    self.on_error(self.engine.reset(), e)
+                    continue
+                for ev in events:
+                    if ev.error is not None:
+                        self.on_error([ev.row], ev.error)
+                self.on_events([ev for ev in events if ev.error is None])

@@ -1,0 +1,90 @@
+"""Output processing: what a row's new token makes of its text (whole characters, stop strings held
+back until they are known not to be one), whether it finishes the row, and the log-probs reported
+for it. Scheduling (gpt2kit.engine.scheduler) calls these; it computes none of it itself.
+
+Legend: B rows in the batch, R rows that asked for log-probs, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from gpt2kit.engine.rows import Row
+    from gpt2kit.tokenizer import Tokenizer
+
+
+class RowText:
+    """A row's text: whole UTF-8 characters only, with any tail that could begin a stop string
+    held back until it is known not to be one (so no streamed text ever has to be taken back)."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
+        self.decoder = tokenizer.decoder()
+        self.stops = stops
+        self.pending = ""
+
+    def feed(self, token: int) -> tuple[str, bool]:
+        """(text now safe to emit, whether a stop string was completed)."""
+        return self._emit(self.pending + self.decoder.feed([token]), final=False)
+
+    def finish(self) -> str:
+        return self._emit(self.pending + self.decoder.flush(), final=True)[0]
+
+    def _emit(self, s: str, *, final: bool) -> tuple[str, bool]:
+        cut = min((i for i in (s.find(stop) for stop in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.pending = ""
+            return s[:cut], True
+        hold = 0 if final else _prefix_overlap(s, self.stops)
+        self.pending = s[len(s) - hold:]
+        return s[: len(s) - hold], False
+
+
+def _prefix_overlap(s: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of s that is a proper prefix of some stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(s)), best, -1):
+            if s.endswith(stop[:n]):
+                best = n
+                break
+    return best
+
+
+def advance(row: Row, t: int) -> tuple[str, str | None]:
+    """The text token t (already appended to row.tokens) makes safe to emit, and the row's finish
+    reason (None: it goes on)."""
+    reason = "stop" if t in row.settings.stop_token_ids else None  # not in the row's text
+    piece, hit = "", False
+    if row.text is not None and reason is None:
+        piece, hit = row.text.feed(t)
+        reason = "stop" if hit else None
+    if reason is None and len(row.tokens) >= row.settings.max_new_tokens:
+        reason = "length"
+    if row.text is not None and reason is not None and not hit:
+        piece += row.text.finish()  # after a stop string the rest is dropped; else release it
+    return piece, reason
+
+
+def token_logprobs(logits: torch.Tensor, tok: torch.Tensor, rows: list[Row]
+                   ) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
+    """Batch row -> (log-prob of its token tok[r], top N (id, log-prob)) for the rows that asked
+    (Row.logprobs = N), under the raw distribution: log_softmax of logits (B, V), before any warper."""
+    want = [r for r, row in enumerate(rows) if row.logprobs is not None]
+    if not want:
+        return {}
+    sel = torch.tensor(want, device=logits.device)
+    logp = torch.log_softmax(logits[sel].float(), dim=-1)  # (R, V)
+    chosen = logp.gather(1, tok[sel][:, None])[:, 0].tolist()
+    n = max(rows[r].logprobs for r in want)
+    ids = vals = [[] for _ in want]
+    if n:
+        top = logp.topk(min(n, logp.shape[-1]), dim=-1)
+        ids, vals = top.indices.tolist(), top.values.tolist()
+    out = {}
+    for i, r in enumerate(want):
+        k = rows[r].logprobs
+        out[r] = (chosen[i], tuple(zip(ids[i][:k], vals[i][:k], strict=True)))
+    return out

@@ -1,0 +1,69 @@
+"""A row (one sample of one prompt being generated), its routing key and its per-step event."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpt2kit.engine.outputs import RowText
+    from gpt2kit.sampling import RowSampler, SamplingSettings
+
+
+@dataclass(frozen=True)
+class RowKey:
+    """Where a row's events go: index is the caller's sequence index (generate: prompt_index *
+    num_samples + sample_index); owner the request the row belongs to (the server's job; None for
+    generate), so events are routed without guessing at the key's shape."""
+
+    index: int = 0
+    prompt_index: int = 0
+    sample_index: int = 0
+    owner: object | None = None
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence being generated (one sample of one prompt). Made by Engine.new_row."""
+
+    prompt: list[int]
+    settings: SamplingSettings
+    sampler: RowSampler
+    text: RowText | None = None  # with a tokenizer
+    logprobs: int | None = None  # report each token's log-prob and the top N alternatives; None: no
+    key: RowKey = field(default_factory=RowKey)  # the caller's label
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "error", once finished
+    error: Exception | None = None  # why it failed (finish_reason "error")
+    cancelled: bool = False
+    start: int = 0  # the context is (prompt + tokens)[start:]
+
+    def context(self, n_ctx: int, window: int) -> list[int]:
+        """The tokens the model sees: the whole sequence, or once it passes n_ctx its most recent
+        `window` tokens (from then on the window start only moves when the context fills again)."""
+        seq = self.prompt + self.tokens
+        if len(seq) - self.start > n_ctx:
+            self.start = len(seq) - window
+        return seq[self.start:]
+
+
+@dataclass(frozen=True)
+class RowEvent:
+    """What one row did in one step: the token it added, the text that token made safe to emit
+    ('' without a tokenizer), and with Row.logprobs its log-prob and the top N (id, log-prob)
+    alternatives, all under the model's raw distribution (log_softmax of the logits, before any
+    warper). finish_reason is set on the row's last event. A failed row's event (RowEvent.failed:
+    its own sampling raised, or the whole step did) has finish_reason "error", token -1 and the
+    exception in error; the one event shape for every outcome."""
+
+    row: Row
+    token: int
+    text: str
+    finish_reason: str | None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    error: BaseException | None = None
+
+    @classmethod
+    def failed(cls, row: Row, error: BaseException) -> RowEvent:
+        return cls(row, -1, "", "error", error=error)

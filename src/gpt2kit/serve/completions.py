@@ -1,0 +1,368 @@
+"""/v1/completions: planning a request (checks, rows, admission), accounting for its rows' events
+(rows, work tokens, latency metrics) and building its response, whole or as server-sent events,
+with one builder for both (:class:`Response`).
+
+A request whose client goes away has its rows cancelled, and the engine drops them at its next
+step. Admission is bounded: at most max_batch rows run and max_queue wait; a request that would
+exceed that gets 429 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import gpt2kit.serve.schemas as S
+from gpt2kit.serve.errors import APIError, error_body
+from gpt2kit.serve.lifecycle import DISCONNECTED, SHUTDOWN
+from gpt2kit.serve.limits import check_work, logit_bias_ids, work_tokens
+from gpt2kit.serve.logprobs import Offsets, logprobs_obj, prompt_logprobs
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from gpt2kit.engine import Row, RowEvent
+    from gpt2kit.serve.server import Server
+    from gpt2kit.tokenizer import Tokenizer
+
+log = logging.getLogger("gpt2kit.serve")
+
+
+@dataclass(eq=False)
+class Choice:
+    prompt_index: int
+    sample_index: int
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float | None] = field(default_factory=list)
+    tops: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    finish_reason: str | None = None
+    last: float = 0.0  # time of the last token (per-token latency)
+
+    def mean_logprob(self) -> float:
+        return sum(self.logprobs) / max(len(self.logprobs), 1)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's state; its rows' events arrive on `queue` (RowEvent, or a lifecycle sentinel)."""
+
+    id: str
+    created: int
+    arrived: float
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    body: S.CompletionRequest
+    n: int
+    best_of: int
+    queue: asyncio.Queue
+    rows: list[Row] = field(default_factory=list)
+    choices: dict[Row, Choice] = field(default_factory=dict)
+    pending: set = field(default_factory=set)
+    first_token: bool = False
+    watcher: asyncio.Task | None = None  # waits for the client to disconnect (serve/lifecycle.py)
+    work: int = 0  # tokens of work it holds against the server's limit (gpt2kit.serve.limits)
+    scoring: int = 0  # of which prompt tokens still to score for echo log-probs
+
+
+# --- planning ---------------------------------------------------------------------------------
+
+
+def plan(server: Server, body: S.CompletionRequest) -> Job:
+    """Check a request against the model and the limits (400/404/429 name what is wrong), then
+    submit its rows."""
+    from gpt2kit.engine import RowKey
+    from gpt2kit.sampling import resolve_seed
+
+    server.check_model(body.model)
+    cfg = server.model.config
+    if body.suffix is not None:
+        raise APIError(400, "suffix is not supported: GPT-2 only continues text", param="suffix")
+    prompts, texts = _prompts(server, body.prompt)
+    echo = bool(body.echo)
+    n = body.n or 1
+    best_of = body.best_of or n
+    if best_of < n:
+        raise APIError(400, f"best_of ({best_of}) must be >= n ({n})", param="best_of")
+    if body.stream and best_of > n:
+        raise APIError(400, "best_of cannot be streamed: drop stream or best_of", param="best_of")
+    longest = max(map(len, prompts))
+    max_tokens = body.max_tokens if body.max_tokens is not None else max(cfg.n_ctx - longest, 0)
+    if max_tokens == 0 and not echo:
+        raise APIError(400, "max_tokens 0 is only allowed with echo (prompt log-probs)", param="max_tokens")
+    cap = server.opts.max_tokens_per_request
+    if cap is not None and max_tokens > cap:
+        raise APIError(400, f"max_tokens {max_tokens} exceeds this server's limit {cap}", param="max_tokens")
+    if longest + max_tokens > cfg.n_ctx:
+        raise APIError(400, f"This model's maximum context length is {cfg.n_ctx} tokens, however you requested "
+                            f"{longest + max_tokens} tokens ({longest} in your prompt; {max_tokens} for the "
+                            f"completion). Please reduce your prompt or completion length.",
+                       param="max_tokens", code="context_length_exceeded")
+    settings = _settings(body, max_tokens, cfg.n_vocab)
+    rows = len(prompts) * best_of if max_tokens > 0 else 0
+    limit = server.opts.max_batch + server.opts.max_queue
+    if rows > limit:
+        raise APIError(400, f"this request needs {rows} rows (prompts x best_of/n); this server runs at most "
+                            f"{limit} (--max-batch + --max-queue)", param="n")
+    scored = sum(map(len, prompts)) if echo and body.logprobs is not None else 0
+    work = work_tokens(prompts, max_tokens, best_of, bool(scored))
+    check_work(work, server.work_tokens, limit * cfg.n_ctx)  # scoring counts as generation does
+    if rows and server.outstanding + rows > limit:
+        raise APIError(429, f"the server is at capacity ({server.outstanding} rows running or queued, limit "
+                            f"{limit}); retry shortly", code="server_overloaded", headers={"Retry-After": "1"})
+    job = Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), time.monotonic(), prompts, texts, body, n, best_of,
+              asyncio.Queue(), work=work, scoring=scored)
+    server.work_tokens += work
+    server.metrics.scoring_tokens.inc(scored)
+    server.metrics.prompt_tokens.inc(sum(map(len, prompts)))
+    if rows:
+        seed = resolve_seed(settings)
+        want = body.logprobs if body.logprobs is not None else (0 if best_of > n else None)
+        loop = server.engine_loop
+        for i, p in enumerate(prompts):
+            for j in range(best_of):
+                row = loop.new_row(p, settings, seed=seed, sample_index=j, logprobs=want,
+                                   key=RowKey(i * best_of + j, i, j, owner=job))
+                job.rows.append(row)
+                job.choices[row] = Choice(i, j)
+        job.pending = set(job.rows)
+        server.outstanding += rows
+        loop.submit(job.rows)
+    return job
+
+
+def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int):
+    """The request's SamplingSettings; a value they refuse is a 400."""
+    from gpt2kit.sampling import EOT_ID, SamplingSettings
+
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if any(not s for s in stops):
+        raise APIError(400, "stop strings must not be empty", param="stop")
+    bias = logit_bias_ids(body.logit_bias, n_vocab)
+    temperature = 1.0 if body.temperature is None else body.temperature
+    try:
+        return SamplingSettings(
+            max_new_tokens=max(max_tokens, 1), temperature=temperature,
+            top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
+            top_p_mode=body.top_p_mode or "openai",
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias=bias, seed=None if body.seed is None else body.seed % 2**63,
+            stop_token_ids=(EOT_ID,) if EOT_ID < n_vocab else (), stop_strings=tuple(stops), strict=True)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def _prompts(server: Server, prompt) -> tuple[list[list[int]], list[str]]:
+    tok, n_vocab = server.tokenizer, server.model.config.n_vocab
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    ids, texts = [], []
+    for p in prompt:
+        if isinstance(p, str):
+            t = tok.encode(p, allow_special=True) if p else [tok.eot_token]
+            texts.append(p if p else tok.eot_text)
+        else:
+            t = list(p)
+            bad = [x for x in t if x >= min(n_vocab, tok.n_vocab)]
+            if bad:
+                raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary "
+                                    f"[0, {min(n_vocab, tok.n_vocab)})", param="prompt")
+            texts.append(tok.decode(t))
+        if any(x >= n_vocab for x in t):
+            raise APIError(400, f"the prompt has a token id >= the model's vocabulary {n_vocab}", param="prompt")
+        ids.append(t)
+    return ids, texts
+
+
+# --- accounting -------------------------------------------------------------------------------
+
+
+def cancel(server: Server, job: Job, why: str | None = None) -> None:
+    """Drop the job's unfinished rows (the engine leaves them at its next step) and release its
+    work; why: logged as one line when rows were still running."""
+    if job.watcher is not None:
+        job.watcher.cancel()
+    if why is not None and job.pending:
+        log.info("%s: %s; cancelled %d unfinished row(s)", job.id, why, len(job.pending))
+    for row in job.pending:
+        server.engine_loop.cancel(row)
+    server.outstanding -= len(job.pending)
+    job.pending = set()
+    server.work_tokens -= job.work
+    server.metrics.scoring_tokens.dec(job.scoring)
+    job.work = job.scoring = 0
+
+
+async def next_event(server: Server, job: Job, request: Request) -> RowEvent:
+    """The job's next row event; cancels the job and raises APIError if the client went away
+    (noticed at once: a watcher waits on the connection), the shutdown grace ran out or the
+    row failed."""
+    if job.watcher is None:
+        job.watcher = server.life.watch(request.receive, job.queue)
+    ev = await job.queue.get()
+    if ev is DISCONNECTED:
+        cancel(server, job, "client disconnected")
+        raise APIError(499, "the client disconnected", code="client_disconnected")  # sent to no one
+    if ev is SHUTDOWN:
+        cancel(server, job, "the server's shutdown grace ran out")
+        raise APIError(503, "the server shut down before this request finished (its --shutdown-grace ran "
+                            "out); retry", code="server_shutting_down")
+    if ev.error is not None:  # a failed step (RowEvent.failed)
+        cancel(server, job)
+        raise APIError(500, "generation failed", code="internal_error")
+    _account(server, job, ev)
+    return ev
+
+
+def _account(server: Server, job: Job, ev: RowEvent) -> None:
+    now = time.monotonic()
+    c = job.choices[ev.row]
+    if not job.first_token:
+        job.first_token = True
+        server.metrics.ttft.observe(now - job.arrived)
+    elif c.last:
+        server.metrics.tpot.observe(now - c.last)
+    c.last = now
+    server.metrics.generation_tokens.inc()
+    c.tokens.append(ev.token)
+    c.text += ev.text
+    if ev.logprob is not None:
+        c.logprobs.append(ev.logprob)
+        c.tops.append(ev.top_logprobs)
+    if ev.finish_reason is not None:
+        c.finish_reason = ev.finish_reason
+        if ev.row in job.pending:
+            job.pending.discard(ev.row)
+            server.outstanding -= 1
+
+
+async def echo_logprobs(server: Server, job: Job, request: Request) -> list[tuple[list, list]] | None:
+    """The prompts' log-probs for echo, scored one prompt per worker job (between decode steps);
+    a client gone stops it before the next prompt."""
+    if not job.body.echo or job.body.logprobs is None:
+        return None
+    out = []
+    for p in job.prompts:
+        if await request.is_disconnected():
+            cancel(server, job)
+            raise asyncio.CancelledError
+        out.append(await server.run_in_worker(prompt_logprobs, server.model, p, job.body.logprobs))
+        job.scoring -= len(p)
+        job.work -= len(p)
+        server.work_tokens -= len(p)
+        server.metrics.scoring_tokens.dec(len(p))
+        server.metrics.scored_tokens.inc(len(p))
+    return out
+
+
+def usage(job: Job) -> dict:
+    prompt = sum(map(len, job.prompts))
+    done = sum(len(c.tokens) for c in job.choices.values())
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+
+# --- the response -----------------------------------------------------------------------------
+
+
+class Response:
+    """The completion's parts, for the whole response and for each streamed chunk alike: a choice
+    begins with its prompt (echoed text, its log-probs), its tokens' log-probs continue the same
+    text offsets, and every object has the same envelope."""
+
+    def __init__(self, tokenizer: Tokenizer, job: Job, prompt_lp: list[tuple[list, list]] | None) -> None:
+        self.tok, self.job, self.prompt_lp = tokenizer, job, prompt_lp
+        self.offsets: dict[object, Offsets] = {}
+
+    def begin(self, key: object, i: int) -> tuple[str, dict | None]:
+        """Choice `key` of prompt i begins: its echoed text ('' without echo) and, with echo and
+        logprobs, the prompt's logprobs object; its offsets then start past the prompt."""
+        body, off = self.job.body, Offsets(self.tok)
+        self.offsets[key] = off
+        text = self.job.prompt_texts[i] if body.echo else ""
+        if body.logprobs is not None and body.echo:
+            return text, logprobs_obj(self.tok, self.job.prompts[i], *self.prompt_lp[i], off)
+        for t in self.job.prompts[i]:
+            off.feed(t)
+        return text, None
+
+    def tokens(self, key: object, tokens, lps, tops, before: dict | None = None) -> dict | None:
+        """The logprobs object of choice `key`'s tokens (None without logprobs), after `before`."""
+        if self.job.body.logprobs is None:
+            return before
+        lp = logprobs_obj(self.tok, tokens, lps, tops, self.offsets[key])
+        return lp if before is None else {k: before[k] + lp[k] for k in lp}
+
+    def envelope(self, choices: list[dict]) -> dict[str, Any]:
+        job = self.job
+        return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.body.model,
+                "choices": choices}
+
+
+def _choice(text: str, index: int, lp: dict | None, finish_reason: str | None) -> dict:
+    return {"text": text, "index": index, "logprobs": lp, "finish_reason": finish_reason}
+
+
+async def complete(server: Server, job: Job, request: Request) -> dict:
+    try:
+        prompt_lp = await echo_logprobs(server, job, request)
+        while job.pending:
+            await next_event(server, job, request)
+    finally:
+        cancel(server, job)
+    out, choices = Response(server.tokenizer, job, prompt_lp), []
+    for i in range(len(job.prompts)):
+        mine = [c for c in job.choices.values() if c.prompt_index == i]
+        if job.best_of > job.n:
+            mine = sorted(mine, key=lambda c: -c.mean_logprob())[: job.n]
+        if not mine:  # max_tokens 0 with echo: the prompt alone
+            mine = [Choice(i, j, finish_reason="length") for j in range(job.n)]
+        for rank, c in enumerate(mine):
+            text, lp = out.begin(c, i)
+            lp = out.tokens(c, c.tokens, c.logprobs, c.tops, lp)
+            choices.append(_choice(text + c.text, i * job.n + rank, lp, c.finish_reason))
+    return {**out.envelope(choices), "usage": usage(job)}
+
+
+async def stream(server: Server, job: Job, request: Request) -> AsyncIterator[str]:
+    body = job.body
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(out: Response, choices: list[dict], usage: dict | None = None) -> str:
+        obj = out.envelope(choices)
+        if include_usage:
+            obj["usage"] = usage
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    try:
+        out = Response(server.tokenizer, job, await echo_logprobs(server, job, request))
+        for i in range(len(job.prompts)):
+            for j in range(job.n):
+                text, lp = out.begin((i, j), i)
+                if body.echo:
+                    yield chunk(out, [_choice(text, i * job.n + j, lp, None if job.rows else "length")])
+        while job.pending:
+            ev = await next_event(server, job, request)
+            c = job.choices[ev.row]
+            lp = out.tokens((c.prompt_index, c.sample_index), [ev.token], [ev.logprob], [ev.top_logprobs])
+            if ev.text or lp is not None or ev.finish_reason:
+                yield chunk(out, [_choice(ev.text, c.prompt_index * job.n + c.sample_index, lp, ev.finish_reason)])
+        if include_usage:
+            yield chunk(out, [], usage(job))
+        yield "data: [DONE]\n\n"
+    except APIError as e:  # an error event, then [DONE]: the stream ends as every stream does
+        yield f"data: {json.dumps(error_body(e.status, e.message, e.param, e.code))}\n\n"
+        yield "data: [DONE]\n\n"
+    except asyncio.CancelledError:  # Starlette saw the client leave (or uvicorn gave up at shutdown)
+        cancel(server, job, "stream cancelled (client gone, or the server stopping)")
+        raise
+    finally:
+        cancel(server, job)

@@ -1,0 +1,114 @@
+"""The server's state: the model, its one engine loop (worker thread) and the counters the routes
+share; loading in the background, and the engine's events carried from the worker to the event loop.
+
+Every row of every request joins the one running batch at the next decode step and leaves it when
+it finishes (continuous batching). Each event reaches the queue of the request that owns its row
+(RowKey.owner) as a RowEvent: a failed step too (RowEvent.failed), so the queue holds one shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from gpt2kit.serve.errors import APIError
+from gpt2kit.serve.lifecycle import Lifecycle
+from gpt2kit.serve.metrics import Metrics
+
+if TYPE_CHECKING:
+    from gpt2kit.engine import EngineLoop, Row, RowEvent
+    from gpt2kit.model import GPT2
+    from gpt2kit.serve.app import ServeOptions
+    from gpt2kit.tokenizer import Tokenizer
+
+log = logging.getLogger("gpt2kit.serve")
+
+
+class Server:
+    """The model, its engine loop and the bookkeeping the routes share (one per app)."""
+
+    def __init__(self, loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions) -> None:
+        self.loader, self.opts = loader, opts
+        self.model: GPT2 | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.engine_loop: EngineLoop | None = None
+        self.ready = False
+        self.load_error: BaseException | None = None
+        self.on_load_error: Callable[[BaseException], None] | None = None
+        self.outstanding = 0  # rows admitted and not finished (event-loop thread only)
+        self.work_tokens = 0  # tokens of work admitted and not finished (gpt2kit.serve.limits; event loop)
+        self.started = int(time.time())
+        self.life = Lifecycle()
+        self.aloop: asyncio.AbstractEventLoop | None = None
+        self.metrics = Metrics(lambda: self.engine_loop.n_running if self.engine_loop else 0,
+                               lambda: self.engine_loop.n_waiting if self.engine_loop else 0)
+        self.metrics.work_tokens.set_function(lambda: self.work_tokens)
+
+    # -- lifecycle --
+
+    def start(self) -> None:
+        self.aloop = asyncio.get_running_loop()
+        threading.Thread(target=self._load, name="gpt2kit-load", daemon=True).start()
+
+    def _load(self) -> None:
+        from gpt2kit.engine import Engine, EngineLoop
+
+        try:
+            model, tokenizer = self.loader()
+            model.eval()
+            engine = Engine(model, tokenizer, max_batch=self.opts.max_batch, pack_weights=self.opts.pack_weights)
+            self.engine_loop = EngineLoop(engine, self._on_events, self._on_error).start()
+            self.model, self.tokenizer = model, tokenizer
+            self.ready = True
+        except Exception as e:  # reported by /health and to the CLI
+            self.load_error = e
+            if self.on_load_error is not None:
+                self.on_load_error(e)
+
+    def stop(self) -> None:
+        if self.engine_loop is not None:
+            self.engine_loop.stop()
+
+    def require_ready(self) -> None:
+        if not self.ready:
+            if self.load_error is not None:
+                raise APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
+            raise APIError(503, "the model is loading; retry shortly", code="model_loading",
+                           headers={"Retry-After": "1"})
+
+    # -- engine events (worker thread -> event loop) --
+
+    def _on_events(self, events: list[RowEvent]) -> None:
+        self.aloop.call_soon_threadsafe(self._dispatch, events)
+
+    def _on_error(self, rows: list[Row], exc: BaseException) -> None:
+        from gpt2kit.engine import RowEvent
+
+        log.error("generation step failed: %s", type(exc).__name__)
+        self.aloop.call_soon_threadsafe(self._dispatch, [RowEvent.failed(row, exc) for row in rows])
+
+    def _dispatch(self, events: list[RowEvent]) -> None:
+        for ev in events:
+            ev.row.key.owner.queue.put_nowait(ev)
+
+    # -- helpers --
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.opts.served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                                f"`{self.opts.served_model_name}` (send that name, or start the server with "
+                                f"--served-model-name to choose it)", param="model", code="model_not_found")
+
+    def piece(self, t: int) -> str | list[int]:
+        b = self.tokenizer.decode_bytes([t])
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return list(b)
+
+    async def run_in_worker(self, fn, *args):
+        return await asyncio.wrap_future(self.engine_loop.call(fn, *args))
