@@ -469,7 +469,28 @@ def _sampling_settings(args: argparse.Namespace):
         repetition_penalty=args.repetition_penalty, seed=args.seed,
         stop_token_ids=() if args.ignore_eot else (EOT_ID,), stop_strings=tuple(args.stop or ()),
         num_samples=args.num_samples, strict=args.strict, window=args.window,
-        pack_weights=False if args.no_pack_weights else None)
+        pack_weights=False if args.no_pack_weights else None,
+        min_p=args.min_p, typical_p=args.typical_p, epsilon_cutoff=args.epsilon_cutoff, eta_cutoff=args.eta_cutoff,
+        no_repeat_ngram_size=args.no_repeat_ngram_size, min_new_tokens=args.min_new_tokens,
+        bad_words=tuple(_token_ids("--bad-words-ids", s) for s in args.bad_words_ids or ()),
+        suppress_tokens=_token_ids("--suppress-tokens", args.suppress_tokens) if args.suppress_tokens else ())
+
+
+def _token_ids(flag: str, text: str) -> tuple[int, ...]:
+    """Comma-separated token ids ("262,3290") as a tuple."""
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise CLIError(f"{flag} takes comma-separated token ids such as 262,3290, got {text!r}") from None
+
+
+def _with_bad_words(settings, tok, args: argparse.Namespace):
+    """settings with --bad-words text added as token sequences (gpt2kit.sampling.bad_words_ids)."""
+    if not args.bad_words:
+        return settings
+    from gpt2kit.sampling import bad_words_ids
+
+    return dataclasses.replace(settings, bad_words=settings.bad_words + bad_words_ids(tok, args.bad_words))
 
 
 def _read_prompts(path: str) -> list[str]:
@@ -564,8 +585,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
     _check_quantize(args)  # before the model loads
+    if any(not w.strip() for w in args.bad_words or ()):
+        raise CLIError("--bad-words must be non-empty text")
     texts = _read_prompts(args.prompts_file) if args.prompts_file is not None else [args.prompt or ""]
     model, tok = _load_for(args)
+    settings = _with_bad_words(settings, tok, args)
     if not args.interactive:  # no prompt: unconditional samples from <|endoftext|>
         _generate_and_print(model, tok, texts, settings, args)
         return 0
@@ -609,6 +633,21 @@ def _register_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p-mode", choices=("openai", "hf"), default="openai",
                    help="openai: keep tokens with cumulative prob <= p (sample.py); hf: also the one crossing p")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's penalty (1 = off; >= 0.01)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="min-p sampling: drop tokens less likely than MIN_P x the top token (0 = off)")
+    p.add_argument("--typical-p", type=float, default=1.0, help="locally typical sampling's mass in (0, 1] (1 = off)")
+    p.add_argument("--epsilon-cutoff", type=float, default=0.0,
+                   help="epsilon sampling: drop tokens less likely than this, in [0, 1) (0 = off)")
+    p.add_argument("--eta-cutoff", type=float, default=0.0, help="eta sampling's eta in [0, 1) (0 = off)")
+    p.add_argument("--no-repeat-ngram-size", type=int, default=0,
+                   help="never repeat an n-gram of this size, the prompt's included (0 = off)")
+    p.add_argument("--bad-words", action="append", metavar="TEXT",
+                   help="text never generated, tokenized with and without a leading space (repeatable)")
+    p.add_argument("--bad-words-ids", action="append", metavar="IDS",
+                   help="a token-id sequence never generated, e.g. 262,3290 (repeatable)")
+    p.add_argument("--min-new-tokens", type=int, default=0, help="no stop token before this many new tokens")
+    p.add_argument("--suppress-tokens", default=None, metavar="IDS",
+                   help="token ids never generated, e.g. 13,198 (default: none)")
     p.add_argument("--seed", type=int, default=None,
                    help="random seed (same seed, same text; default: none, a different sample each run)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")

@@ -1,9 +1,14 @@
 """Sampling: the settings of a generation, the logit warpers and the draw.
 
-Order, as OpenAI's API and sample.py apply them: logit_bias -> repetition penalty (CTRL's, as
-transformers) -> presence/frequency penalties (OpenAI's, over the tokens generated so far) ->
-temperature -> top-k -> top-p -> one draw per row. temperature 0 is greedy (argmax after the
-bias and the penalties), and so is any temperature below GREEDY_BELOW (1e-5, as vLLM): dividing by
+Order, as OpenAI's API and sample.py apply them, with transformers' processors where transformers
+puts them (its _get_logits_processor): logit_bias -> repetition penalty (CTRL's, as transformers)
+-> presence/frequency penalties (OpenAI's, over the tokens generated so far) -> the constraints
+(no repeated n-gram, bad words, min_new_tokens, suppress_tokens; they ban tokens, so their order
+among themselves and against the penalties changes nothing) -> temperature -> top-k -> top-p ->
+min-p -> typical -> epsilon -> eta -> one draw per row (gpt2kit.warpers computes the new ones as
+transformers does). temperature 0 is greedy (argmax after the bias, the penalties and the
+constraints; the truncation warpers never remove the argmax, so they are skipped), and so is any
+temperature below GREEDY_BELOW (1e-5, as vLLM): dividing by
 less could overflow float32, and the distribution there is the argmax to float32 precision anyway.
 The other settings are bounded so the warped logits stay finite (repetition_penalty >=
 MIN_REPETITION_PENALTY, biases and penalties within +-LOGIT_LIMIT); a row whose warped logits are
@@ -27,6 +32,7 @@ import torch
 
 from gpt2kit.config import EOT_ID  # <|endoftext|>: the default stop token and the start of unconditional samples
 from gpt2kit.validate import check_int, check_number
+from gpt2kit.warpers import BadWords, NGramIndex, epsilon_filter, eta_filter, min_p_filter, typical_filter
 
 TOP_P_MODES = ("openai", "hf")
 GREEDY_BELOW = 1e-5  # temperatures in [0, GREEDY_BELOW) are greedy
@@ -59,6 +65,18 @@ class SamplingSettings:
     frequency_penalty: float = 0.0
     # token id -> bias added to its logit (a mapping or (id, bias) pairs, each id once; kept sorted)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # transformers' truncation warpers, after top-p, sampling only
+    min_p: float = 0.0  # keep tokens with probability >= min_p x the top token's; in [0, 1]; 0 = off
+    typical_p: float = 1.0  # locally typical sampling's mass, in (0, 1]; 1 = off
+    epsilon_cutoff: float = 0.0  # drop tokens with probability < epsilon, in [0, 1); 0 = off
+    eta_cutoff: float = 0.0  # drop probability < min(eta, sqrt(eta) * exp(-entropy)), in [0, 1); 0 = off
+    # transformers' constraints (greedy too): banned tokens
+    no_repeat_ngram_size: int = 0  # no n-gram of this size twice in prompt + generated tokens; 0 = off
+    # token-id sequences never generated (the last token is banned where the rest precedes it); text
+    # becomes such sequences with bad_words_ids(tokenizer, words)
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    min_new_tokens: int = 0  # the stop tokens are banned until this many tokens were generated
+    suppress_tokens: tuple[int, ...] = ()  # token ids never generated
     seed: int | None = None  # None: drawn from torch's global RNG (so torch.manual_seed applies)
     stop_token_ids: tuple[int, ...] = (EOT_ID,)
     stop_strings: tuple[str, ...] = ()  # need a tokenizer; the text is cut before the stop string
@@ -75,6 +93,7 @@ class SamplingSettings:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         object.__setattr__(self, "logit_bias", _check_logit_bias(bias))
         check_int("max_new_tokens", self.max_new_tokens, ">= 1", lambda v: v >= 1)
+        self._check_transformers_options()
         check_number("temperature", self.temperature, f">= 0 (below {GREEDY_BELOW:g} = greedy)", lambda v: v >= 0)
         check_int("top_k", self.top_k, ">= 0 (0 = off)", lambda v: v >= 0)
         check_number("top_p", self.top_p, "in (0, 1] (1 = off)", lambda v: 0 < v <= 1)
@@ -97,6 +116,22 @@ class SamplingSettings:
         if self.pack_weights not in (None, True, False):
             raise ValueError(f"pack_weights must be None (auto), True or False, got {self.pack_weights!r}")
 
+    def _check_transformers_options(self) -> None:
+        check_number("min_p", self.min_p, "in [0, 1] (0 = off)", lambda v: 0 <= v <= 1)
+        check_number("typical_p", self.typical_p, "in (0, 1] (1 = off)", lambda v: 0 < v <= 1)
+        check_number("epsilon_cutoff", self.epsilon_cutoff, "in [0, 1) (0 = off)", lambda v: 0 <= v < 1)
+        check_number("eta_cutoff", self.eta_cutoff, "in [0, 1) (0 = off)", lambda v: 0 <= v < 1)
+        check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, ">= 0 (0 = off)", lambda v: v >= 0)
+        check_int("min_new_tokens", self.min_new_tokens, f"in [0, max_new_tokens={self.max_new_tokens}] (0 = off)",
+                  lambda v: 0 <= v <= self.max_new_tokens)
+        object.__setattr__(self, "bad_words", _check_bad_words(self.bad_words))
+        object.__setattr__(self, "suppress_tokens", _check_ids("suppress_tokens", self.suppress_tokens))
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a constraint can ban tokens (no_repeat_ngram_size, bad_words, min_new_tokens, suppress_tokens)."""
+        return bool(self.no_repeat_ngram_size or self.bad_words or self.min_new_tokens or self.suppress_tokens)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
@@ -105,7 +140,46 @@ class SamplingSettings:
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes the logits first: the argmax of the raw logits."""
         return (self.greedy and self.repetition_penalty == 1.0 and not self.logit_bias
-                and self.presence_penalty == 0 and self.frequency_penalty == 0)
+                and self.presence_penalty == 0 and self.frequency_penalty == 0 and not self.constrained)
+
+
+def _check_ids(name: str, ids) -> tuple[int, ...]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise ValueError(f"{name} must be a sequence of token ids, got {ids!r}")
+    for t in ids:
+        check_int(f"{name} entry", t, ">= 0", lambda v: v >= 0)
+    return tuple(ids)
+
+
+def _check_bad_words(words) -> tuple[tuple[int, ...], ...]:
+    """Each entry a non-empty sequence of token ids >= 0 (text goes through bad_words_ids)."""
+    if isinstance(words, (str, bytes)) or not isinstance(words, Sequence):
+        raise ValueError(f"bad_words must be a sequence of token-id sequences, got {words!r}")
+    out = []
+    for i, w in enumerate(words):
+        if isinstance(w, (str, bytes)):
+            raise ValueError(f"bad_words entry {i} must be a sequence of token ids, got the text {w!r}: "
+                             f"tokenize it with gpt2kit.sampling.bad_words_ids(tokenizer, words)")
+        if not isinstance(w, Sequence) or len(w) == 0:
+            raise ValueError(f"bad_words entry {i} must be a non-empty sequence of token ids, got {w!r}")
+        out.append(_check_ids(f"bad_words entry {i}", w))
+    return tuple(out)
+
+
+def bad_words_ids(tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """The token sequences of words for SamplingSettings.bad_words, as vLLM tokenizes its bad_words:
+    each word with its leading spaces stripped, and with one leading space (GPT-2's tokens differ
+    mid-text) where that gives as many tokens and another first token."""
+    out = []
+    for w in words:
+        if not isinstance(w, str) or not w.strip():
+            raise ValueError(f"bad_words entries must be non-empty text, got {w!r}")
+        bare = tokenizer.encode(w.lstrip())
+        spaced = tokenizer.encode(" " + w.lstrip())
+        out.append(tuple(bare))
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(tuple(spaced))
+    return tuple(out)
 
 
 def _check_logit_bias(bias) -> tuple[tuple[int, float], ...]:
@@ -179,9 +253,11 @@ def top_p_filter(logits: torch.Tensor, p: float, mode: str = "openai") -> torch.
 
 
 def warp(logits: torch.Tensor, settings: SamplingSettings, seen: torch.Tensor | None = None,
-         counts: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits (B, V) after the bias, the penalties, temperature, top-k and top-p, in that order.
-    seen (B, V) bool: tokens in the row (prompt included); counts (B, V): generated tokens."""
+         counts: torch.Tensor | None = None, banned: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits (B, V) after the bias, the penalties, the constraints, temperature, top-k, top-p, min-p,
+    typical, epsilon and eta, in that order (the module doc). seen (B, V) bool: tokens in the row
+    (prompt included); counts (B, V): generated tokens; banned (B, V) bool: what the constraints
+    ban (RowSampler.banned)."""
     logits = logits.float()
     if settings.logit_bias:
         ids = torch.tensor([t for t, _ in settings.logit_bias], device=logits.device)
@@ -191,14 +267,24 @@ def warp(logits: torch.Tensor, settings: SamplingSettings, seen: torch.Tensor | 
         logits = apply_repetition_penalty(logits, seen, settings.repetition_penalty)
     if counts is not None and (settings.presence_penalty or settings.frequency_penalty):
         logits = apply_presence_frequency(logits, counts, settings.presence_penalty, settings.frequency_penalty)
+    if banned is not None:
+        logits = logits.masked_fill(banned, float("-inf"))
     if settings.greedy:
-        return logits  # temperature 0: argmax; top-k and top-p never remove the argmax
+        return logits  # temperature 0: argmax; the truncation warpers never remove the argmax
     if settings.temperature != 1.0:
         logits = apply_temperature(logits, settings.temperature)
     if settings.top_k > 0:
         logits = top_k_filter(logits, settings.top_k)
     if settings.top_p < 1.0:
         logits = top_p_filter(logits, settings.top_p, settings.top_p_mode)
+    if settings.min_p > 0:
+        logits = min_p_filter(logits, settings.min_p)
+    if settings.typical_p < 1.0:
+        logits = typical_filter(logits, settings.typical_p)
+    if settings.epsilon_cutoff > 0:
+        logits = epsilon_filter(logits, settings.epsilon_cutoff)
+    if settings.eta_cutoff > 0:
+        logits = eta_filter(logits, settings.eta_cutoff)
     return logits
 
 
@@ -252,14 +338,15 @@ def check_finite(logits: torch.Tensor, settings: SamplingSettings) -> None:
 
 
 class RowSampler:
-    """One row's sampling state: its settings, its generator and the token sets its penalties need.
+    """One row's sampling state: its settings, its generator, the token sets its penalties need and
+    what its constraints need (its sequence, prompt included; its n-grams; its generated count).
 
     choose(logits (1, V)) -> the row's next token; observe(token) after each token the row adds.
     """
 
     def __init__(self, settings: SamplingSettings, prompt: Sequence[int], n_vocab: int,
                  seed: int | None, sample_index: int = 0, device: torch.device | str = "cpu") -> None:
-        self.settings = settings
+        self.settings, self.n_vocab, self.device = settings, n_vocab, device
         self.generator = None if settings.greedy else row_generator(seed, sample_index, device, prompt)
         self.seen = self.counts = None
         if settings.repetition_penalty != 1.0:
@@ -267,9 +354,46 @@ class RowSampler:
             self.seen[0, list(prompt)] = True
         if settings.presence_penalty or settings.frequency_penalty:
             self.counts = torch.zeros(1, n_vocab, dtype=torch.float32, device=device)  # (1, V)
-        bad = [t for t, _ in settings.logit_bias if t >= n_vocab]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {n_vocab})")
+        for name, ids in (("logit_bias", [t for t, _ in settings.logit_bias]),
+                          ("suppress_tokens", settings.suppress_tokens),
+                          ("bad_words", [t for w in settings.bad_words for t in w])):
+            bad = [t for t in ids if t >= n_vocab]
+            if bad:
+                raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary [0, {n_vocab})")
+        self.n_generated = 0
+        self._init_constraints(settings, prompt, n_vocab, device)
+
+    def _init_constraints(self, s: SamplingSettings, prompt: Sequence[int], n_vocab: int, device) -> None:
+        self.bad_words = BadWords(s.bad_words, s.stop_token_ids) if s.bad_words else None
+        self.ngrams = NGramIndex(s.no_repeat_ngram_size, prompt) if s.no_repeat_ngram_size else None
+        needs_seq = self.ngrams is not None or (self.bad_words is not None and self.bad_words.prefixed)
+        self.sequence = list(prompt) if needs_seq else None
+        self.always = None  # (1, V) bool: the tokens banned at every step
+        fixed = list(s.suppress_tokens) + (self.bad_words.always if self.bad_words else [])
+        if fixed:
+            self.always = torch.zeros(1, n_vocab, dtype=torch.bool, device=device)
+            self.always[0, fixed] = True
+        self.stops = [t for t in s.stop_token_ids if t < n_vocab] if s.min_new_tokens else []
+
+    def banned(self) -> torch.Tensor | None:
+        """(1, V) bool: the tokens the constraints ban at this step, or None (nothing banned)."""
+        ids: list[int] = []
+        if self.ngrams is not None:
+            ids.extend(self.ngrams.banned(self.sequence))
+        if self.bad_words is not None and self.bad_words.prefixed:
+            ids.extend(self.bad_words.banned(self.sequence))
+        if self.n_generated < self.settings.min_new_tokens:
+            ids.extend(self.stops)
+        if not ids:
+            return self.always
+        mask = self.always.clone() if self.always is not None else torch.zeros(
+            1, self.n_vocab, dtype=torch.bool, device=self.device)
+        mask[0, ids] = True
+        return mask
+
+    def warped(self, logits: torch.Tensor) -> torch.Tensor:
+        """The row's raw logits (1, V) after every setting (float32): what choose draws from."""
+        return warp(logits, self.settings, self.seen, self.counts, self.banned())
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token (1,) from the row's raw logits (1, V)."""
@@ -277,12 +401,17 @@ class RowSampler:
         if s.plain_greedy:
             check_finite(logits, s)
             return logits.argmax(dim=-1)  # no float32 copy: the conversion is exact, the argmax the same
-        warped = warp(logits, s, self.seen, self.counts)
+        warped = self.warped(logits)
         check_finite(warped, s)
         return sample(warped, None if s.greedy else [self.generator])
 
     def observe(self, token: int) -> None:
+        self.n_generated += 1
         if self.seen is not None:
             self.seen[0, token] = True
         if self.counts is not None:
             self.counts[0, token] += 1
+        if self.sequence is not None:
+            self.sequence.append(token)
+            if self.ngrams is not None:
+                self.ngrams.observe(self.sequence)
