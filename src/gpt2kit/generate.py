@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 
 def next_tokens(logits: torch.Tensor, samplers: Sequence[RowSampler]) -> torch.Tensor:
     """Each row's next token (B,): row r chooses from logits[r] (B, V) with samplers[r]."""
-    if all(s.settings.plain_greedy for s in samplers):
+    if all(s.plain_greedy for s in samplers):
         return logits.argmax(dim=-1)  # one batched argmax: the same as row by row
     return torch.cat([s.choose(logits[r:r + 1]) for r, s in enumerate(samplers)])
 
