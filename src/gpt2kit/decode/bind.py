@@ -8,8 +8,11 @@ parameter it read is looked up again in the dict nn.Module keeps it in (``_modul
 (``load_state_dict(assign=True)``, ``layer.weight = ...``) or a changed block count makes it stale.
 A kernel set that computes from copies of the weights (decode.packed) also has the binding watch
 each copied parameter's version counter, so an in-place edit (a training step, load_state_dict's
-copy) makes it stale too; the plain kernels hold the parameters themselves, so they see in-place
-edits and ``.data`` assignments (model.to, use_decode_layout) as they happen.
+copy) makes it stale too (a ``.data`` assignment moves no version: packed_weights, which generation
+calls for each kernel set, compares the storage too); the plain kernels hold the parameters
+themselves, so they see in-place edits and ``.data`` assignments (model.to, use_decode_layout) as
+they happen. A binding is kept by the kernel set that made it: kernels_for makes a plain set per
+generation, so what a binding holds is let go with the generation (PLAIN, shared, keeps none).
 
 Legend: B rows, C n_embd.
 """

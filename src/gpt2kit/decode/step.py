@@ -2,7 +2,9 @@
 
 decode_step is the network's step written flat for one new token per row: no module calls or
 dropout, the mask and positions built once, q/k/v as views of the fused c_attn output, the products
-by a kernel set (decode.kernels' plain ones, or decode.packed's prepacked ones). It computes what
+by a kernel set (decode.kernels' plain ones, or decode.packed's prepacked ones), on the model's
+tensors as the kernel set bound them (decode.bind: resolved once, checked each step with plain dict
+reads, re-bound when the model changed), so a token makes no module attribute lookups. It computes what
 ``model(idx, cache=..., attention_mask=..., last_logits_only=True)`` computes in eval mode: with the
 plain kernels in float32, the same ops on the same values (tests prove the logits bit-identical);
 in bfloat16/float16 and with packed kernels, the same math by other kernels (equal to rounding).
