@@ -252,17 +252,27 @@ def top_p_filter(logits: torch.Tensor, p: float, mode: str = "openai") -> torch.
     raise ValueError(f"top_p mode must be one of {', '.join(TOP_P_MODES)}, got {mode!r}")
 
 
+def bias_tensors(settings: SamplingSettings, device: torch.device | str = "cpu"
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """settings.logit_bias as (ids (N,) long, biases (N,) float32) on device, or None without one."""
+    if not settings.logit_bias:
+        return None
+    ids = torch.tensor([t for t, _ in settings.logit_bias], device=device)
+    return ids, torch.tensor([b for _, b in settings.logit_bias], device=device, dtype=torch.float32)
+
+
 def warp(logits: torch.Tensor, settings: SamplingSettings, seen: torch.Tensor | None = None,
-         counts: torch.Tensor | None = None, banned: torch.Tensor | None = None) -> torch.Tensor:
+         counts: torch.Tensor | None = None, banned: torch.Tensor | None = None,
+         bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Logits (B, V) after the bias, the penalties, the constraints, temperature, top-k, top-p, min-p,
     typical, epsilon and eta, in that order (the module doc). seen (B, V) bool: tokens in the row
     (prompt included); counts (B, V): generated tokens; banned (B, V) bool: what the constraints
-    ban (RowSampler.banned)."""
+    ban (RowSampler.banned); bias: bias_tensors(settings) made once (RowSampler does), else made
+    here from settings.logit_bias."""
     logits = logits.float()
     if settings.logit_bias:
-        ids = torch.tensor([t for t, _ in settings.logit_bias], device=logits.device)
-        bias = torch.tensor([b for _, b in settings.logit_bias], device=logits.device, dtype=logits.dtype)
-        logits = logits.index_add(-1, ids, bias.expand(logits.shape[0], -1))
+        ids, values = bias if bias is not None else bias_tensors(settings, logits.device)
+        logits = logits.index_add(-1, ids, values.expand(logits.shape[0], -1))
     if seen is not None and settings.repetition_penalty != 1.0:
         logits = apply_repetition_penalty(logits, seen, settings.repetition_penalty)
     if counts is not None and (settings.presence_penalty or settings.frequency_penalty):
@@ -362,6 +372,10 @@ class RowSampler:
                 raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary [0, {n_vocab})")
         self.n_generated = 0
         self._init_constraints(settings, prompt, n_vocab, device)
+        # Made once per row, not per token: the settings are frozen.
+        self.plain_greedy = settings.plain_greedy  # argmax of the raw logits (the scheduler batches these)
+        self._bias = bias_tensors(settings, device)
+        self._generators = None if settings.greedy else [self.generator]
 
     def _init_constraints(self, s: SamplingSettings, prompt: Sequence[int], n_vocab: int, device) -> None:
         self.bad_words = BadWords(s.bad_words, s.stop_token_ids) if s.bad_words else None
@@ -393,17 +407,17 @@ class RowSampler:
 
     def warped(self, logits: torch.Tensor) -> torch.Tensor:
         """The row's raw logits (1, V) after every setting (float32): what choose draws from."""
-        return warp(logits, self.settings, self.seen, self.counts, self.banned())
+        return warp(logits, self.settings, self.seen, self.counts, self.banned(), self._bias)
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token (1,) from the row's raw logits (1, V)."""
         s = self.settings
-        if s.plain_greedy:
+        if self.plain_greedy:
             check_finite(logits, s)
             return logits.argmax(dim=-1)  # no float32 copy: the conversion is exact, the argmax the same
         warped = self.warped(logits)
         check_finite(warped, s)
-        return sample(warped, None if s.greedy else [self.generator])
+        return sample(warped, self._generators)
 
     def observe(self, token: int) -> None:
         self.n_generated += 1

@@ -8,21 +8,25 @@ decode.layout puts it in. Which is faster differs between CPUs (docs/benchmarks.
 half-precision types the choice is made on the model's own matrices (choose_half_kernels: "mv" by
 default, another only on clear evidence, stored per machine by decode/kernel_choice.py) rather than assumed.
 
-Every kernel set (these, decode.packed's) has the same methods: linear, linear_gelu, linear_add,
-lm_head and covers(rows, dtype). A layer that is not a plain nn.Linear (a quantized or adapted
-module swapped in) is called as the module it is.
+Every kernel set (these, decode.packed's) has the same methods: bind(model) (the model's tensors
+in the set's form, resolved once: decode.bind), for_step(rows, dtype, cpu) (the set a step of that
+shape runs on), covers(rows, dtype), and the products linear, linear_gelu, linear_add and lm_head,
+which take a bound product (decode.bind.Mat) and never look a module's attributes up. A layer that
+is not a plain nn.Linear (a quantized or adapted module swapped in) is called as the module it is.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import gpt2kit.decode.kernel_choice as kernel_choice
+from gpt2kit.decode.bind import Binding, Mat
 
 FEW_ROWS = 16  # up to this many rows a decode product is weight streaming, not compute
 
@@ -154,29 +158,66 @@ def half_decisions() -> dict[str, kernel_choice.Choice]:
             for (d, one), c in _HALF_DECIDED.items()}
 
 
+class _Slot:
+    """Where a plain kernel set keeps its binding (shared with its F.linear sibling)."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep, self.binding = keep, None
+
+    def bind(self, model: nn.Module) -> Binding:
+        b = self.binding
+        if b is None or not b.current(model):
+            b = Binding(model)
+            if self.keep:
+                self.binding = b
+        return b
+
+
 class PlainKernels:
-    """The decode step's products on the model's own parameters (no copies)."""
+    """The decode step's products on the model's own parameters (no copies).
+
+    keep=True holds the model's binding between steps (kernels_for makes one such set per
+    generation, so the binding lives as long as the generation); PLAIN, shared by every model,
+    keeps none and binds on every call."""
+
+    def __init__(self, keep: bool = True, *, _product: Callable = matmul_t, _slot: _Slot | None = None) -> None:
+        self.product = _product  # matmul_t, or F.linear where a step's shape makes it matmul_t's choice
+        self._slot = _Slot(keep) if _slot is None else _slot
+        self._linear = self if _product is F.linear else PlainKernels(_product=F.linear, _slot=self._slot)
+
+    def bind(self, model: nn.Module) -> Binding:
+        return self._slot.bind(model)
 
     def covers(self, rows: int, dtype: torch.dtype) -> bool:
         return True
 
-    def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-        if type(layer) is not nn.Linear:
-            return layer(x)
-        return matmul_t(x, layer.weight, layer.bias)
+    def for_step(self, rows: int, dtype: torch.dtype, cpu: bool) -> PlainKernels:
+        """The set for a step of `rows` rows: F.linear outright where matmul_t would choose it for
+        every matrix (float32, off the CPU, many rows, or half precision measured faster that way),
+        so the products carry no per-call checks."""
+        if (rows > FEW_ROWS or not cpu or dtype == torch.float32
+                or _HALF_CHOICE.get((dtype, rows == 1), "mv") == "linear"):
+            return self._linear
+        return self
 
-    def linear_gelu(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
+        if m.__class__ is not Mat:
+            return m(x)
+        return self.product(x, m.weight, m.bias)
+
+    def linear_gelu(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
         """tanh-GELU(x @ W^T + b), GPT-2's activation."""
-        return F.gelu(self.linear(x, layer), approximate="tanh")
+        y = m(x) if m.__class__ is not Mat else self.product(x, m.weight, m.bias)
+        return F.gelu(y, approximate="tanh")
 
-    def linear_add(self, x: torch.Tensor, layer: nn.Module, residual: torch.Tensor) -> torch.Tensor:
+    def linear_add(self, x: torch.Tensor, m: Mat | nn.Module, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ W^T + b."""
-        return residual + self.linear(x, layer)
+        return residual + (m(x) if m.__class__ is not Mat else self.product(x, m.weight, m.bias))
 
-    def lm_head(self, x: torch.Tensor, wte: torch.Tensor, n_vocab: int) -> torch.Tensor:
+    def lm_head(self, x: torch.Tensor, head: Mat, n_vocab: int) -> torch.Tensor:
         """x (R, C) @ wte^T -> logits (R, n_vocab)."""
-        y = matmul_t(x, wte)
+        y = self.product(x, head.weight)
         return y if y.shape[-1] == n_vocab else y[:, :n_vocab]
 
 
-PLAIN = PlainKernels()
+PLAIN = PlainKernels(keep=False)

@@ -44,7 +44,7 @@ def next_tokens(logits: torch.Tensor, samplers: Sequence[RowSampler],
 
     With failed (a dict), a row whose choice raises is recorded there (row -> exception) and given
     token 0, so one row's failure never costs its neighbours their tokens; without, it raises."""
-    if all(s.settings.plain_greedy for s in samplers) and torch.isfinite(logits.amax(dim=-1)).all():
+    if all(s.plain_greedy for s in samplers) and torch.isfinite(logits.amax(dim=-1)).all():
         return logits.argmax(dim=-1)  # one batched argmax: the same as row by row
     out = []  # row by row (RowSampler.choose checks each row's distribution)
     for r, s in enumerate(samplers):
