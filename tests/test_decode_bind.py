@@ -129,4 +129,6 @@ def test_a_decoded_token_costs_few_python_calls(sampled):
     model = bench.build(layers=12, small=True)
     settings = bench.sampled_settings(10) if sampled else None
     assert bench.calls_per_token(model, batch=1, tokens=8, settings=settings) <= 350
-    assert bench.calls_per_token(model, batch=8, tokens=8, settings=settings) <= 500
+    # batch 8, sampled: each row's draw checks its distribution is finite and asks its constraints
+    # what they ban (docs/benchmarks.md: 517 once those landed)
+    assert bench.calls_per_token(model, batch=8, tokens=8, settings=settings) <= 560
