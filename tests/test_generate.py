@@ -589,17 +589,27 @@ def test_cli_interactive_ctrl_c_stops_the_sample_and_at_the_prompt_quits(model_d
                 raise AssertionError(f"ended ({proc.poll()}) or timed out; stdout {seen['out'][-200:]!r}, "
                                      f"stderr {seen['err'][-500:]!r}") from None
 
+    def drain_stopped_sample():
+        # The stopped sample's last text and its closing newline are written (and flushed) to stdout
+        # before the stderr notice, so they are in the pipe already; read them all before the next
+        # prompt, or the next round could mistake them for its own sample and interrupt the prompt.
+        wait_for("out", lambda b: b.endswith(b"\n"))
+        while True:
+            try:
+                seen["out"] += chunks["out"].get(timeout=1.0)
+            except queue.Empty:
+                return
+
     try:
         for n, prompt in enumerate((b"Hello\n", b"Again\n"), start=1):
             before = len(seen["out"])
             proc.stdin.write(prompt)
             proc.stdin.flush()
-            # The sample is streaming (it never ends). +1: the newline that ended the stopped sample may
-            # reach this pipe after its stderr notice did.
-            wait_for("out", lambda b, before=before: len(b) > before + 1)
+            wait_for("out", lambda b, before=before: len(b) > before)  # the sample is streaming (it never ends)
             proc.send_signal(signal.SIGINT)
             wait_for("err", lambda b, n=n: b.count(b"quits)\n") == n)  # back at the prompt, still running
             assert proc.poll() is None, seen
+            drain_stopped_sample()
         proc.send_signal(signal.SIGINT)  # Ctrl-C at the prompt quits
         wait_for("err", lambda b: b.endswith(b"gpt2kit: interrupted\n"))
         assert proc.wait(timeout=120) == 130, seen
