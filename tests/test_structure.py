@@ -175,8 +175,7 @@ MAX_MODULE_LINES, MAX_CLASS_LINES = 450, 200
 # Over the limits today, each to be cut under issue 19. This list may only shrink: an entry that is
 # within its limit (or no longer exists) fails the test too, so it is removed when its cut lands.
 OVER_THE_LIMIT = {
-    "cli.py",  # modules
-    "train.py",
+    "train.py",  # modules
 }
 
 
