@@ -9,14 +9,25 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from gpt2kit.cli import bench, generate, models, serve, trace, train
+from gpt2kit.cli.bench import register_bench
 from gpt2kit.cli.common import prog, set_prog
+from gpt2kit.cli.generate import register_generate, register_score
+from gpt2kit.cli.models import (
+    register_convert,
+    register_detokenize,
+    register_info,
+    register_merge,
+    register_quantize,
+    register_tokenize,
+)
+from gpt2kit.cli.serve import register_serve
+from gpt2kit.cli.trace import register_trace
+from gpt2kit.cli.train import register_prepare, register_train
 
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
-    models.register_tokenize, models.register_detokenize, generate.register_score, models.register_convert,
-    models.register_info, train.register_prepare, train.register_train, generate.register_generate,
-    bench.register_bench, trace.register_trace, serve.register_serve, models.register_quantize,
-    models.register_merge,
+    register_tokenize, register_detokenize, register_score, register_convert, register_info, register_prepare,
+    register_train, register_generate, register_bench, register_trace, register_serve, register_quantize,
+    register_merge,
 ]
 
 
