@@ -74,7 +74,9 @@ def test_a_line_without_completion_is_one_clear_error(tmp_path, capsys):
 
 def test_training_on_completions_resumes_exactly(tmp_path):
     from gpt2kit.cli import main
-    from gpt2kit.train import CHECKPOINT_NAME, TrainConfig, resume_config, train
+    from gpt2kit.run_dir import CHECKPOINT_NAME
+    from gpt2kit.train import resume_config, train
+    from gpt2kit.train_config import TrainConfig
 
     assert main(["prepare", str(_pairs(tmp_path / "p.jsonl", n=200)), "--out", str(tmp_path / "data"),
                  "--val-fraction", "0.1"]) == 0

@@ -20,7 +20,9 @@ from helpers import random_hf_model
 from gpt2kit.checkpoint import load_model
 from gpt2kit.config import GPT2Config
 from gpt2kit.data import write_shard
-from gpt2kit.train import CHECKPOINT_NAME, TrainConfig, resume_config, train
+from gpt2kit.run_dir import CHECKPOINT_NAME
+from gpt2kit.train import resume_config, train
+from gpt2kit.train_config import TrainConfig
 
 BASE_CFG = GPT2Config(n_vocab=600, n_ctx=64, n_embd=32, n_head=2, n_layer=2)
 

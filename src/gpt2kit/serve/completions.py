@@ -78,7 +78,7 @@ def plan(server: Server, body: S.CompletionRequest) -> Job:
     """Check a request against the model and the limits (400/404/429 name what is wrong), then
     submit its rows."""
     from gpt2kit.engine import RowKey
-    from gpt2kit.sampling import resolve_seed
+    from gpt2kit.sampler import resolve_seed
 
     server.check_model(body.model)
     cfg = server.model.config
