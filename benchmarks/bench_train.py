@@ -33,8 +33,9 @@ from gpt2kit.bench.machine import describe_cpu
 from gpt2kit.checkpoint.keymap import to_hf_state
 from gpt2kit.config import GPT2Config
 from gpt2kit.model import GPT2
+from gpt2kit.optim import ADAM_BETAS, ADAM_EPS, param_groups
 from gpt2kit.tokenizer import Tokenizer
-from gpt2kit.train import ADAM_BETAS, ADAM_EPS, learning_rate, param_groups
+from gpt2kit.train import learning_rate
 
 # Dense peak FLOP/s by GPU name (bf16 tensor cores; float32 runs use TF32): for the MFU line.
 PEAK_TFLOPS = {  # name fragment: (bf16, tf32)

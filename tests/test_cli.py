@@ -287,3 +287,45 @@ def test_bench_without_transformers_names_the_extra(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # what an environment without it gives
     code, _, err = run(capsys, ["bench", "--size", "gpt2-tiny", "--quick", "--no-memory"])
     assert code == 1 and "pip install 'gpt2kit[bench]'" in err and len(err.strip().splitlines()) == 1
+
+
+# --- flags built from the dataclass that owns the setting --------------------------------------
+
+def _subparser(name: str):
+    from gpt2kit.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")  # argparse keeps subparsers here
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("command,cls_path", [("generate", "gpt2kit.sampling:SamplingSettings"),
+                                              ("serve", "gpt2kit.serve.options:ServeOptions")])
+def test_every_scalar_setting_is_a_flag_with_the_dataclass_default(command, cls_path):
+    import dataclasses
+    import importlib
+
+    module, name = cls_path.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    by_dest = {a.dest: a for a in _subparser(command)._actions}
+    by_hand = {"served_model_name"}  # its default is --model's value
+    for f in dataclasses.fields(cls):
+        if str(f.type).split(" | ")[0] not in ("bool", "int", "float", "str") or f.name in by_hand:
+            continue
+        assert f.name in by_dest, f"{command} has no flag for {name}.{f.name}"
+        assert by_dest[f.name].default == f.default, f.name
+        assert f.metadata["help"], f.name
+
+
+def test_generate_takes_openais_penalties_checked_by_sampling_settings(capsys, model_dir):
+    code, _, err = run(capsys, ["generate", "-m", str(model_dir), "-n", "2", "--presence-penalty", "2e9"])
+    assert code == 1 and "presence_penalty must be a number in [-1e9, 1e9]" in err, err
+    code, out, err = run(capsys, ["generate", "-m", str(model_dir), "-n", "2", "--greedy", "--json",
+                                  "--presence-penalty", "0.5", "--frequency-penalty", "0.5"])
+    assert code == 0 and len(json.loads(out)["tokens"]) == 2, err
+
+
+def test_serve_values_are_checked_by_serve_options_before_loading(capsys):
+    pytest.importorskip("fastapi")
+    code, _, err = run(capsys, ["serve", "-m", "/no/such/model", "--max-batch", "0"])
+    assert code == 1 and "max_batch must be an integer >= 1, got 0" in err and len(err.strip().splitlines()) == 1

@@ -13,14 +13,15 @@ import torch
 from helpers import SMALL, cached_real_gpt2, hf_from_ours, needs_real_gpt2, random_model, varied_model
 
 from gpt2kit import generate as gen
-from gpt2kit import sampling
+from gpt2kit import sampler
 from gpt2kit.checkpoint import save_model
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import decode_step, prefill
 from gpt2kit.engine import scheduler
 from gpt2kit.generate import generate, generate_stream, stream_text
 from gpt2kit.kv_cache import KVCache
-from gpt2kit.sampling import SamplingSettings, top_k_filter, top_p_filter, warp
+from gpt2kit.sampler import top_k_filter, top_p_filter, warp
+from gpt2kit.sampling import SamplingSettings
 from gpt2kit.tokenizer import Tokenizer
 
 GREEDY = SamplingSettings(temperature=0, max_new_tokens=16, stop_token_ids=())
@@ -163,7 +164,7 @@ def test_repetition_penalty_matches_transformers():
     logits = _random_logits(B=2, V=50, seed=3)
     ids = torch.tensor([[1, 5, 5, 7], [0, 2, 49, 3]])
     seen = torch.zeros(2, 50, dtype=torch.bool).scatter_(1, ids, True)
-    ours = sampling.apply_repetition_penalty(logits, seen, 1.3)
+    ours = sampler.apply_repetition_penalty(logits, seen, 1.3)
     assert torch.equal(ours, RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone()))
 
 
@@ -197,7 +198,7 @@ def test_sampling_respects_the_filters(model):
 def test_sampled_frequencies_follow_the_distribution():
     probs = torch.tensor([[0.1, 0.6, 0.3]])
     g = torch.Generator().manual_seed(0)
-    draws = torch.cat([sampling.sample(probs.log(), [g]) for _ in range(4000)])
+    draws = torch.cat([sampler.sample(probs.log(), [g]) for _ in range(4000)])
     freq = torch.bincount(draws, minlength=3).float() / len(draws)
     torch.testing.assert_close(freq, probs[0], rtol=0, atol=0.03)  # ~4 sigma
 
@@ -589,17 +590,27 @@ def test_cli_interactive_ctrl_c_stops_the_sample_and_at_the_prompt_quits(model_d
                 raise AssertionError(f"ended ({proc.poll()}) or timed out; stdout {seen['out'][-200:]!r}, "
                                      f"stderr {seen['err'][-500:]!r}") from None
 
+    def drain_stopped_sample():
+        # The stopped sample's last text and its closing newline are written (and flushed) to stdout
+        # before the stderr notice, so they are in the pipe already; read them all before the next
+        # prompt, or the next round could mistake them for its own sample and interrupt the prompt.
+        wait_for("out", lambda b: b.endswith(b"\n"))
+        while True:
+            try:
+                seen["out"] += chunks["out"].get(timeout=1.0)
+            except queue.Empty:
+                return
+
     try:
         for n, prompt in enumerate((b"Hello\n", b"Again\n"), start=1):
             before = len(seen["out"])
             proc.stdin.write(prompt)
             proc.stdin.flush()
-            # The sample is streaming (it never ends). +1: the newline that ended the stopped sample may
-            # reach this pipe after its stderr notice did.
-            wait_for("out", lambda b, before=before: len(b) > before + 1)
+            wait_for("out", lambda b, before=before: len(b) > before)  # the sample is streaming (it never ends)
             proc.send_signal(signal.SIGINT)
             wait_for("err", lambda b, n=n: b.count(b"quits)\n") == n)  # back at the prompt, still running
             assert proc.poll() is None, seen
+            drain_stopped_sample()
         proc.send_signal(signal.SIGINT)  # Ctrl-C at the prompt quits
         wait_for("err", lambda b: b.endswith(b"gpt2kit: interrupted\n"))
         assert proc.wait(timeout=120) == 130, seen
@@ -733,7 +744,7 @@ def test_seeds_are_bounded_and_prompts_draw_their_own_numbers(model):
     s = SamplingSettings(max_new_tokens=12, top_k=0, seed=0, stop_token_ids=())
     a, b = (c.tokens for c in generate(model, [[464], [1212]], s))
     assert generate(model, [[1212]], s)[0].tokens == b  # where a prompt sits in the list does not matter
-    from gpt2kit.sampling import row_generator
+    from gpt2kit.sampler import row_generator
 
     draws = [torch.rand(4, generator=row_generator(0, 0, prompt=p)) for p in ([464], [1212], [464])]
     assert not torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])

@@ -255,11 +255,12 @@ def test_disagreement_passes_rounding_and_fails_wrong_products():
     assert quant_kernels.disagreement(near, ref) is not None
 
 
-def test_a_kernel_the_device_lacks_is_left_out_or_falls_back(monkeypatch):
+def test_a_kernel_the_device_lacks_is_left_out_or_falls_back(monkeypatch, tmp_path):
     # What happens on a device where _weight_int8pack_mm is missing or refuses a shape (CUDA is
     # untested): the measurement leaves a raising candidate out, and a chosen kernel that raises
     # later falls back to dequant for that shape with one warning; the product is still right.
     monkeypatch.delenv(quant_kernels.ENV, raising=False)
+    monkeypatch.setenv("GPT2KIT_KERNEL_STORE", str(tmp_path))  # nothing stored by earlier tests
     monkeypatch.setattr(quant_kernels, "_CHOICE", {})
     monkeypatch.setattr(quant_kernels, "_UNAVAILABLE", {})
     monkeypatch.setattr(native, "_STATE", {"why": "no C compiler (set CC, or install gcc)"})

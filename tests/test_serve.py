@@ -443,3 +443,52 @@ def test_cli_serve_errors(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "uvicorn", None)
     assert main(["serve", "--model", "x"]) == 1
     assert "pip install 'gpt2kit[serve]'" in capsys.readouterr().err
+
+
+# --- transformers' warpers and constraints (extensions, vLLM's names where vLLM has the field) ----
+
+def test_warpers_and_constraints_match_the_library(client, model, tok):
+    from gpt2kit.sampling import bad_words_ids
+
+    prompt = "The cat sat on the mat."
+    for extra, settings in [
+        ({"no_repeat_ngram_size": 2, "bad_words": ["the", " mat"], "suppress_tokens": [13]},
+         {"no_repeat_ngram_size": 2, "suppress_tokens": (13,),
+          "bad_words": bad_words_ids(tok, ["the", " mat"])}),
+        ({"min_tokens": 12, "logit_bias": {"50256": 100.0}}, {"min_new_tokens": 12, "logit_bias": {50256: 100.0}}),
+        ({"min_p": 0.05, "typical_p": 0.9, "epsilon_cutoff": 1e-4, "eta_cutoff": 1e-3, "temperature": 1.0,
+          "seed": 4}, {"min_p": 0.05, "typical_p": 0.9, "epsilon_cutoff": 1e-4, "eta_cutoff": 1e-3, "temperature": 1.0,
+                       "seed": 4}),
+    ]:
+        kw = {"temperature": 0, **{k: extra.pop(k) for k in ("temperature", "seed", "logit_bias") if k in extra}}
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, extra_body=extra, **kw)
+        s = SamplingSettings(max_new_tokens=16, **{"temperature": 0, **settings})
+        want = generate(model, prompt, s, tokenizer=tok)[0]
+        assert r.choices[0].text == want.text and r.choices[0].finish_reason == want.finish_reason, extra
+        without = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, **kw).choices[0]
+        assert (without.text, without.finish_reason) != (want.text, want.finish_reason), extra  # they changed it
+
+
+@pytest.mark.parametrize("extra,param,needle", [
+    ({"typical_p": 0}, "typical_p", "greater than 0"),
+    ({"typical_p": 1.5}, "typical_p", "less than or equal to 1"),
+    ({"min_p": -0.5}, "min_p", "greater than or equal to 0"),
+    ({"epsilon_cutoff": 1}, "epsilon_cutoff", "less than 1"),
+    ({"eta_cutoff": 1.0}, "eta_cutoff", "less than 1"),
+    ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size", "greater than or equal to 0"),
+    ({"min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
+    ({"bad_words": [""]}, "bad_words.0", "at least 1 character"),
+    ({"bad_words": "the"}, "bad_words", "valid list"),
+    ({"suppress_tokens": [-3]}, "suppress_tokens.0", "greater than or equal to 0"),
+    ({"bad_words": ["  "]}, None, "bad_words entries must be non-empty text"),
+    ({"min_tokens": 9}, None, "min_tokens must be an integer in [0, max_tokens=8], got 9"),
+    ({"suppress_tokens": [50257]}, None, "suppress_tokens token id 50257 is outside the vocabulary [0, 50257)"),
+])
+def test_warper_and_constraint_values_out_of_range_are_400(server, extra, param, needle):
+    r = httpx.post(server[0] + "/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 8, **extra},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == param
+    assert needle in body["error"]["message"], body

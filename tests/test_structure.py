@@ -86,7 +86,7 @@ def test_generation_leaves_the_parameters_as_they_were():
 
 @pytest.mark.parametrize("argv,stdin", [(["--help"], None), (["generate", "--help"], None),
                                         (["train", "--help"], None), (["bench", "--help"], None),
-                                        (["tokenize"], "hello world")])
+                                        (["serve", "--help"], None), (["tokenize"], "hello world")])
 def test_the_cli_does_not_import_torch_where_it_needs_none(argv, stdin):
     code = ("import sys\nfrom gpt2kit.cli import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
@@ -174,10 +174,7 @@ def test_the_model_file_imports_no_io_and_no_speed_path():
 MAX_MODULE_LINES, MAX_CLASS_LINES = 450, 200
 # Over the limits today, each to be cut under issue 19. This list may only shrink: an entry that is
 # within its limit (or no longer exists) fails the test too, so it is removed when its cut lands.
-OVER_THE_LIMIT = {
-    "cli.py",  # modules
-    "train.py",
-}
+OVER_THE_LIMIT: set[str] = set()  # e.g. {"some/module.py", "some/module.py::SomeClass"}
 
 
 def _sizes() -> dict[str, int]:

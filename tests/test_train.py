@@ -26,14 +26,10 @@ import torch
 from gpt2kit.config import GPT2Config
 from gpt2kit.data import write_shard
 from gpt2kit.model import GPT2
-from gpt2kit.train import (
-    CHECKPOINT_NAME,
-    TrainConfig,
-    _make_optimizer,
-    learning_rate,
-    resume_config,
-    train,
-)
+from gpt2kit.run_dir import CHECKPOINT_NAME
+from gpt2kit.train import learning_rate, resume_config, train
+from gpt2kit.train_config import TrainConfig
+from gpt2kit.train_setup import _make_optimizer
 
 TINY = {"model": "gpt2-tiny", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_ctx": 64}
 TINY_FLAGS = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--n-ctx", "64"]
@@ -482,7 +478,7 @@ def test_resume_of_a_fine_tune_continues_exactly(shards, tmp_path, make_base):
 def test_restored_optimizer_state_takes_its_parameters_layout(tmp_path):
     """An AdamW state saved with column-major moments (as checkpoints of older versions hold) steps
     exactly like the same state held row-major (fused AdamW pairs elements by memory slot)."""
-    from gpt2kit.train import _match_param_layout
+    from gpt2kit.train_setup import _match_param_layout
 
     cfg = _cfg(tmp_path, tmp_path, lr=1e-2, optimizer="adamw")
     torch.manual_seed(0)
@@ -533,7 +529,7 @@ with claim_out(Path(sys.argv[1]), setup("cpu")):
 def test_a_second_run_into_the_same_out_names_the_holder(shards, tmp_path):
     import socket
 
-    from gpt2kit.train import OutInUse
+    from gpt2kit.run_dir import OutInUse
 
     out = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_OUT, str(out)], stdout=subprocess.PIPE, text=True,
@@ -670,7 +666,7 @@ def test_ctrl_c_during_a_step_stops_after_that_step(shards, tmp_path, monkeypatc
 
 def test_parameter_count_without_building():
     from gpt2kit.config import GPT2Config
-    from gpt2kit.train import parameter_count
+    from gpt2kit.train_setup import parameter_count
 
     for config in (GPT2Config.from_name("gpt2-tiny", n_layer=3, n_embd=48, n_head=3, n_ctx=32),
                    GPT2Config(n_vocab=1000, n_vocab_padded=1024, n_ctx=64, n_embd=32, n_head=4, n_layer=2)):
@@ -848,7 +844,7 @@ def test_cli_muon_on_a_torch_without_it_and_a_non_integer_seed(shards, tmp_path,
     assert e.value.code == 2 and "argument --seed: invalid int value: '1.5'" in capsys.readouterr().err
     # without Muon the default falls back to AdamW
     cfg = TrainConfig(data=str(shards), out=str(tmp_path / "y"), **TINY)
-    from gpt2kit.train import _default_optimizer
+    from gpt2kit.train_setup import _default_optimizer
     assert cfg.optimizer is None and _default_optimizer() == "adamw"
 
 

@@ -218,6 +218,8 @@ def make_optimizer(model: nn.Module, name: str, *, lr: float, weight_decay: floa
     taken = {id(p) for p in muon_params}
     rest = [p for p in model.parameters() if id(p) not in taken]
     groups = [g for g in param_groups(rest, weight_decay) if g["params"]]
+    if not groups and optimizers:  # everything trained is Muon's (LoRA's matrices): no AdamW
+        return Optimizers(optimizers)
     kwargs: dict[str, Any] = {"lr": lr, "betas": ADAM_BETAS, "eps": ADAM_EPS}
     try:
         optimizers["adamw"] = torch.optim.AdamW(groups, fused=True, **kwargs)

@@ -21,6 +21,7 @@ SCHEDULES = ("cosine", "wsd")
 SAMPLINGS = ("random", "sequential")
 TRAIN_DTYPES = ("float32", "bfloat16")  # canonical names (float16 would need loss scaling and gains nothing)
 ARCH_OVERRIDES = ("n_layer", "n_embd", "n_head", "n_ctx")
+LORA_TARGETS = "c_attn,attn.c_proj,c_fc,mlp.c_proj"
 
 
 def _setting(default: Any, help: str, **cli: Any) -> Any:
@@ -78,6 +79,23 @@ class TrainConfig:
     device: str | None = _setting(None, "cpu | cuda | cuda:N", default_text="this rank's GPU if there is one, "
                                                                          "else cpu")
     resume: bool = _setting(False, "continue the run saved in OUT/checkpoint.pt")
+    lora_rank: int | None = _setting(None, "fine-tune with LoRA adapters of this rank on the block matrices (the "
+                                           "base frozen; OUT gets a peft-format adapter, not a model)",
+                                     default_text="off: every parameter trains")
+    lora_alpha: float | None = _setting(None, "LoRA's alpha: the update is scaled by alpha / rank",
+                                        default_text="2 x lora-rank")
+    lora_dropout: float = _setting(0.0, "dropout on the LoRA branch's input")
+    lora_targets: str = _setting(LORA_TARGETS, "comma list of the block matrices LoRA adapts: attn.c_attn, "
+                                               "attn.c_proj, mlp.c_fc, mlp.c_proj (c_attn, c_fc, c_proj: peft's short "
+                                               "names)")
+    activation_checkpointing: bool = _setting(False, "recompute each block's activations in the backward pass "
+                                                     "instead of keeping them (less memory, ~1/3 more compute)")
+    freeze: str | None = _setting(None, "comma list of parameter-name globs to freeze, e.g. 'wte.*,wpe.*' or "
+                                        "'h.[0-9].*'", default_text="none")
+    train_only: str | None = _setting(None, "comma list of parameter-name globs: train these, freeze the rest, "
+                                            "e.g. 'h.1[01].*,ln_f.*'", default_text="all")
+    fsdp: bool = _setting(False, "shard parameters, gradients and AdamW state across the torchrun processes "
+                                 "(FSDP2; AdamW only; checkpoints sharded with torch.distributed.checkpoint)")
     stop_at: int | None = _setting(None, "end this invocation after this step, saving a checkpoint (the "
                                          "schedule still runs to --max-steps; continue with --resume)",
                                    default_text="none")
@@ -105,6 +123,18 @@ class TrainConfig:
             check_number("TrainConfig.min_lr", self.min_lr, f"in [0, lr={self.lr}]", lambda v: 0 <= v <= self.lr)
         for name in ("weight_decay", "grad_clip"):
             check_number(f"TrainConfig.{name}", getattr(self, name), ">= 0", lambda v: v >= 0)
+        if self.lora_rank is not None:
+            check_int("TrainConfig.lora_rank", self.lora_rank, ">= 1", lambda v: v >= 1)
+            if self.freeze is not None or self.train_only is not None:
+                raise ValueError("--freeze / --train-only cannot be combined with --lora-rank (LoRA already "
+                                 "freezes the whole base; peft's adapter format holds only the adapters)")
+        if self.lora_alpha is not None:
+            check_number("TrainConfig.lora_alpha", self.lora_alpha, "> 0", lambda v: v > 0)
+        check_number("TrainConfig.lora_dropout", self.lora_dropout, "in [0, 1)", lambda v: 0 <= v < 1)
+        for name in ("freeze", "train_only", "lora_targets"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip(" ,")):
+                raise ValueError(f"TrainConfig.{name} must be a non-empty comma list, got {value!r}")
         if self.dropout is not None:
             check_number("TrainConfig.dropout", self.dropout, "in [0, 1)", lambda v: 0 <= v < 1)
         if DTYPE_NAMES.get(self.dtype) not in TRAIN_DTYPES:

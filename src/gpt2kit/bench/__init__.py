@@ -8,6 +8,7 @@ parser without loading the benchmark; `python -m gpt2kit.bench` runs it on its o
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -25,15 +26,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="before each trial, wait up to S seconds for other processes to leave the CPU")
     p.add_argument("--quantize", default=None, metavar="SCHEME",
                    help="add a gpt2kit column with int8 weights (weight-only, LM head included)")
+    p.add_argument("--kernels", action="store_true",
+                   help="print which kernel each product bucket runs here, from where (default / stored / "
+                        "measured / forced) and the measured medians, then exit (no transformers needed)")
+    p.add_argument("--remeasure", action="store_true", help="with --kernels: measure anew, whatever is stored")
+    p.add_argument("--int8-kernel", default=None, metavar="KERNEL",
+                   help="run int8 products with this kernel (as GPT2KIT_INT8_KERNEL): native-avx2, i8pack-bf16, "
+                        "i8pack, dequant")
     p.add_argument("--_memory-worker", nargs=6, default=None, help=argparse.SUPPRESS)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be an integer >= 1, got {args.threads}")
+    if getattr(args, "int8_kernel", None) is not None:
+        from gpt2kit.decode.int8 import ENV, check_kernel
+
+        os.environ[ENV] = check_kernel(args.int8_kernel, getattr(args, "device", "cpu"), "--int8-kernel ")
+    if getattr(args, "kernels", False):
+        return _print_kernels(args)
     if not getattr(args, "_memory_worker", None):
         require_transformers()
     from gpt2kit.bench.core import run_from_args as run
 
     return run(args)
+
+
+def _print_kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from gpt2kit.bench.kernels import format_kernels, kernel_choices
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(format_kernels(kernel_choices(remeasure=args.remeasure)))
+    return 0
 
 
 def require_transformers() -> None:

@@ -13,6 +13,16 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
 def cpu_info() -> dict[str, object]:
     """{"cpu": model name, "cores": logical CPUs, "isa": the ISA_FLAGS this CPU has} (Linux reads
     /proc/cpuinfo; elsewhere the name is platform's and isa is empty)."""
+    cpu, flags = _read_cpuinfo()
+    return {"cpu": cpu, "cores": os.cpu_count(), "isa": [f for f in ISA_FLAGS if f in flags]}
+
+
+def cpu_flags() -> frozenset[str]:
+    """Every flag /proc/cpuinfo lists for the first CPU (empty where there is no /proc/cpuinfo)."""
+    return _read_cpuinfo()[1]
+
+
+def _read_cpuinfo() -> tuple[str, frozenset[str]]:
     cpu, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -23,7 +33,19 @@ def cpu_info() -> dict[str, object]:
                     flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "isa": [f for f in ISA_FLAGS if f in flags]}
+    return cpu, frozenset(flags)
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(busy ticks of the whole machine, ticks of this process), or None where /proc is absent: their
+    difference over a span is what other processes ran meanwhile."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    t = os.times()
+    return sum(v) - v[3] - v[4], round((t.user + t.system) * os.sysconf("SC_CLK_TCK"))
 
 
 def describe_cpu() -> str:

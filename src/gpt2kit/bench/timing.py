@@ -14,23 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
+from gpt2kit.bench.machine import cpu_ticks as _cpu_ticks
+
 
 @dataclass
 class Timing:
     seconds: float  # best trial
     quiet: int  # trials during which no other process used the CPU
     trials: int
-
-
-def _cpu_ticks() -> tuple[int, int] | None:
-    """(busy ticks of the whole machine, ticks of this process), or None where /proc is absent."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-    except OSError:
-        return None
-    t = os.times()
-    return sum(v) - v[3] - v[4], round((t.user + t.system) * os.sysconf("SC_CLK_TCK"))
 
 
 def _wait_for_idle(max_wait: float, idle: float = 1.0) -> None:

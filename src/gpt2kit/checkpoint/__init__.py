@@ -16,10 +16,13 @@ _WHERE = {"CheckpointError": "gpt2kit.checkpoint.errors", "describe": "gpt2kit.c
           "holds_model": "gpt2kit.checkpoint.info", "resolve_source": "gpt2kit.checkpoint.source",
           "resolve_dtype": "gpt2kit.devices", "load_model": "gpt2kit.checkpoint.api",
           "load_state": "gpt2kit.checkpoint.api", "load_tokenizer": "gpt2kit.checkpoint.api",
-          "quantize_checkpoint": "gpt2kit.checkpoint.api", "save_model": "gpt2kit.checkpoint.api"}
+          "quantize_checkpoint": "gpt2kit.checkpoint.api", "save_model": "gpt2kit.checkpoint.api",
+          "apply_adapter": "gpt2kit.checkpoint.adapter", "merge_adapter": "gpt2kit.checkpoint.api",
+          "read_adapter": "gpt2kit.checkpoint.adapter", "save_adapter": "gpt2kit.checkpoint.adapter"}
 
-__all__ = ["CheckpointError", "describe", "holds_model", "load_model", "load_state", "load_tokenizer",
-           "quantize_checkpoint", "resolve_dtype", "resolve_source", "save_model"]
+__all__ = ["CheckpointError", "apply_adapter", "describe", "holds_model", "load_model", "load_state", "load_tokenizer",
+           "merge_adapter", "quantize_checkpoint", "read_adapter", "resolve_dtype", "resolve_source", "save_adapter",
+           "save_model"]
 
 
 def __getattr__(name: str):
@@ -35,7 +38,15 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from gpt2kit.checkpoint.api import load_model, load_state, load_tokenizer, quantize_checkpoint, save_model
+    from gpt2kit.checkpoint.adapter import apply_adapter, read_adapter, save_adapter
+    from gpt2kit.checkpoint.api import (
+        load_model,
+        load_state,
+        load_tokenizer,
+        merge_adapter,
+        quantize_checkpoint,
+        save_model,
+    )
     from gpt2kit.checkpoint.errors import CheckpointError
     from gpt2kit.checkpoint.info import describe, holds_model
     from gpt2kit.checkpoint.source import resolve_source

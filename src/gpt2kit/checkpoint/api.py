@@ -33,7 +33,7 @@ from gpt2kit.quant import is_quantized
 from gpt2kit.tokenizer import Tokenizer
 
 __all__ = ["HUB_NAMES", "describe", "holds_model", "load_model", "load_state", "load_tokenizer",
-           "quantize_checkpoint", "read_checked_header", "resolve_source", "save_model"]
+           "merge_adapter", "quantize_checkpoint", "read_checked_header", "resolve_source", "save_model"]
 
 # OpenAI's four released sizes under both hub names: one vocabulary, the one packaged in gpt2kit/vocab,
 # so their tokenizer never needs the hub.
@@ -65,9 +65,14 @@ def load_state(name_or_path: str | os.PathLike[str]) -> tuple[GPT2Config, dict[s
 
 
 def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None,
-               device: torch.device | str | None = None, allow_int8: bool = True) -> GPT2:
+               device: torch.device | str | None = None, allow_int8: bool = True,
+               adapter: str | os.PathLike[str] | None = None) -> GPT2:
     """A GPT2 in eval mode from any published checkpoint (float32 unless dtype is given; "auto": the
     fastest within bfloat16's accuracy on this device, see devices.resolve_dtype).
+
+    adapter: a LoRA adapter directory in peft's format (gpt2kit train --lora-rank, or peft's
+    save_pretrained), merged into the weights (checkpoint/adapter.py); one made for a base of other
+    shapes is refused naming the tensor.
 
     An int8 checkpoint (gpt2kit quantize) loads as the quantized model; with allow_int8=False
     (training) it is refused as load_state refuses it, before any tensor is read. A floating
@@ -78,6 +83,9 @@ def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str
     if kind == "hf" and quantized.read_scheme(path) is not None:
         if not allow_int8:
             _refuse_int8(path)
+        if adapter is not None:
+            raise CheckpointError(f"{path}: an adapter needs the float base, this is an int8 checkpoint; load the "
+                                  "float model with the adapter (then --quantize int8 if wanted)")
         return quantized.load(path, dtype, device)  # int8 weights (gpt2kit quantize)
     config, state, _ = load_state(path)
     with torch.device("meta"):
@@ -86,6 +94,10 @@ def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str
     check_finite({k: v for k, v in cast.items() if v.dtype != state[k].dtype}, dict.fromkeys(cast, path),
                  f" once cast to {str(dtype).removeprefix('torch.')} (out of its range)")
     model.load_state_dict(cast, strict=True, assign=True)
+    if adapter is not None:
+        from gpt2kit.checkpoint.adapter import apply_adapter
+
+        apply_adapter(model, adapter, merge=True)
     return use_decode_layout(model.eval())  # the layout CPU decode kernels read fastest (decode/layout.py)
 
 
@@ -147,6 +159,29 @@ def quantize_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str]
     stage(f"writing {dst}")
     written = save_model(model, out, tokenizer=load_tokenizer(path))
     return {"path": written, "float_bytes": float_bytes, "int8_bytes": weight_bytes(model)}
+
+
+def merge_adapter(base: str | os.PathLike[str], adapter: str | os.PathLike[str], dst: str | os.PathLike[str], *,
+                  dtype: str | None = None, overwrite: bool = False) -> Path:
+    """`gpt2kit merge`: write base + adapter, merged, as a plain HF model directory (atomically).
+
+    Refused before anything is loaded: dst holding a model unless overwrite, and dst being the base
+    or the adapter directory (whose files would be replaced)."""
+    from gpt2kit._io import same_path
+    from gpt2kit.checkpoint.adapter import read_adapter
+
+    out = Path(dst).expanduser()
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{dst}: exists and is not a directory")
+    if holds_model(out) and not overwrite:
+        raise FileExistsError(f"{dst} already holds a model; pass --overwrite (overwrite=True) to replace it")
+    read_adapter(adapter)  # a bad adapter fails before the base loads
+    _, src = resolve_source(base)
+    for what, path in (("base model", src), ("adapter", Path(adapter).expanduser())):
+        if same_path(path, out):
+            raise ValueError(f"{dst} is the {what}; write the merged model to another directory")
+    model = load_model(src, dtype=dtype, adapter=adapter, allow_int8=False)
+    return save_model(model, out, tokenizer=load_tokenizer(src))
 
 
 def _refuse_same(src: Path, out: Path, dst: str | os.PathLike[str]) -> None:

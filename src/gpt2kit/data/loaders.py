@@ -181,15 +181,19 @@ class RandomWindowLoader:
             self._tokens[i] = read_shard(self.files[i])
         return self._tokens[i]
 
+    def windows(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's windows of batch `batch`: (shard index (B,), start offset in it (B,))."""
+        rng = np.random.default_rng([self.seed, batch])
+        picks = rng.integers(0, int(self._ends[-1]), size=self.world_size * self.B)  # (W*B,)
+        picks = picks[self.rank * self.B : (self.rank + 1) * self.B]  # (B,): this rank's windows
+        shards = np.searchsorted(self._ends, picks, side="right")  # (B,)
+        return shards, picks - np.concatenate(([0], self._ends))[shards]  # (B,), (B,)
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (x, y), int64 tensors of shape (B, T) on the CPU; y[b, t] == x[b, t + 1] in the stream."""
         import torch
 
-        rng = np.random.default_rng([self.seed, self.batches])
-        picks = rng.integers(0, int(self._ends[-1]), size=self.world_size * self.B)  # (W*B,)
-        picks = picks[self.rank * self.B : (self.rank + 1) * self.B]  # (B,): this rank's windows
-        shards = np.searchsorted(self._ends, picks, side="right")  # (B,)
-        offsets = picks - np.concatenate(([0], self._ends))[shards]  # (B,)
+        shards, offsets = self.windows(self.batches)
         buf = np.stack([self._shard(int(s))[o : o + self.T + 1] for s, o in zip(shards, offsets, strict=True)])
         buf = torch.from_numpy(buf.astype(np.int64))  # (B, T + 1)
         self.batches += 1

@@ -2,6 +2,7 @@
 of its model file.
 
 - step.py      prefill and the flat one-token decode step, with a kernel set chosen by kernels_for
+- bind.py      the model's tensors resolved once per kernel set, re-bound when the model changes
 - kernels.py   the plain kernel set: few-row products, measured per machine for half precision
 - packed.py    the oneDNN-prepacked kernel set, with the GELU and residual adds fused
 - layout.py    use_decode_layout: the weight layout decode kernels read fastest (applied at load)
@@ -10,7 +11,8 @@ of its model file.
 
 Each is proven equal to the spec by tests: the step against model.forward in tests/test_model.py
 (test_decode_step_equals_forward), the packed set against the plain one in tests/test_packed.py,
-the int8 kernels against the dequantized product in tests/test_quant.py.
+the int8 kernels against the dequantized product in tests/test_quant.py, the binding against
+every kind of model change in tests/test_decode_bind.py.
 """
 
 from gpt2kit.decode.kernels import PLAIN, PlainKernels

@@ -15,10 +15,12 @@ the product. The formulations this module can run (docs/quantization.md has the 
                on an AVX2 CPU: streams the int8 weights near memory bandwidth, ~2x ATen's kernel
                for a few rows; built with the system's C compiler on first use, absent without one
 
-Which one runs is decided per (device type, activation dtype, row bucket) by timing the
-candidates once per process on a matrix of the model's size (`choose`), unless GPT2KIT_INT8_KERNEL
-names one; a candidate whose product on the measurement's own input differs from a float32 reference
-is left out before it is timed (a wrong kernel is fast, and would otherwise win).
+Which one runs is decided per (device type, activation dtype, row bucket) by `decide_for`: the choice
+stored for this machine (decode/kernel_choice.py), else the CPU family's known-good default unless
+interleaved rounds of timings on a matrix of the model's size say clearly otherwise (medians, a spread
+check, never slower than the float32 product for a few rows), unless GPT2KIT_INT8_KERNEL names one; a
+candidate whose product on the measurement's own input differs from a float32 reference is left out
+before it is timed (a wrong kernel is fast, and would otherwise win).
 `_weight_int8pack_mm` is used only where its contract holds (2-D contiguous input, in_features a
 multiple of 16: other sizes crash or return wrong values in torch 2.13's CPU kernel; on AVX-512 it
 segfaults on weight rows not aligned to 16 bytes or activation rows not aligned to 32, so a weight
@@ -37,7 +39,9 @@ Legend: R rows (batch x tokens), in/out the matrix's features.
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
 import time
 import warnings
 import weakref
@@ -46,11 +50,12 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from gpt2kit.decode import native
+from gpt2kit.decode import kernel_choice, native
 
 KERNELS = ("native-avx2", "i8pack-bf16", "i8pack", "dequant")
 ENV = "GPT2KIT_INT8_KERNEL"
 _CHOICE: dict[tuple[str, torch.dtype, str], str] = {}  # (device type, activation dtype, rows bucket) -> kernel
+_DECIDED: dict[tuple[str, torch.dtype, str], kernel_choice.Choice] = {}  # the same keys -> how it was chosen
 _UNAVAILABLE: dict[str, str] = {}  # where a kernel failed -> the error (measurement or first use)
 
 
@@ -171,26 +176,43 @@ def disagreement(y: torch.Tensor, reference: torch.Tensor) -> str | None:
     return None
 
 
+ROUNDS = kernel_choice.ROUNDS
+_SAMPLE_S = 2e-3  # a sample repeats the product until it takes about this long (single rows: ~0.1 ms each)
+
+
 @torch.inference_mode()
 def measure(device: torch.device, dtype: torch.dtype, rows: int, in_features: int = 768,
             out_features: int = 3072, reps: int = 3, *, hopeless: float = _HOPELESS,
             candidates: Mapping[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] | None = None,
             ) -> dict[str, float]:
-    """Seconds per product of each candidate on a random (out, in) int8 matrix and `rows` rows,
-    alternating the candidates, best of `reps` rounds (or of more while the rounds take under 0.1 s
-    in all: a few rows). GPT-2 124M's c_fc size by default: big enough to stream from memory like
-    the real matrices, small enough to time in milliseconds. `candidates` (name -> fn(x, w, s)) are
-    KERNELS through run_kernel unless given.
+    """Seconds per product of each candidate (the median of `sample`'s rounds, at least `reps`)."""
+    got = sample(device, dtype, rows, in_features, out_features, max(reps, 1), hopeless=hopeless,
+                 candidates=candidates)
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
+@torch.inference_mode()
+def sample(device: torch.device, dtype: torch.dtype, rows: int, in_features: int = 768,
+           out_features: int = 3072, rounds: int = ROUNDS, *, hopeless: float = _HOPELESS,
+           candidates: Mapping[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] | None = None,
+           float32: bool = False) -> dict[str, list[float]]:
+    """Seconds per product of each candidate on a random (out, in) int8 matrix and `rows` rows, one
+    sample per round, in `rounds` interleaved rounds (the order rotated each round, so no candidate
+    always runs after the same one); a sample repeats the product until it takes ~2 ms. GPT-2 124M's
+    c_fc size by default: big enough to stream from memory like the real matrices, small enough to
+    time in milliseconds. `candidates` (name -> fn(x, w, s)) are KERNELS through run_kernel unless
+    given. `float32`: also sample the float32 product on the same matrix (F.linear on the column-major
+    layout decode.layout gives float32 models), as "float32", the bound kernel_choice.decide applies.
 
     Before any timing, each candidate's product on a slice of 1/16 of the matrix's rows (its warm-up)
     is compared with the float32 reference (`disagreement`); one that differs is left out, with a
     RuntimeWarning, and listed by `unavailable()` (a wrong kernel must never win by being fast), as is
     one that raises. Each is then timed once on the slice; one more than `hopeless` times slower
-    there than the fastest (`screen`) is not run on the whole matrix (its time is the slice's, scaled
-    by 16): the float32 scalar loop of `i8pack` would take seconds at prompt sizes. The rest run on
-    the whole matrix once, untimed, checked against the reference again, then timed. (The whole
+    there than the fastest (`screen`) is not run on the whole matrix (its one sample is the slice's,
+    scaled by 16): the float32 scalar loop of `i8pack` would take seconds at prompt sizes. The rest run
+    on the whole matrix once, untimed, checked against the reference again, then sampled. (The whole
     matrix, not a smaller one, decides: which kernel wins at a few hundred rows depends on whether
-    it fits in cache.)"""
+    it fits in cache.) GPT2KIT_KERNEL_TIMINGS, where set, replaces the samples (not the checks)."""
     if device.type == "cpu":
         native.int8_linear()  # built (or loaded) before anything is timed
     g = torch.Generator().manual_seed(0)
@@ -232,14 +254,30 @@ def measure(device: torch.device, dtype: torch.dtype, rows: int, in_features: in
         if wrong is not None:
             _left_out_as_wrong(f"{where} {k}", wrong)
             del fns[k], screened[k]
-    times = {**screened, **{k: float("inf") for k in fns}}
-    start, rep = time.perf_counter(), 0
-    # best of `reps` rounds, or of as many as fit in 0.1 s (up to 30) where rounds are cheap (a few rows)
-    while rep < reps or (rep < 30 and time.perf_counter() - start < 0.1):
-        for k, fn in fns.items():
-            times[k] = min(times[k], _time(fn, 1))
-        rep += 1
-    return times
+    if float32:
+        w32 = (w.float() * s.float()[:, None]).t().contiguous().t()  # (out, in), column-major
+        x32 = x.float()
+        fns["float32"] = lambda: (F.linear(x32, w32), sync())
+    samples = {k: [t] for k, t in screened.items() if k not in fns}  # the screened-out: the slice's time
+    forced = kernel_choice.forced_timings()
+    if forced is not None:
+        return {k: forced[k] for k in [*samples, *fns] if k in forced}
+    return samples | _rounds(fns, rounds)
+
+
+def _rounds(fns: Mapping[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    names = list(fns)
+    reps = {}
+    for k in names:  # how many products make a ~2 ms sample
+        reps[k] = max(1, min(200, math.ceil(_SAMPLE_S / max(_time(fns[k], 1), 1e-7))))
+    out: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            for _ in range(reps[k]):
+                fns[k]()
+            out[k].append((time.perf_counter() - t0) / reps[k])
+    return out
 
 
 def _left_out_as_wrong(where: str, wrong: str) -> None:
@@ -248,21 +286,101 @@ def _left_out_as_wrong(where: str, wrong: str) -> None:
                   f"{where.rsplit(' ', 1)[0]} ({wrong}); it is left out", RuntimeWarning, stacklevel=4)
 
 
+# The family's known-good kernel for each rows bucket, in order of preference (the first one that runs
+# here and passes the measurement's checks). gpt2kit's AVX2 kernel streams int8 weights near the memory
+# bandwidth on AVX2 CPUs (docs/quantization.md) and runs unchanged on AVX-512 and AMX ones; the
+# measurement may replace it there only by being MARGIN faster. Long prompts are GEMM-bound: dequant.
+_FEW = ("native-avx2", "i8pack-bf16", "i8pack", "dequant")
+DEFAULTS = {
+    "float32": {"1": _FEW, "few": _FEW, "many": _FEW, "prefill": ("native-avx2", "dequant"), "long": ("dequant",)},
+    "bfloat16": {"1": ("i8pack", "dequant"), "few": ("i8pack", "dequant"), "many": ("i8pack", "dequant"),
+                 "prefill": ("dequant",), "long": ("dequant",)},
+}
+_BOUNDED = ("1", "few")  # weight streaming: int8 must beat the float32 product
+
+
+def check_kernel(name: str, device: torch.device | str = "cpu", given_as: str | None = None) -> str:
+    """`name` if it is a kernel that can run on `device` here; ValueError naming it (as `given_as`,
+    default GPT2KIT_INT8_KERNEL=) and the choices otherwise."""
+    said = f"{given_as or ENV + '='}{name!r}"
+    if name not in KERNELS:
+        raise ValueError(f"{said} is not a kernel; valid choices: {', '.join(KERNELS)}")
+    why = _why_not(name, torch.device(device))
+    if why:
+        ok = [k for k in KERNELS if not _why_not(k, torch.device(device))]
+        raise ValueError(f"{said} is unavailable here ({why}); available: {', '.join(ok)}")
+    return name
+
+
+def _why_not(kernel: str, device: torch.device) -> str | None:
+    if kernel == "native-avx2":
+        if device.type != "cpu":
+            return f"gpt2kit's native kernel runs on CPU, not {device.type}"
+        return native.why_unavailable()
+    if kernel.startswith("i8pack") and _I8PACK is None:
+        return f"this torch ({torch.__version__}) has no _weight_int8pack_mm"
+    return None
+
+
+def _default(dtype: torch.dtype, bucket: str, measured: Mapping[str, object]) -> str:
+    table = DEFAULTS["bfloat16" if dtype in (torch.bfloat16, torch.float16) else "float32"]
+    prefs = table[bucket] if kernel_choice.family() != "other" else ("dequant",)
+    return next((k for k in prefs if k in measured), min(measured, key=lambda k: KERNELS.index(k)
+                                                          if k in KERNELS else len(KERNELS)))
+
+
 def choose(device: torch.device, dtype: torch.dtype, rows: int) -> str:
     """The kernel for products of `rows` rows of `dtype` activations on `device`: GPT2KIT_INT8_KERNEL
-    when set, else the fastest in a short measurement, taken once per process and rows bucket
-    (1, 2-16, 17-128, 129-512, more), at 1, 8, 64, 256 and 1,024 rows."""
+    when set (checked: ValueError for an unknown or unavailable one), else `decide_for`'s choice,
+    made once per process and rows bucket (1, 2-16, 17-128, 129-512, more)."""
     forced = os.environ.get(ENV)
     if forced:
-        if forced not in KERNELS:
-            raise ValueError(f"{ENV}={forced!r} is not a kernel; valid choices: {', '.join(KERNELS)}")
-        return forced
+        return check_kernel(forced, device)
     key = (device.type, dtype, _bucket(rows))
     kernel = _CHOICE.get(key)
     if kernel is None:
-        times = measure(device, dtype, _BUCKET_ROWS[key[2]])
-        kernel = _CHOICE[key] = min(times, key=times.get)
+        kernel = decide_for(device, dtype, rows).kernel
     return kernel
+
+
+def decide_for(device: torch.device, dtype: torch.dtype, rows: int, *, fresh: bool = False) -> kernel_choice.Choice:
+    """How products of `rows` rows are run here, and why: the choice stored for this machine and bucket
+    (its kernel checked against the float32 reference first), else a measurement (`sample`, at 1, 8,
+    64, 256 or 1,024 rows) decided by kernel_choice.decide against the family's default (DEFAULTS) and,
+    for a few rows, the float32 product; a measured choice is stored. `fresh`: measure even where a
+    choice is stored. The result is this process's choice for the bucket from then on."""
+    device = torch.device(device)
+    key = (device.type, dtype, _bucket(rows))
+    name = f"int8 {device.type} {str(dtype).removeprefix('torch.')} {key[2]} threads={torch.get_num_threads()}"
+    store = kernel_choice.Store()
+    choice = None if fresh else store.get(name)
+    if choice is not None and (choice.kernel not in KERNELS or _why_not(choice.kernel, device)
+                               or not _still_right(choice.kernel, device, dtype, _BUCKET_ROWS[key[2]])):
+        choice = None
+    if choice is None:
+        choice = kernel_choice.measured(lambda: sample(device, dtype, _BUCKET_ROWS[key[2]], float32=key[2] in _BOUNDED),
+                                        "dequant", lambda m: _default(dtype, key[2], m), "float32")
+        if choice.source == "measured":
+            store.put(name, choice)
+    _CHOICE[key], _DECIDED[key] = choice.kernel, choice
+    return choice
+
+
+@torch.inference_mode()
+def _still_right(kernel: str, device: torch.device, dtype: torch.dtype, rows: int) -> bool:
+    """Whether a stored kernel still computes the product here (a library rebuilt wrong is never kept)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (192, 768), dtype=torch.int8, generator=g).to(device)
+    s = (torch.rand(192, generator=g) / 127).to(device)
+    x = torch.randn(min(rows, 64), 768, generator=g).to(device, dtype)
+    try:
+        wrong = disagreement(run_kernel(kernel, x, w, s), F.linear(x.float(), w.float()) * s.float())
+    except (NotImplementedError, RuntimeError) as e:
+        wrong = _first_line(e)
+    if wrong is not None:
+        where = f"{device.type} {str(dtype).removeprefix('torch.')} {kernel}"
+        _left_out_as_wrong(where, wrong)
+    return wrong is None
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -301,6 +419,11 @@ def _first_line(e: BaseException) -> str:
 def chosen() -> dict[str, str]:
     """The kernels chosen so far in this process, e.g. {'cpu float32 1': 'i8pack-bf16'} (for bench)."""
     return {f"{d} {str(t).removeprefix('torch.')} {b}": k for (d, t, b), k in _CHOICE.items()}
+
+
+def decisions() -> dict[str, kernel_choice.Choice]:
+    """How each of chosen()'s kernels was chosen (source default / stored / measured, the medians)."""
+    return {f"{d} {str(t).removeprefix('torch.')} {b}": c for (d, t, b), c in _DECIDED.items()}
 
 
 def unavailable() -> dict[str, str]:

@@ -60,23 +60,9 @@ class CacheDir:
     def read(self, name: str) -> bytes | None:
         """The library `name`'s bytes (without the trailer) if it passes every check; None if there is
         none, or if it is refused (with a RuntimeWarning naming the reason)."""
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
-        except FileNotFoundError:
+        blob = self.read_private(name)
+        if blob is None:
             return None
-        except OSError as e:  # a symlink (ELOOP), unreadable, ...
-            return self._refuse(name, f"it cannot be opened as a file ({e.strerror})")
-        try:
-            st = os.fstat(fd)
-            why = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else unsafe(st)
-            if why is None and st.st_size > _MAX_BYTES:
-                why = f"it is larger than {_MAX_BYTES >> 20} MiB"
-            if why:
-                return self._refuse(name, why)
-            with os.fdopen(os.dup(fd), "rb") as f:
-                blob = f.read(_MAX_BYTES + 1)
-        finally:
-            os.close(fd)
         body, trailer = blob[:-_TRAILER], blob[-_TRAILER:]
         if len(blob) < _TRAILER or not trailer.startswith(MAGIC):
             return self._refuse(name, "it has no SHA-256 trailer (truncated, or not written by gpt2kit's build)")
@@ -85,11 +71,39 @@ class CacheDir:
                                       "changed since it was built)")
         return body
 
+    def read_private(self, name: str, max_bytes: int = _MAX_BYTES, what: str = "the cached kernel library",
+                     then: str = "building it again") -> bytes | None:
+        """The bytes of `name` if it is a regular file of this user's that nobody else can write, of at
+        most `max_bytes`; None if there is none, or if it is refused (with a RuntimeWarning: "refused
+        {what} PATH: why; {then}"). The file rules of every file kept here."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # a symlink (ELOOP), unreadable, ...
+            return self._refuse(name, f"it cannot be opened as a file ({e.strerror})", what, then)
+        try:
+            st = os.fstat(fd)
+            why = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else unsafe(st)
+            if why is None and st.st_size > max_bytes:
+                why = f"it is larger than {max_bytes >> 10} KiB"
+            if why:
+                return self._refuse(name, why, what, then)
+            with os.fdopen(os.dup(fd), "rb") as f:
+                return f.read(max_bytes + 1)
+        finally:
+            os.close(fd)
+
     def write(self, name: str, body: bytes) -> bool:
         """Store a library as `name` with its SHA-256 trailer, replacing any file of that name (mode 0644
         whatever the umask: a group-writable library would be refused). False where it cannot be written."""
+        return self.write_private(name, body + MAGIC + hashlib.sha256(body).digest(), mode=0o644)
+
+    def write_private(self, name: str, body: bytes, mode: int = 0o600) -> bool:
+        """Write `name` atomically with `mode`, replacing any file of that name (another user's too: the
+        directory is this user's). False where it cannot be written."""
         try:
-            atomic_write_at(self.fd, name, body + MAGIC + hashlib.sha256(body).digest(), mode=0o644)
+            atomic_write_at(self.fd, name, body, mode=mode)
         except OSError:
             return False
         return True
@@ -97,9 +111,9 @@ class CacheDir:
     def close(self) -> None:
         os.close(self.fd)
 
-    def _refuse(self, name: str, why: str) -> None:
-        warnings.warn(f"refused the cached kernel library {self.path / name}: {why}; building it again",
-                      RuntimeWarning, stacklevel=4)
+    def _refuse(self, name: str, why: str, what: str = "the cached kernel library",
+                then: str = "building it again") -> None:
+        warnings.warn(f"refused {what} {self.path / name}: {why}; {then}", RuntimeWarning, stacklevel=4)
         return None
 
 

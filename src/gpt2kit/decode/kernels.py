@@ -5,28 +5,36 @@ cost and how the GEMM kernel handles a tiny M decides the speed. For bfloat16/fl
 x @ W^T (F.linear) can be slow there while W @ x^T (torch.mv for one row, mm for a few) reads a
 row-major W faster; float32 stays on F.linear, fastest on MKL when W is stored (in, out), the layout
 decode.layout puts it in. Which is faster differs between CPUs (docs/benchmarks.md), so for the
-half-precision types the choice is measured once per process on the model's own matrices
-(choose_half_kernels) rather than assumed.
+half-precision types the choice is made on the model's own matrices (choose_half_kernels: "mv" by
+default, another only on clear evidence, stored per machine by decode/kernel_choice.py) rather than assumed.
 
-Every kernel set (these, decode.packed's) has the same methods: linear, linear_gelu, linear_add,
-lm_head and covers(rows, dtype). A layer that is not a plain nn.Linear (a quantized or adapted
-module swapped in) is called as the module it is.
+Every kernel set (these, decode.packed's) has the same methods: bind(model) (the model's tensors
+in the set's form, resolved once: decode.bind), for_step(rows, dtype, cpu) (the set a step of that
+shape runs on), covers(rows, dtype), and the products linear, linear_gelu, linear_add and lm_head,
+which take a bound product (decode.bind.Mat) and never look a module's attributes up. A layer that
+is not a plain nn.Linear (a quantized or adapted module swapped in) is called as the module it is.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import gpt2kit.decode.kernel_choice as kernel_choice
+from gpt2kit.decode.bind import Binding, Mat
 
 FEW_ROWS = 16  # up to this many rows a decode product is weight streaming, not compute
 
 # How half-precision few-row products run on this machine: "linear" (F.linear) or "mv" (W @ x^T),
 # for one row and for 2..FEW_ROWS rows; measured on first use (choose_half_kernels).
 _HALF_CHOICE: dict[tuple[torch.dtype, bool], str] = {}
+_HALF_DECIDED: dict[tuple[torch.dtype, bool], kernel_choice.Choice] = {}
+HALF_KERNELS = ("mv", "linear")
 
 
 def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,23 +59,48 @@ def _w_times_xt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
-def choose_half_kernels(weight: torch.Tensor, trials: int = 5) -> None:
-    """Measure F.linear against W @ x^T on `weight` (a model's largest block matrix, bf16/fp16, CPU)
-    for 1 and 8 rows, once per dtype per process, and remember the faster."""
+def choose_half_kernels(weight: torch.Tensor, trials: int = kernel_choice.ROUNDS, remeasure: bool = False) -> None:
+    """Decide F.linear against W @ x^T on `weight` (a model's largest block matrix, bf16/fp16, CPU)
+    for 1 and 8 rows, once per dtype per process: the choice stored for this machine, else `trials`
+    interleaved rounds decided by kernel_choice.decide against the default ("mv"); a measured choice
+    is stored (decode/kernel_choice.py). `remeasure`: measure again, stored or not."""
     if weight.device.type != "cpu" or weight.dtype == torch.float32 or not weight.is_contiguous():
         return
+    store = kernel_choice.Store()
     for single in (True, False):
         key = (weight.dtype, single)
-        if key in _HALF_CHOICE:
+        if key in _HALF_CHOICE and not remeasure:
             continue
         rows = 1 if single else 8
-        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-        bias = torch.zeros(weight.shape[0], dtype=weight.dtype)
-        cands = {"linear": lambda x=x, b=bias: F.linear(x, weight, b),
-                 "mv": lambda x=x, b=bias, r=rows: _w_times_xt(x, weight, b, r)}
-        with torch.inference_mode():
-            best = {name: _median_time(fn, trials) for name, fn in cands.items()}
-        _HALF_CHOICE[key] = min(best, key=best.get)
+        bucket = (f"half {str(weight.dtype).removeprefix('torch.')} {'1 row' if single else f'2-{FEW_ROWS} rows'} "
+                  f"{weight.shape[0]}x{weight.shape[1]} threads={torch.get_num_threads()}")
+        choice = None if remeasure else store.get(bucket)
+        if choice is None or choice.kernel not in HALF_KERNELS:
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+            bias = torch.zeros(weight.shape[0], dtype=weight.dtype)
+            cands = {"linear": lambda x=x, b=bias: F.linear(x, weight, b),
+                     "mv": lambda x=x, b=bias, r=rows: _w_times_xt(x, weight, b, r)}
+            def take(cands=cands):
+                with torch.inference_mode():
+                    got = kernel_choice.forced_timings() or _interleaved(cands, trials)
+                return {k: v for k, v in got.items() if k in cands}
+            choice = kernel_choice.measured(take, "mv")
+            if choice.source == "measured":
+                store.put(bucket, choice)
+        _HALF_CHOICE[key], _HALF_DECIDED[key] = choice.kernel, choice
+
+
+def _interleaved(cands: dict, rounds: int) -> dict[str, list[float]]:
+    for fn in cands.values():
+        fn()  # warm-up
+    out: dict[str, list[float]] = {k: [] for k in cands}
+    names = list(cands)
+    for r in range(rounds):
+        for k in names[r % 2:] + names[:r % 2]:
+            t0 = time.perf_counter()
+            cands[k]()
+            out[k].append(time.perf_counter() - t0)
+    return out
 
 
 def _median_time(fn, trials: int) -> float:
@@ -119,29 +152,72 @@ def half_kernel_choice() -> dict[str, str]:
             for (d, one), how in _HALF_CHOICE.items()}
 
 
+def half_decisions() -> dict[str, kernel_choice.Choice]:
+    """How each of half_kernel_choice()'s kernels was chosen (default / stored / measured, the medians)."""
+    return {f"{str(d).removeprefix('torch.')}/{'1 row' if one else f'2-{FEW_ROWS} rows'}": c
+            for (d, one), c in _HALF_DECIDED.items()}
+
+
+class _Slot:
+    """Where a plain kernel set keeps its binding (shared with its F.linear sibling)."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep, self.binding = keep, None
+
+    def bind(self, model: nn.Module) -> Binding:
+        b = self.binding
+        if b is None or not b.current(model):
+            b = Binding(model)
+            if self.keep:
+                self.binding = b
+        return b
+
+
 class PlainKernels:
-    """The decode step's products on the model's own parameters (no copies)."""
+    """The decode step's products on the model's own parameters (no copies).
+
+    keep=True holds the model's binding between steps (kernels_for makes one such set per
+    generation, so the binding lives as long as the generation); PLAIN, shared by every model,
+    keeps none and binds on every call."""
+
+    def __init__(self, keep: bool = True, *, _product: Callable = matmul_t, _slot: _Slot | None = None) -> None:
+        self.product = _product  # matmul_t, or F.linear where a step's shape makes it matmul_t's choice
+        self._slot = _Slot(keep) if _slot is None else _slot
+        self._linear = self if _product is F.linear else PlainKernels(_product=F.linear, _slot=self._slot)
+
+    def bind(self, model: nn.Module) -> Binding:
+        return self._slot.bind(model)
 
     def covers(self, rows: int, dtype: torch.dtype) -> bool:
         return True
 
-    def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-        if type(layer) is not nn.Linear:
-            return layer(x)
-        return matmul_t(x, layer.weight, layer.bias)
+    def for_step(self, rows: int, dtype: torch.dtype, cpu: bool) -> PlainKernels:
+        """The set for a step of `rows` rows: F.linear outright where matmul_t would choose it for
+        every matrix (float32, off the CPU, many rows, or half precision measured faster that way),
+        so the products carry no per-call checks."""
+        if (rows > FEW_ROWS or not cpu or dtype == torch.float32
+                or _HALF_CHOICE.get((dtype, rows == 1), "mv") == "linear"):
+            return self._linear
+        return self
 
-    def linear_gelu(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
+        if m.__class__ is not Mat:
+            return m(x)
+        return self.product(x, m.weight, m.bias)
+
+    def linear_gelu(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
         """tanh-GELU(x @ W^T + b), GPT-2's activation."""
-        return F.gelu(self.linear(x, layer), approximate="tanh")
+        y = m(x) if m.__class__ is not Mat else self.product(x, m.weight, m.bias)
+        return F.gelu(y, approximate="tanh")
 
-    def linear_add(self, x: torch.Tensor, layer: nn.Module, residual: torch.Tensor) -> torch.Tensor:
+    def linear_add(self, x: torch.Tensor, m: Mat | nn.Module, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ W^T + b."""
-        return residual + self.linear(x, layer)
+        return residual + (m(x) if m.__class__ is not Mat else self.product(x, m.weight, m.bias))
 
-    def lm_head(self, x: torch.Tensor, wte: torch.Tensor, n_vocab: int) -> torch.Tensor:
+    def lm_head(self, x: torch.Tensor, head: Mat, n_vocab: int) -> torch.Tensor:
         """x (R, C) @ wte^T -> logits (R, n_vocab)."""
-        y = matmul_t(x, wte)
+        y = self.product(x, head.weight)
         return y if y.shape[-1] == n_vocab else y[:, :n_vocab]
 
 
-PLAIN = PlainKernels()
+PLAIN = PlainKernels(keep=False)

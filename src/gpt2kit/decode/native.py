@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2kit.decode import kernel_cache
+import gpt2kit.decode.kernel_cache as kernel_cache
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 ABI = 1  # csrc/int8_linear.c's gpt2kit_int8_linear_abi(): the signature this module calls

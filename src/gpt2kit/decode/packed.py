@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gpt2kit.decode.kernels import cpu_has_native_bfloat16
+from gpt2kit.decode.bind import Binding, Mat
+from gpt2kit.decode.kernels import PlainKernels, cpu_has_native_bfloat16
 
 _PACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model -> PackedWeights
 
@@ -40,6 +41,9 @@ class PackedWeights:
         self.hint = hint  # the row count the packing was tuned for (1, or 8 for "a few")
         # id(param) -> (weakref to param, data_ptr, version, packed copy)
         self._mats: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+        self._binding: Binding | None = None  # the model's tensors with the packed copies in (bind)
+        self._plain = PlainKernels()  # what a step the packing does not cover runs on (for_step)
+        self._unary = self._binary = None  # the oneDNN ops, resolved with the first copies
 
     def refresh(self, params: list[torch.Tensor]) -> None:
         """Keep exactly `params` packed: repack those whose storage or contents changed since they
@@ -54,38 +58,52 @@ class PackedWeights:
                     # The LM head uses the first n_vocab rows; padding rows are packed too (harmless).
                     packed = _reorder(p.detach().contiguous(), self.hint)
                     mats[id(p)] = (weakref.ref(p), p.data_ptr(), p._version, packed)
+        if mats.keys() != self._mats.keys() or any(mats[k] is not self._mats[k] for k in mats):
+            self._binding = self._plain._slot.binding = None  # they hold the old copies (or modules)
         self._mats = mats
+        if self._unary is None:
+            op = torch.ops.mkldnn._linear_pointwise
+            self._unary, self._binary = op.default, op.binary
+
+    def bind(self, model: nn.Module) -> Binding:
+        """The model's decode tensors with the packed copies in place of its plain matrices, repacked
+        first where a matrix was replaced or edited in place since (its version counter moved)."""
+        b = self._binding
+        if b is None or not b.current(model):
+            self.refresh(_matrices(model))
+            b = self._binding = Binding(model, lambda p: self._mats[id(p)][3], versions=True)
+        return b
 
     def covers(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether a step of `rows` rows should use the packed matrices (a float32 single row
         is faster on MKL's mat-vec, e.g. when a batch has finished down to one row)."""
         return bool(self._mats) and not (rows == 1 and dtype == torch.float32)
 
-    # x (R, in) @ W^T + b for the packed W of `layer` (an nn.Linear), with the GELU or the
+    def for_step(self, rows: int, dtype: torch.dtype, cpu: bool) -> PackedWeights | PlainKernels:
+        return self if self.covers(rows, dtype) else self._plain.for_step(rows, dtype, cpu)
+
+    # x (R, in) @ W^T + b for the packed W of a bound product (an nn.Linear's), with the GELU or the
     # residual add fused in (oneDNN post-ops: one kernel instead of two, the same math).
-    def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-        if type(layer) is not nn.Linear:
-            return layer(x)
-        return torch.ops.mkldnn._linear_pointwise(x, self._mats[id(layer.weight)][3], layer.bias, "none", [], "")
+    def linear(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
+        if m.__class__ is not Mat:
+            return m(x)
+        return self._unary(x, m.weight, m.bias, "none", [], "")
 
-    def linear_gelu(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    def linear_gelu(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
         """tanh-GELU(x @ W^T + b)."""
-        if type(layer) is not nn.Linear:
-            return torch.nn.functional.gelu(layer(x), approximate="tanh")
-        return torch.ops.mkldnn._linear_pointwise(x, self._mats[id(layer.weight)][3], layer.bias, "gelu", [], "tanh")
+        if m.__class__ is not Mat:
+            return torch.nn.functional.gelu(m(x), approximate="tanh")
+        return self._unary(x, m.weight, m.bias, "gelu", [], "tanh")
 
-    def linear_add(self, x: torch.Tensor, layer: nn.Module, residual: torch.Tensor) -> torch.Tensor:
+    def linear_add(self, x: torch.Tensor, m: Mat | nn.Module, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ W^T + b."""
-        if type(layer) is not nn.Linear:
-            return residual + layer(x)
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._mats[id(layer.weight)][3],
-                                                         layer.bias, "add")
+        if m.__class__ is not Mat:
+            return residual + m(x)
+        return self._binary(x, residual, m.weight, m.bias, "add")
 
-    def lm_head(self, x: torch.Tensor, wte: torch.Tensor, n_vocab: int) -> torch.Tensor:
+    def lm_head(self, x: torch.Tensor, head: Mat, n_vocab: int) -> torch.Tensor:
         """x (R, C) @ wte[:n_vocab]^T: the logits (R, n_vocab) (padding rows computed, then cut)."""
-        if id(wte) not in self._mats:
-            return torch.nn.functional.linear(x, wte)[:, :n_vocab]
-        y = torch.ops.mkldnn._linear_pointwise(x, self._mats[id(wte)][3], None, "none", [], "")
+        y = self._unary(x, head.weight, None, "none", [], "")
         return y if y.shape[-1] == n_vocab else y[:, :n_vocab]
 
     def holds(self, param: torch.Tensor) -> bool:

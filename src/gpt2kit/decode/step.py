@@ -2,7 +2,9 @@
 
 decode_step is the network's step written flat for one new token per row: no module calls or
 dropout, the mask and positions built once, q/k/v as views of the fused c_attn output, the products
-by a kernel set (decode.kernels' plain ones, or decode.packed's prepacked ones). It computes what
+by a kernel set (decode.kernels' plain ones, or decode.packed's prepacked ones), on the model's
+tensors as the kernel set bound them (decode.bind: resolved once, checked each step with plain dict
+reads, re-bound when the model changed), so a token makes no module attribute lookups. It computes what
 ``model(idx, cache=..., attention_mask=..., last_logits_only=True)`` computes in eval mode: with the
 plain kernels in float32, the same ops on the same values (tests prove the logits bit-identical);
 in bfloat16/float16 and with packed kernels, the same math by other kernels (equal to rounding).
@@ -37,13 +39,14 @@ def prefill(model: GPT2, idx: torch.Tensor, attention_mask: torch.Tensor | None,
 def kernels_for(model: GPT2, batch_size: int, pack: bool | None = None) -> Kernels | None:
     """The kernel set for decode steps of batch_size rows: None (the model's own forward) when the
     model is training or has hooks, else the packed matrices where packing applies (pack=None:
-    where it is faster and the copy fits; gpt2kit.decode.packed), else the plain kernels."""
+    where it is faster and the copy fits; gpt2kit.decode.packed), else the plain kernels. The set
+    keeps the model's tensors bound between steps (re-bound when one is replaced: decode.bind)."""
     if model.training or _has_hooks(model):
         return None
     largest = _largest_matrix(model)
     if largest is not None:
         choose_half_kernels(largest)
-    return packed_weights(model, batch_size, pack) or PLAIN
+    return packed_weights(model, batch_size, pack) or PlainKernels()  # one per generation: it keeps the binding
 
 
 @torch.inference_mode()
@@ -61,30 +64,31 @@ def decode_step(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask: 
     B, C, nh, eps = idx.shape[0], cfg.n_embd, cfg.n_head, cfg.layer_norm_eps
     hs = C // nh
     P = cache.length
+    k_set = kernels.for_step(B, cache.kv.dtype, cache.kv.is_cpu)
+    bound = k_set.bind(model)  # the tensors, resolved once per kernel set (decode.bind)
     if attention_mask is None:
         pos, mask = P, None
     else:
         pos = (attention_mask.sum(-1) - 1).clamp_(min=0)  # (B,): real tokens before this one
         mask = attention_mask.bool()[:, None, None, :].clone()  # (B, 1, 1, P + 1)
         mask[..., P] = True  # the query sees itself even when its slot is padding (no NaN)
-    plain_wte = type(model.wte) is nn.Embedding  # else a swapped module (int8 rows) looks its rows up
-    tok = F.embedding(idx[:, 0], model.wte.weight) if plain_wte else model.wte(idx[:, 0])
-    x = tok + model.wpe.weight[pos]  # (B, C)
-    k_set = kernels if kernels.covers(B, x.dtype) else PLAIN
-    for i, block in enumerate(model.h):
-        attn, mlp = block.attn, block.mlp
-        h = F.layer_norm(x, (C,), block.ln_1.weight, block.ln_1.bias, eps)
-        qkv = k_set.linear(h, attn.c_attn).view(B, 3, nh, 1, hs)  # q, k, v of each head
+    # a swapped wte (int8 rows) looks its rows up
+    tok = F.embedding(idx[:, 0], bound.wte) if bound.wte is not None else bound.wte_module(idx[:, 0])
+    x = tok + bound.wpe[pos]  # (B, C)
+    cudnn = torch.backends.cudnn.enabled  # what F.layer_norm passes, read once
+    for i, (ln_1w, ln_1b, c_attn, attn_proj, ln_2w, ln_2b, c_fc, mlp_proj) in enumerate(bound.blocks):
+        h = torch.layer_norm(x, (C,), ln_1w, ln_1b, eps, cudnn)
+        qkv = k_set.linear(h, c_attn).view(B, 3, nh, 1, hs)  # q, k, v of each head
         k, v = cache.update_kv(i, qkv[:, 1:])  # (B, nh, P + 1, hs)
         y = F.scaled_dot_product_attention(qkv[:, 0], k, v, attn_mask=mask)  # (B, nh, 1, hs)
-        x = k_set.linear_add(y.view(B, C), attn.c_proj, x)  # (B, C)
-        h = F.layer_norm(x, (C,), block.ln_2.weight, block.ln_2.bias, eps)
-        x = k_set.linear_add(k_set.linear_gelu(h, mlp.c_fc), mlp.c_proj, x)  # (B, C)
+        x = k_set.linear_add(y.view(B, C), attn_proj, x)  # (B, C)
+        h = torch.layer_norm(x, (C,), ln_2w, ln_2b, eps, cudnn)
+        x = k_set.linear_add(k_set.linear_gelu(h, c_fc), mlp_proj, x)  # (B, C)
     cache.length = P + 1
-    x = F.layer_norm(x, (C,), model.ln_f.weight, model.ln_f.bias, eps)
-    if not plain_wte:
+    x = torch.layer_norm(x, (C,), bound.ln_f_weight, bound.ln_f_bias, eps, cudnn)
+    if bound.head is None:
         return model.lm_head(x)  # (B, V): the swapped embedding's own product (gpt2kit.quant)
-    return k_set.lm_head(x, model.wte.weight, cfg.n_vocab)  # (B, V): tied LM head
+    return k_set.lm_head(x, bound.head, cfg.n_vocab)  # (B, V): tied LM head
 
 
 def _has_hooks(model: nn.Module) -> bool:

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpt2kit.engine.outputs import RowText
-    from gpt2kit.sampling import RowSampler, SamplingSettings
+    from gpt2kit.sampler import RowSampler
+    from gpt2kit.sampling import SamplingSettings
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ prefill of their own, and leave it the step they finish (Orca's and vLLM's sched
 
 Each row computes what it would alone: its cache columns are laid out by
 gpt2kit.engine.batch_cache (right-aligned, left-padded, positions from the mask); it samples with
-its own gpt2kit.sampling.RowSampler (its settings, its generator seeded from (seed, sample index),
+its own gpt2kit.sampler.RowSampler (its settings, its generator seeded from (seed, sample index),
 its penalties' token sets), so what it draws does not depend on its neighbours; its text, finish
 and log-probs come from gpt2kit.engine.outputs.
 
@@ -30,7 +30,8 @@ from gpt2kit.engine.batch_cache import BatchCache
 from gpt2kit.engine.outputs import RowText, advance, token_logprobs
 from gpt2kit.engine.rows import Row, RowEvent, RowKey
 from gpt2kit.kv_cache import KVCache
-from gpt2kit.sampling import RowSampler, SamplingSettings
+from gpt2kit.sampler import RowSampler
+from gpt2kit.sampling import SamplingSettings
 from gpt2kit.validate import check_int
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ def next_tokens(logits: torch.Tensor, samplers: Sequence[RowSampler],
 
     With failed (a dict), a row whose choice raises is recorded there (row -> exception) and given
     token 0, so one row's failure never costs its neighbours their tokens; without, it raises."""
-    if all(s.settings.plain_greedy for s in samplers) and torch.isfinite(logits.amax(dim=-1)).all():
+    if all(s.plain_greedy for s in samplers) and torch.isfinite(logits.amax(dim=-1)).all():
         return logits.argmax(dim=-1)  # one batched argmax: the same as row by row
     out = []  # row by row (RowSampler.choose checks each row's distribution)
     for r, s in enumerate(samplers):
@@ -91,7 +92,7 @@ class Engine:
         if settings.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass tokenizer=...")
         if not settings.greedy and seed is None:
-            raise ValueError("a sampled row needs a seed (gpt2kit.sampling.resolve_seed)")
+            raise ValueError("a sampled row needs a seed (gpt2kit.sampler.resolve_seed)")
         sampler = RowSampler(settings, prompt, self.model.config.n_vocab, seed, sample_index, self.device)
         text = RowText(self.tokenizer, settings.stop_strings) if self.tokenizer is not None else None
         return Row(list(prompt), settings, sampler, text, logprobs, key or RowKey(sample_index=sample_index))

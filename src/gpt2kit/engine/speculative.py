@@ -34,7 +34,8 @@ from gpt2kit.engine.outputs import advance, token_logprobs
 from gpt2kit.engine.rows import Row, RowEvent
 from gpt2kit.engine.scheduler import Engine, next_tokens
 from gpt2kit.kv_cache import KVCache
-from gpt2kit.sampling import SamplingSettings, check_finite, warp
+from gpt2kit.sampler import check_finite, warp
+from gpt2kit.sampling import SamplingSettings
 from gpt2kit.speculate import accept_drafts, greedy_accept, lookup_drafts
 
 if TYPE_CHECKING:
@@ -360,20 +361,13 @@ def _accept(row: Row, logits: torch.Tensor, drafts: list[int], q: list[torch.Ten
 
 
 def _warped_along(row: Row, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
-    """The row's warped logits at each position, its penalties counting the drafts before it (as
-    if they were kept): what the row's sampler would see token by token."""
-    sampler, s = row.sampler, row.settings
-    seen = None if sampler.seen is None else sampler.seen.clone()
-    counts = None if sampler.counts is None else sampler.counts.clone()
-    out = []
+    """The row's warped logits at each position (k + 1, V), its penalties and constraints counting
+    the drafts before it (as if they were kept): what its sampler would see token by token."""
+    probe, out = row.sampler.fork(), []
     for i in range(logits.shape[0]):
-        w = warp(logits[i:i + 1], s, seen, counts)  # (1, V)
-        check_finite(w, s)
+        w = probe.warped(logits[i:i + 1])  # (1, V)
+        check_finite(w, row.settings)
         out.append(w)
         if i < len(drafts):
-            if seen is not None:
-                seen[0, drafts[i]] = True
-            if counts is not None:
-                counts[0, drafts[i]] += 1
+            probe.observe(drafts[i])
     return torch.cat(out)
-

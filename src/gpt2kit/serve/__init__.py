@@ -10,21 +10,42 @@ docs/serving.md.
 from __future__ import annotations
 
 import socket
+from typing import TYPE_CHECKING, Any
 
-from gpt2kit.serve.app import ServeOptions, create_app
-from gpt2kit.serve.runner import make_server
+from gpt2kit.serve.options import ServeOptions
+
+if TYPE_CHECKING:
+    from gpt2kit.serve.app import create_app
+    from gpt2kit.serve.runner import make_server
 
 __all__ = ["ServeOptions", "create_app", "make_server", "serve"]
 
 
+def __getattr__(name: str) -> Any:
+    """create_app and make_server on first use: importing gpt2kit.serve.options (the CLI's flags)
+    imports neither FastAPI nor torch."""
+    if name == "create_app":
+        from gpt2kit.serve.app import create_app
+
+        return create_app
+    if name == "make_server":
+        from gpt2kit.serve.runner import make_server
+
+        return make_server
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
           device: str | None = None, opts: ServeOptions | None = None, log_level: str = "info",
-          sock: socket.socket | None = None, quantize: str | None = None) -> None:
+          sock: socket.socket | None = None, quantize: str | None = None, adapter: str | None = None) -> None:
     """Load checkpoint `model` (in the background: /health answers 503 until it is ready) and serve
     it until interrupted (SIGTERM/SIGINT: a drain of opts.shutdown_grace seconds, docs/serving.md).
     A model that fails to load stops the server and raises here. quantize: "int8" quantizes the
-    loaded weights (gpt2kit.quant, LM head included; docs/quantization.md)."""
+    loaded weights (gpt2kit.quant, LM head included; docs/quantization.md); adapter: a LoRA adapter
+    directory (peft's format) merged into the weights first."""
     from gpt2kit.checkpoint import load_model, load_tokenizer
+    from gpt2kit.serve.app import create_app
+    from gpt2kit.serve.runner import make_server
 
     if quantize is not None:
         from gpt2kit.quant import check_scheme
@@ -32,7 +53,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str |
         check_scheme(quantize)  # an unknown scheme fails before the server starts
 
     def loader():
-        m = load_model(model, dtype=dtype, device=device)
+        m = load_model(model, dtype=dtype, device=device, adapter=adapter)
         if quantize is not None:
             from gpt2kit.quant import quantize_model
 

@@ -10,7 +10,6 @@ import contextlib
 import hmac
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -21,6 +20,7 @@ import gpt2kit.serve.schemas as S
 from gpt2kit.serve.completions import complete, plan, stream
 from gpt2kit.serve.errors import APIError, error_body, install
 from gpt2kit.serve.gate import Gate
+from gpt2kit.serve.options import ServeOptions
 from gpt2kit.serve.server import Server
 
 if TYPE_CHECKING:
@@ -38,40 +38,6 @@ _STREAM_200 = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}},
                      "description": "the completion, or with stream: server-sent events"}}
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
               "/detokenize")
-
-
-@dataclass
-class ServeOptions:
-    served_model_name: str = "gpt2"
-    max_batch: int = 8
-    max_queue: int = 64
-    max_tokens_per_request: int | None = None
-    api_key: str | None = None
-    chat_template: str | None = None  # the template's text (Jinja2), or None: no chat endpoint
-    max_body_bytes: int = 1 << 20
-    pack_weights: bool | None = None
-    # Connection lifecycle (serve/gate.py, serve/runner.py; docs/serving.md): seconds.
-    shutdown_grace: float = 20.0  # after SIGTERM: in-flight requests may finish; then they are ended
-    read_timeout: float = 30.0  # for a request's headers, then again for its body
-    keep_alive_timeout: float = 5.0  # an idle connection after a response
-    allowed_hosts: tuple[str, ...] = ()  # Host names besides the loopback ones; "*": any
-    # Speculative decoding for every eligible (greedy) request (gpt2kit.engine.routing; docs/serving.md)
-    draft_model: str | None = None
-    draft_tokens: int = 4
-    prompt_lookup: int = 0
-
-    def __post_init__(self) -> None:
-        for name, least in (("shutdown_grace", 0.0), ("read_timeout", 1e-3), ("keep_alive_timeout", 1e-3)):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or not least <= value < float("inf"):
-                raise ValueError(f"ServeOptions.{name} must be a finite number of seconds >= {least:g}, "
-                                 f"got {value!r}")
-        self.allowed_hosts = tuple(self.allowed_hosts)
-        from gpt2kit.sampling import SamplingSettings
-
-        SamplingSettings(draft_tokens=self.draft_tokens, prompt_lookup=self.prompt_lookup)  # their bounds
-        if self.draft_model is not None and self.prompt_lookup:
-            raise ValueError("draft from a draft model or by prompt lookup, not both")
 
 
 # --- the app ----------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def plan(server: Server, body: S.CompletionRequest) -> Job:
     """Check a request against the model and the limits (400/404/429 name what is wrong), then
     submit its rows."""
     from gpt2kit.engine import RowKey
-    from gpt2kit.sampling import resolve_seed
+    from gpt2kit.sampler import resolve_seed
 
     server.check_model(body.model)
     cfg = server.model.config
@@ -104,7 +104,7 @@ def plan(server: Server, body: S.CompletionRequest) -> Job:
                             f"{longest + max_tokens} tokens ({longest} in your prompt; {max_tokens} for the "
                             f"completion). Please reduce your prompt or completion length.",
                        param="max_tokens", code="context_length_exceeded")
-    settings = _settings(body, max_tokens, cfg.n_vocab)
+    settings = _settings(body, max_tokens, cfg.n_vocab, server.tokenizer)
     rows = len(prompts) * best_of if max_tokens > 0 else 0
     limit = server.opts.max_batch + server.opts.max_queue
     if rows > limit:
@@ -137,7 +137,7 @@ def plan(server: Server, body: S.CompletionRequest) -> Job:
     return job
 
 
-def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int):
+def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int, tokenizer):
     """The request's SamplingSettings; a value they refuse is a 400."""
     from gpt2kit.sampling import EOT_ID, SamplingSettings
 
@@ -154,7 +154,8 @@ def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int):
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             logit_bias=bias, seed=None if body.seed is None else body.seed % 2**63,
-            stop_token_ids=(EOT_ID,) if EOT_ID < n_vocab else (), stop_strings=tuple(stops), strict=True)
+            stop_token_ids=(EOT_ID,) if EOT_ID < n_vocab else (), stop_strings=tuple(stops), strict=True,
+            **body.warper_settings(tokenizer, n_vocab, max_tokens))
     except ValueError as e:
         raise APIError(400, str(e)) from None
 

@@ -2,7 +2,9 @@
 app's OpenAPI document is generated from them, and schemathesis fuzzes the server against it).
 
 Extensions beyond OpenAI's spec are named in their descriptions: top_k, repetition_penalty,
-top_p_mode on completions; the `pieces` of /tokenize and /detokenize.
+top_p_mode on completions, and transformers' warpers and constraints under vLLM's names where vLLM
+has the field (min_p, min_tokens, bad_words), transformers' otherwise (typical_p, epsilon_cutoff,
+eta_cutoff, no_repeat_ngram_size, suppress_tokens); the `pieces` of /tokenize and /detokenize.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 Prompt = str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
 Stop = str | Annotated[list[str], Field(max_length=4)] | None
+MAX_BAD_WORDS, MAX_SUPPRESS = 256, 4096  # entries of bad_words and suppress_tokens in one request
 
 
 class StreamOptions(BaseModel):
@@ -56,6 +59,35 @@ class CompletionRequest(_SamplingRequest):
                                              description="extension: CTRL's penalty (1 = off)")
     top_p_mode: Literal["openai", "hf"] | None = Field(
         None, description="extension: openai keeps tokens with cumulative prob <= top_p; hf also the one crossing it")
+    min_p: float | None = Field(None, ge=0, le=1, description="extension (vLLM's): drop tokens less likely than "
+                                                             "min_p x the top token (0 = off)")
+    typical_p: float | None = Field(None, gt=0, le=1,
+                                    description="extension: locally typical sampling's mass (1 = off)")
+    epsilon_cutoff: float | None = Field(None, ge=0, lt=1, description="extension: epsilon sampling (0 = off)")
+    eta_cutoff: float | None = Field(None, ge=0, lt=1, description="extension: eta sampling (0 = off)")
+    no_repeat_ngram_size: int | None = Field(None, ge=0, description="extension: never repeat an n-gram of this "
+                                                                      "size, the prompt's included (0 = off)")
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_BAD_WORDS)] | None = Field(
+        None, description="extension (vLLM's): words never generated, each tokenized with and without a leading space")
+    min_tokens: int | None = Field(None, ge=0, description="extension (vLLM's): no stop before this many tokens")
+    suppress_tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_SUPPRESS)] | None = Field(
+        None, description="extension: token ids never generated")
+
+    def warper_settings(self, tokenizer, n_vocab: int, max_tokens: int) -> dict:
+        """The SamplingSettings fields of the warper and constraint extensions; ValueError (a 400)
+        naming the field and its limit."""
+        from gpt2kit.sampling import bad_words_ids
+
+        if self.min_tokens is not None and self.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={max_tokens}], got {self.min_tokens}")
+        bad = [t for t in self.suppress_tokens or () if t >= n_vocab]
+        if bad:
+            raise ValueError(f"suppress_tokens token id {bad[0]} is outside the vocabulary [0, {n_vocab})")
+        return dict(min_p=self.min_p or 0.0, typical_p=1.0 if self.typical_p is None else self.typical_p,
+                    epsilon_cutoff=self.epsilon_cutoff or 0.0, eta_cutoff=self.eta_cutoff or 0.0,
+                    no_repeat_ngram_size=self.no_repeat_ngram_size or 0, min_new_tokens=self.min_tokens or 0,
+                    bad_words=bad_words_ids(tokenizer, self.bad_words or ()),
+                    suppress_tokens=tuple(self.suppress_tokens or ()))
 
 
 class Logprobs(BaseModel):

@@ -22,7 +22,7 @@ from gpt2kit.serve.metrics import Metrics
 if TYPE_CHECKING:
     from gpt2kit.engine import EngineLoop, Row, RowEvent
     from gpt2kit.model import GPT2
-    from gpt2kit.serve.app import ServeOptions
+    from gpt2kit.serve.options import ServeOptions
     from gpt2kit.tokenizer import Tokenizer
 
 log = logging.getLogger("gpt2kit.serve")

@@ -1,0 +1,94 @@
+"""Python-level calls per decoded token: the interpreter's share of a decode step.
+
+    python benchmarks/bench_calls.py [--layers 12] [--batch 1] [--int8] [--tokens 16] [--top 15]
+
+Builds a random-weight model of GPT-2 124M's shape (12 layers, 768 wide; --small keeps the layer
+count but makes it 32 wide, which calls exactly the same functions), generates greedily through
+gpt2kit.generate_stream, and counts with cProfile every function call (Python functions and the
+C functions they call, as cProfile sees them) made by the decode steps after the first one: each
+of those samples a token and feeds it through decode_step. Prints the calls per token, then the
+functions called most. Call counts are deterministic (no timing), so this runs anywhere, loaded or
+not; tests/test_decode_bind.py asserts a bound on the same count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+
+import torch
+
+from gpt2kit.config import GPT2Config
+from gpt2kit.generate import generate_stream
+from gpt2kit.model import GPT2
+from gpt2kit.sampling import SamplingSettings
+
+
+def build(layers: int = 12, small: bool = False, int8: bool = False, seed: int = 0) -> GPT2:
+    """A random-weight GPT-2 of 124M's shape (or 32 wide with small), in eval mode."""
+    if small:
+        cfg = GPT2Config(n_vocab=1000, n_ctx=128, n_embd=32, n_head=4, n_layer=layers)
+    else:
+        cfg = GPT2Config.from_name("gpt2", n_layer=layers)
+    torch.manual_seed(seed)
+    model = GPT2(cfg).eval()
+    if int8:
+        from gpt2kit.quant import quantize_model
+
+        quantize_model(model)
+    return model
+
+
+def profile_decode(model: GPT2, batch: int = 1, tokens: int = 16, settings: SamplingSettings | None = None
+                   ) -> pstats.Stats:
+    """cProfile's stats of `tokens` decode steps (each samples a token and feeds it), after a first
+    step (prefill and any one-off set-up) that is not counted."""
+    settings = settings or SamplingSettings(max_new_tokens=tokens + 2, temperature=0, stop_token_ids=())
+    prompts = [[(7 * r + i) % model.config.n_vocab for i in range(8)] for r in range(batch)]
+    steps = generate_stream(model, prompts, settings)
+    next(steps)  # prefill, kernel choice, packing, measurements: once per generation
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(tokens):
+        next(steps)
+    prof.disable()
+    steps.close()
+    return pstats.Stats(prof)
+
+
+def sampled_settings(max_new_tokens: int) -> SamplingSettings:
+    """Sampling with the per-row settings a step reads: temperature, top-k, a logit bias."""
+    return SamplingSettings(max_new_tokens=max_new_tokens, temperature=0.9, top_k=40, logit_bias={0: -1.0},
+                            stop_token_ids=(), seed=0)
+
+
+def calls_per_token(model: GPT2, batch: int = 1, tokens: int = 16, settings: SamplingSettings | None = None) -> float:
+    return profile_decode(model, batch, tokens, settings).total_calls / tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--int8", action="store_true", help="quantize the model (gpt2kit.quant) first")
+    ap.add_argument("--small", action="store_true", help="32 wide instead of 768 (the same calls)")
+    ap.add_argument("--sample", action="store_true",
+                    help="sample (temperature 0.9, top-k 40, a logit bias, seed 0) instead of greedy")
+    ap.add_argument("--top", type=int, default=15, help="functions to list, by calls")
+    args = ap.parse_args()
+    model = build(args.layers, args.small, args.int8)
+    settings = sampled_settings(args.tokens + 2) if args.sample else None
+    stats = profile_decode(model, args.batch, args.tokens, settings)
+    kind = ("int8" if args.int8 else "float32") + (", sampled" if args.sample else ", greedy")
+    print(f"{args.layers} layers, batch {args.batch}, {kind}: {stats.total_calls / args.tokens:.1f} "
+          f"Python-level calls per decoded token")
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][1])[: args.top]
+    for (file, line, name), (_, ncalls, *_rest) in rows:
+        where = name if file == "~" else f"{file.rsplit('/', 1)[-1]}:{line}({name})"
+        print(f"{ncalls / args.tokens:8.1f}  {where}")
+
+
+if __name__ == "__main__":
+    main()

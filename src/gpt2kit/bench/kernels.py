@@ -1,0 +1,50 @@
+"""`gpt2kit bench --kernels`: which kernel each product bucket runs on this machine, and why.
+
+For every rows bucket of the int8 products (float32 activations) and the bfloat16 few-row products,
+the choice gpt2kit.decode makes at first use is made here and printed with where it came from
+(default: the CPU family's known-good kernel, kept where the measurement was disturbed or not clearly
+better; stored: measured earlier on this machine; measured: now; forced: GPT2KIT_INT8_KERNEL or
+--int8-kernel) and the medians behind it. `--remeasure` measures anew (and stores what a quiet
+measurement decides).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from gpt2kit.bench.machine import describe_cpu
+from gpt2kit.decode import int8, kernel_choice, kernels
+
+ROWS = {"1": 1, "few": 8, "many": 64, "prefill": 256, "long": 1024}
+
+
+def kernel_choices(remeasure: bool = False, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> list[dict]:
+    """One row per bucket: {"what", "bucket", "kernel", "source", "why", "medians_ms"}."""
+    rows = []
+    forced = os.environ.get(int8.ENV)
+    for dtype in dtypes:
+        for bucket, n in ROWS.items():
+            if forced:
+                c = kernel_choice.Choice(int8.choose(torch.device("cpu"), dtype, n), "forced", f"{int8.ENV} is set")
+            else:
+                c = int8.decide_for(torch.device("cpu"), dtype, n, fresh=remeasure)
+            rows.append({"what": f"int8, {str(dtype).removeprefix('torch.')} activations", "bucket": bucket,
+                         **c.as_json()})
+    w = torch.randn(3072, 768).to(torch.bfloat16)  # c_fc's size, row-major as bfloat16 models keep it
+    kernels.choose_half_kernels(w, remeasure=remeasure)
+    for name, c in kernels.half_decisions().items():
+        dtype, bucket = name.split("/")
+        rows.append({"what": f"{dtype} few-row products", "bucket": bucket, **c.as_json()})
+    return rows
+
+
+def format_kernels(rows: list[dict]) -> str:
+    lines = [f"machine: {describe_cpu()}; family {kernel_choice.family()}; {torch.get_num_threads()} threads; "
+             f"torch {torch.__version__}; stored in {kernel_choice.store_dir() / kernel_choice.STORE_NAME}", "",
+             "| products | rows bucket | kernel | from | why | medians, ms per product |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        med = ", ".join(f"{k} {v:.4g}" for k, v in sorted(r["medians_ms"].items(), key=lambda kv: kv[1]))
+        lines.append(f"| {r['what']} | {r['bucket']} | {r['kernel']} | {r['source']} | {r['why']} | {med or '-'} |")
+    return "\n".join(lines)

@@ -1,0 +1,206 @@
+"""LoRA adapters in peft's own format: adapter_config.json + adapter_model.safetensors.
+
+What peft's `PeftModel.save_pretrained` writes for a GPT2LMHeadModel and what
+`PeftModel.from_pretrained(GPT2LMHeadModel...)` reads unchanged:
+
+    adapter_model.safetensors   base_model.model.transformer.h.{i}.{attn.c_attn|attn.c_proj|mlp.c_fc|mlp.c_proj}
+                                .lora_A.weight (r, in) and .lora_B.weight (out, r)
+    adapter_config.json         peft_type "LORA", task_type "CAUSAL_LM", r, lora_alpha, lora_dropout,
+                                target_modules, fan_in_fan_out true (GPT-2's Conv1D holds (in, out)),
+                                bias "none", base_model_name_or_path, rank_pattern, alpha_pattern, ...
+
+lora_A / lora_B have the same shapes whatever fan_in_fan_out says (peft transposes only the merged
+delta for a Conv1D), so they map to gpt2kit's LoRALinear with no transpose. Reading accepts what
+peft writes for GPT-2 with LoRA on the block matrices: per-module ranks and alphas (rank_pattern,
+alpha_pattern), rsLoRA's alpha / sqrt(r); DoRA, LoRA biases, embedding adapters and
+modules_to_save are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gpt2kit._io import atomic_directory, atomic_write_path, atomic_write_text
+from gpt2kit.checkpoint.errors import CheckpointError
+from gpt2kit.lora import TARGETS
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model.transformer."
+_KEY = re.compile(r"^base_model\.model\.transformer\.(h\.\d+\.(?:attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj))"
+                  r"\.lora_(A|B)\.weight$")
+
+
+def is_adapter_dir(path: str | os.PathLike[str]) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A read adapter: per module (our name), its A (r, in), B (out, r) and scaling."""
+
+    path: Path
+    base: str | None  # base_model_name_or_path, as recorded
+    tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    scalings: dict[str, float]
+    dropout: float
+
+
+def _peft_key(module: str, part: str) -> str:
+    return f"{PEFT_PREFIX}{module}.lora_{part}.weight"
+
+
+def save_adapter(model: nn.Module, directory: str | os.PathLike[str], *, base: str | None = None,
+                 tokenizer=None) -> Path:
+    """Write the model's LoRA adapters as peft writes them (replacing the directory's adapter files
+    atomically; other files in it are kept)."""
+    from safetensors.torch import save_file
+
+    from gpt2kit.lora import lora_modules
+
+    modules = lora_modules(model)
+    if not modules:
+        raise ValueError("the model has no LoRA adapters to save (gpt2kit.lora.apply_lora adds them)")
+    first = next(iter(modules.values()))
+    ranks = {name: m.rank for name, m in modules.items()}
+    alphas = {name: m.scaling * m.rank for name, m in modules.items()}
+    r, alpha = first.rank, first.scaling * first.rank
+    dropout = first.lora_dropout.p if hasattr(first.lora_dropout, "p") else 0.0
+    targets = sorted({name.split(".", 2)[2] for name in modules}, key=TARGETS.index)
+    state = {_peft_key(name, part): getattr(m, f"lora_{part}").detach().contiguous().cpu()
+             for name, m in modules.items() for part in ("A", "B")}
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "revision": None,
+        "r": r, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": targets,
+        "fan_in_fan_out": True, "bias": "none", "inference_mode": True, "init_lora_weights": True,
+        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "use_rslora": False,
+        "use_dora": False, "lora_bias": False,
+        # peft keys these by module-name suffix; ours are the full names, which match only themselves
+        "rank_pattern": {f"transformer.{k}": v for k, v in ranks.items() if v != r},
+        "alpha_pattern": {f"transformer.{k}": v for k, v in alphas.items() if v != alpha},
+    }
+    d = Path(directory)
+    with atomic_directory(d) as stage:
+        atomic_write_path(stage / ADAPTER_WEIGHTS, lambda p: save_file(state, p, metadata={"format": "pt"}))
+        if tokenizer is not None:
+            tokenizer.save(stage)
+        atomic_write_text(stage / ADAPTER_CONFIG, json.dumps(config, indent=2) + "\n")
+    return d
+
+
+def _pattern_value(pattern: dict, module: str, default):
+    """peft's rank_pattern / alpha_pattern lookup: a key matches a module name ending with it."""
+    full = f"transformer.{module}"
+    for key, value in pattern.items():
+        if re.fullmatch(rf"(.*\.)?{key}", full):
+            return value
+    return default
+
+
+def read_adapter(directory: str | os.PathLike[str]) -> Adapter:
+    """Read and check a peft LoRA adapter directory (CPU tensors); CheckpointError names what is wrong."""
+    from safetensors.torch import load_file
+
+    d = Path(directory).expanduser()
+    cfg_file = d / ADAPTER_CONFIG
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{d}: no {ADAPTER_CONFIG}: not a LoRA adapter directory (peft's format)")
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{cfg_file}: cannot read it as JSON ({e})") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
+        raise CheckpointError(f"{cfg_file}: peft_type must be \"LORA\", got {cfg.get('peft_type')!r}"
+                              if isinstance(cfg, dict) else f"{cfg_file}: must hold a JSON object")
+    for key, ok in (("use_dora", False), ("bias", "none"), ("lora_bias", False)):
+        if cfg.get(key, ok) not in (ok, None):
+            raise CheckpointError(f"{cfg_file}: {key}={cfg[key]!r} is not supported (only {key}={ok!r})")
+    if cfg.get("modules_to_save"):
+        raise CheckpointError(f"{cfg_file}: modules_to_save {cfg['modules_to_save']!r} is not supported "
+                              "(only LoRA on the block matrices)")
+    weights = d / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"{d}: no {ADAPTER_WEIGHTS} (a .bin adapter is not read; peft writes safetensors)")
+    try:
+        raw = load_file(weights)
+    except Exception as e:  # safetensors raises several types for a bad file
+        raise CheckpointError(f"{weights}: cannot read safetensors file ({e}); is it truncated or corrupt?") from None
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in raw.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise CheckpointError(f"{weights}: unexpected tensor {key!r}; gpt2kit reads LoRA on "
+                                  f"{', '.join(TARGETS)} (keys {PEFT_PREFIX}h.N.<target>.lora_A/B.weight)")
+        if t.dim() != 2 or not t.dtype.is_floating_point:
+            raise CheckpointError(f"{weights}: {key} must be a 2-D floating tensor, got {tuple(t.shape)} {t.dtype}")
+        parts.setdefault(m.group(1), {})[m.group(2)] = t
+    if not parts:
+        raise CheckpointError(f"{weights}: holds no LoRA tensors")
+    tensors, scalings = {}, {}
+    alpha_default, rslora = cfg.get("lora_alpha", 8), bool(cfg.get("use_rslora", False))
+    for module, ab in parts.items():
+        for part in ("A", "B"):
+            if part not in ab:
+                raise CheckpointError(f"{weights}: {_peft_key(module, part)} is missing")
+        a, b = ab["A"], ab["B"]
+        if b.shape[1] != a.shape[0]:
+            raise CheckpointError(f"{weights}: {_peft_key(module, 'B')} is {tuple(b.shape)}, but lora_A has rank "
+                                  f"{a.shape[0]}")
+        r = a.shape[0]
+        alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, alpha_default)
+        tensors[module] = (a, b)
+        scalings[module] = alpha / math.sqrt(r) if rslora else alpha / r
+    return Adapter(d, cfg.get("base_model_name_or_path"), tensors, scalings, float(cfg.get("lora_dropout") or 0.0))
+
+
+def apply_adapter(model: nn.Module, directory: str | os.PathLike[str], *, merge: bool = True) -> nn.Module:
+    """Add a peft LoRA adapter to a float GPT2, in place: merged into the weights (merge=True: a plain
+    model every fast path runs), or as LoRALinear modules (merge=False). A tensor whose shape does
+    not fit the model raises CheckpointError naming it."""
+    import torch
+
+    from gpt2kit.lora import apply_lora, lora_modules
+
+    ad = read_adapter(directory)
+    n_layer = len(model.h)
+    for module, (a, b) in ad.tensors.items():
+        layer = int(module.split(".")[1])
+        if layer >= n_layer:
+            raise CheckpointError(f"{ad.path / ADAPTER_WEIGHTS}: {_peft_key(module, 'A')} is for block {layer}, "
+                                  f"but the model has {n_layer} blocks: the adapter was made for another base")
+        out_f, in_f = model.get_submodule(module).weight.shape
+        for part, t, want in (("A", a, (a.shape[0], in_f)), ("B", b, (out_f, a.shape[0]))):
+            if tuple(t.shape) != want or a.shape[0] > min(out_f, in_f):
+                raise CheckpointError(f"{ad.path / ADAPTER_WEIGHTS}: {_peft_key(module, part)} has shape "
+                                      f"{tuple(t.shape)}, the model's {module} ({out_f} x {in_f}) needs {want}: "
+                                      f"the adapter was made for another base")
+    if merge:  # W + scaling * B A in float32 from the stored tensors, then the model's dtype
+        with torch.no_grad():
+            for module, (a, b) in ad.tensors.items():
+                w = model.get_submodule(module).weight
+                delta = ad.scalings[module] * (b.float() @ a.float())
+                w.copy_((w.float() + delta.to(w.device)).to(w.dtype))
+        return model
+    targets = sorted({m.split(".", 2)[2] for m in ad.tensors}, key=TARGETS.index)
+    missing = [f"h.{i}.{t}" for i in range(n_layer) for t in targets if f"h.{i}.{t}" not in ad.tensors]
+    ranks = {m: a.shape[0] for m, (a, _) in ad.tensors.items()}
+    apply_lora(model, 1, targets=targets, ranks=ranks | dict.fromkeys(missing, 1), scalings=ad.scalings,
+               dropout=ad.dropout)
+    with torch.no_grad():
+        for name, m in lora_modules(model).items():
+            if name in ad.tensors:
+                a, b = ad.tensors[name]
+                m.lora_A.copy_(a)
+                m.lora_B.copy_(b)
+            # else: a block the adapter leaves alone (layers_to_transform); its lora_B is zero
+    return model.eval()

@@ -1,0 +1,233 @@
+"""gpt2kit generate and gpt2kit score. generate's sampling flags are SamplingSettings' fields (their
+metadata holds the help, gpt2kit.sampling), so a new setting gets its flag there; the fields whose
+command-line form differs (token-id lists, stop strings, the stop token) are the few flags below."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from gpt2kit.cli.common import (
+    CLIError,
+    DefaultsShown,
+    add_field_flags,
+    field_values,
+    read_text,
+)
+from gpt2kit.cli.decoding import SKIPPED as _DECODING_SKIPPED
+from gpt2kit.cli.decoding import add_arguments as add_decoding_arguments
+from gpt2kit.cli.decoding import load_draft, print_beams, report_acceptance, with_early_stopping
+from gpt2kit.cli.load import add_model_args, add_quantize_arg, check_load_args, load_for
+from gpt2kit.sampling import SamplingSettings
+
+
+def _sampling_settings(args: argparse.Namespace) -> SamplingSettings:
+    from gpt2kit.config import EOT_ID
+
+    values = field_values(args, args.sampling_fields)
+    if args.greedy:
+        values["temperature"] = 0.0
+    return SamplingSettings(
+        **values, stop_token_ids=() if args.ignore_eot else (EOT_ID,), stop_strings=tuple(args.stop or ()),
+        bad_words=tuple(_token_ids("--bad-words-ids", s) for s in args.bad_words_ids or ()),
+        suppress_tokens=_token_ids("--suppress-tokens", args.suppress_tokens) if args.suppress_tokens else ())
+
+
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    from gpt2kit.score import score_text
+
+    text = read_text(args.file)
+    check_load_args(args)  # before the model loads
+    model, tok = load_for(args)
+    args.status.show(f"scoring {len(text):,} characters")
+    result = score_text(model, tok, text, stride=args.stride)
+    args.status.hide()
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(f"tokens: {len(result.tokens)}  nll: {result.nll:.4f} nats/token  "
+              f"perplexity: {result.ppl:.3f}  bits/byte: {result.bits_per_byte:.4f}")
+    return 0
+
+
+def register_score(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("score", help="how likely a text is under a model (log-probs, NLL, perplexity)")
+    p.add_argument("file", nargs="?", help="text file (default: stdin)")
+    add_model_args(p)
+    p.add_argument("--stride", type=int, default=None, help="sliding-window stride for long texts (default n_ctx/2)")
+    p.add_argument("--json", action="store_true", help='print {"tokens", "logprobs", "nll", "ppl"}')
+    add_quantize_arg(p)
+    p.set_defaults(func=cmd_score)
+
+
+def _token_ids(flag: str, text: str) -> tuple[int, ...]:
+    """Comma-separated token ids ("262,3290") as a tuple."""
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise CLIError(f"{flag} takes comma-separated token ids such as 262,3290, got {text!r}") from None
+
+
+def _with_bad_words(settings, tok, args: argparse.Namespace):
+    """settings with --bad-words text added as token sequences (gpt2kit.sampling.bad_words_ids)."""
+    if not args.bad_words:
+        return settings
+    from gpt2kit.sampling import bad_words_ids
+
+    return dataclasses.replace(settings, bad_words=settings.bad_words + bad_words_ids(tok, args.bad_words))
+
+
+def _read_prompts(path: str) -> list[str]:
+    """One prompt per non-blank line, or JSONL objects with a "prompt" field (.jsonl or a leading '{')."""
+    lines = [(n, line) for n, line in enumerate(read_text(path).splitlines(), start=1) if line.strip()]
+    if not lines:
+        raise CLIError(f"{path}: no prompts (the file is empty)")
+    if not (path.endswith(".jsonl") or lines[0][1].lstrip().startswith("{")):
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CLIError(f"{path}: line {n}: not JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise CLIError(f'{path}: line {n}: expected a JSON object with a string "prompt" field')
+        prompts.append(obj["prompt"])
+    return prompts
+
+
+def _quoted(prompt: str, limit: int = 60) -> str:
+    """A prompt for a header line: JSON-quoted (newlines visible), cut to `limit` characters."""
+    return json.dumps(prompt if len(prompt) <= limit else prompt[: limit - 1] + "…", ensure_ascii=False)
+
+
+def _generate_and_print(model, tok, texts: list[str], settings, args: argparse.Namespace) -> None:
+    """Run one generation and print its samples in order; the first unfinished one streams live.
+
+    Headers (several samples, or --prompts-file) and --json lines name the prompt each sample
+    belongs to; with stdout redirected and stderr a terminal, a bar counts the tokens."""
+    from gpt2kit.generate import encode_prompts, generate_stream
+    from gpt2kit.progress import is_terminal
+
+    if settings.num_beams > 1 or settings.contrastive:
+        return print_beams(model, tok, texts, settings, args)
+    ids = encode_prompts(tok, texts)
+    n_rows = len(ids) * settings.num_samples
+    tokens: list[list[int]] = [[] for _ in range(n_rows)]
+    text = [""] * n_rows
+    done: dict[int, str] = {}
+    head = 0  # the next sample to print; its text goes out as it arrives
+    many_prompts = len(ids) > 1 or args.prompts_file is not None
+
+    def header(k: int) -> None:
+        if (n_rows > 1 or many_prompts) and not args.json:
+            i, j = divmod(k, settings.num_samples)
+            label = f"PROMPT {i + 1} SAMPLE {j + 1}: {_quoted(texts[i])}" if many_prompts else f"SAMPLE {k + 1}"
+            print(f"{'=' * 40} {label} {'=' * 40}")
+
+    def finish(k: int) -> None:
+        if args.json:
+            i, j = divmod(k, settings.num_samples)
+            print(json.dumps({"prompt_index": i, "sample_index": j, "prompt": texts[i], "prompt_tokens": ids[i],
+                              "tokens": tokens[k], "text": text[k], "finish_reason": done[k]}), flush=True)
+        else:
+            print(flush=True)
+
+    args.status.hide()  # the samples (or the token bar) take the terminal from here
+    bar = None if is_terminal(sys.stdout) else args.status.bar(n_rows * settings.max_new_tokens, unit="token",
+                                                                  desc="generating")
+    try:
+        header(0)
+        drafted = accepted = 0
+        for step in generate_stream(model, ids, settings, tokenizer=tok, batch_size=args.batch_size,
+                                    draft_model=args.draft):
+            for d, a in step.drafts.values():
+                drafted, accepted = drafted + d, accepted + a
+            for k, t in step.tokens.items():
+                tokens[k].append(t)
+            if bar is not None:
+                bar.update(len(step.tokens))
+            for k, piece in step.text.items():
+                text[k] += piece
+                if k == head and piece and not args.json:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            done.update(step.finished)
+            while head in done:
+                finish(head)
+                head += 1
+                if head < n_rows:
+                    header(head)
+                    if not args.json and text[head]:
+                        sys.stdout.write(text[head])  # buffered while an earlier sample was printing
+                        sys.stdout.flush()
+        report_acceptance(args, drafted, accepted)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    settings = with_early_stopping(args, _sampling_settings(args))  # bad values fail before the model loads
+    if args.prompt is not None and args.prompts_file is not None:
+        raise CLIError("give a PROMPT or --prompts-file, not both")
+    if args.interactive and (args.prompt is not None or args.prompts_file is not None):
+        raise CLIError("--interactive reads its prompts from stdin; drop PROMPT / --prompts-file")
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_load_args(args)  # before the model loads
+    if any(not w.strip() for w in args.bad_words or ()):
+        raise CLIError("--bad-words must be non-empty text")
+    texts = _read_prompts(args.prompts_file) if args.prompts_file is not None else [args.prompt or ""]
+    model, tok = load_for(args)
+    settings = _with_bad_words(settings, tok, args)
+    args.draft = load_draft(args, model, tok)
+    if not args.interactive:  # no prompt: unconditional samples from <|endoftext|>
+        _generate_and_print(model, tok, texts, settings, args)
+        return 0
+    while True:  # as openai/gpt-2's interactive_conditional_samples.py, until EOF or Ctrl-C at the prompt
+        if sys.stdin.isatty():
+            print("Model prompt >>> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        if not line.strip():
+            continue
+        try:
+            _generate_and_print(model, tok, [line.rstrip("\r\n")], settings, args)
+        except KeyboardInterrupt:  # Ctrl-C stops this sample only
+            print(flush=True)
+            print("(sample stopped; Ctrl-C at the prompt or end of input quits)", file=sys.stderr, flush=True)
+
+
+def register_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="sample text from a model (KV-cached, batched, streamed)",
+                       formatter_class=DefaultsShown)
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="prompt text (default: unconditional samples starting from <|endoftext|>)")
+    add_model_args(p)
+    fields = add_field_flags(p, SamplingSettings, skip=_DECODING_SKIPPED)
+    add_decoding_arguments(p)
+    p.add_argument("--bad-words", action="append", metavar="TEXT",
+                   help="text never generated, tokenized with and without a leading space (repeatable)")
+    p.add_argument("--bad-words-ids", action="append", metavar="IDS",
+                   help="a token-id sequence never generated, e.g. 262,3290 (repeatable)")
+    p.add_argument("--suppress-tokens", default=None, metavar="IDS",
+                   help="token ids never generated, e.g. 13,198 (default: none)")
+    p.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    p.add_argument("--ignore-eot", action="store_true", help="do not stop at <|endoftext|>")
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows generated together (default 8)")
+    p.add_argument("--prompts-file", default=None, metavar="FILE",
+                   help='one prompt per line, or JSONL with a "prompt" field')
+    p.add_argument("--json", action="store_true",
+                   help='one line per sample: {"prompt_index", "sample_index", "prompt", "prompt_tokens", '
+                        '"tokens", "text", "finish_reason"} (indexes from 0)')
+    p.add_argument("--interactive", "-i", action="store_true",
+                   help="read prompts from stdin until EOF; Ctrl-C stops a sample, Ctrl-C at the prompt quits")
+    add_quantize_arg(p)
+    p.set_defaults(func=cmd_generate, sampling_fields=fields)

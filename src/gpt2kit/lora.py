@@ -1,0 +1,156 @@
+"""LoRA: low-rank adapters on GPT-2's block matrices, as a module swap.
+
+    apply_lora(model, rank=8, alpha=16, targets="c_attn,attn.c_proj,c_fc,mlp.c_proj")
+    ... train: only the lora_A / lora_B parameters require gradients ...
+    merge_lora(model)  # back to plain nn.Linear with W + (alpha / r) B A
+
+Each targeted nn.Linear (out, in) becomes a LoRALinear holding the same frozen `weight` and `bias`
+(the same names, so the base's state-dict keys do not move) plus lora_A (r, in) and lora_B (out, r):
+
+    y = x W^T + b + (alpha / r) * dropout(x) A^T B^T
+
+which is peft's LoRA (lora_A initialised as peft's kaiming-uniform, lora_B zero, so a fresh
+adapter changes nothing). model.py stays the spec: the swapped module is called as a module, so
+hooks fire. Every other parameter of the model is frozen. The adapter's on-disk form is peft's
+(checkpoint/adapter.py). An int8 base (QuantLinear) is not supported: LoRA needs the float model.
+
+Legend: r rank, in/out the matrix's features.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Our module names inside a block, the matrices LoRA can adapt.
+TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+# Short names as peft writes them: a target matches a module whose name ends with it ("c_proj": both).
+_SHORT = {"c_attn": ("attn.c_attn",), "c_fc": ("mlp.c_fc",), "c_proj": ("attn.c_proj", "mlp.c_proj")}
+
+
+def parse_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
+    """"c_attn,attn.c_proj" (or a list) -> our full names in block order; an unknown name raises,
+    listing the valid ones."""
+    names = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
+    if not names:
+        raise ValueError(f"LoRA targets must name at least one of {', '.join(TARGETS)}, got {targets!r}")
+    chosen: set[str] = set()
+    for name in names:
+        full = _SHORT.get(name, (name,) if name in TARGETS else None)
+        if full is None:
+            raise ValueError(f"unknown LoRA target {name!r}; valid targets: {', '.join(TARGETS)} "
+                             f"(or c_attn, c_fc, c_proj)")
+        chosen.update(full)
+    return tuple(t for t in TARGETS if t in chosen)
+
+
+class LoRALinear(nn.Module):
+    """nn.Linear's frozen weight (out, in) and bias, plus a trained low-rank update (alpha/r) B A."""
+
+    def __init__(self, linear: nn.Linear, rank: int, scaling: float, dropout: float = 0.0) -> None:
+        super().__init__()
+        out_f, in_f = linear.weight.shape
+        self.in_features, self.out_features, self.rank, self.scaling = in_f, out_f, rank, scaling
+        self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
+        self.bias = nn.Parameter(linear.bias.detach(), requires_grad=False) if linear.bias is not None else None
+        kw = {"device": linear.weight.device, "dtype": linear.weight.dtype}
+        self.lora_A = nn.Parameter(torch.empty(rank, in_f, **kw))
+        self.lora_B = nn.Parameter(torch.zeros(out_f, rank, **kw))
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    @torch.no_grad()
+    def reset_lora(self, generator: torch.Generator | None = None) -> None:
+        """peft's init: A kaiming-uniform with a=sqrt(5) (nn.Linear's), B zero."""
+        bound = 1 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)): sqrt(2 / 6) * sqrt(3 / in)
+        self.lora_A.uniform_(-bound, bound, generator=generator)
+        self.lora_B.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # (..., out)
+        z = F.linear(self.lora_dropout(x), self.lora_A)  # (..., r)
+        return y + F.linear(z, self.lora_B) * self.scaling  # (..., out)
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """W + scaling * B A, (out, in), computed in float32 and returned in the weight's dtype."""
+        delta = self.lora_B.float() @ self.lora_A.float()
+        return (self.weight.float() + self.scaling * delta).to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, r={self.rank}, " \
+               f"scaling={self.scaling:g}"
+
+
+def check_rank(name: str, rank: object, linear: nn.Module) -> int:
+    out_f, in_f = linear.weight.shape
+    limit = min(out_f, in_f)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= limit:
+        raise ValueError(f"LoRA rank must be an integer in [1, {limit}] for {name} ({out_f} x {in_f}), got {rank!r}")
+    return rank
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, *, dropout: float = 0.0,
+               targets: str | Iterable[str] = TARGETS, ranks: dict[str, int] | None = None,
+               scalings: dict[str, float] | None = None, generator: torch.Generator | None = None) -> nn.Module:
+    """Swap the targeted block matrices of a float GPT2 for LoRALinear, in place, and freeze every
+    other parameter. alpha defaults to rank (scaling 1). `ranks` / `scalings` give some modules
+    (our names, "h.3.mlp.c_fc") their own rank or scaling (peft's rank_pattern / alpha_pattern)."""
+    from gpt2kit.quant import is_quantized
+
+    if is_quantized(model):
+        raise ValueError("LoRA on an int8-quantized model is not supported: adapt the float model (and "
+                         "quantize after merging)")
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ValueError("the model already has LoRA adapters; merge them (merge_lora) before adding new ones")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
+    wanted = parse_targets(targets)
+    swaps = []
+    for i, block in enumerate(model.h):
+        for target in wanted:
+            name = f"h.{i}.{target}"
+            parent, attr = block.get_submodule(target.split(".")[0]), target.split(".")[1]
+            linear = getattr(parent, attr)
+            r = check_rank(name, (ranks or {}).get(name, rank), linear)
+            a = r if alpha is None else alpha
+            if isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0:
+                raise ValueError(f"LoRA alpha must be a number > 0, got {a!r}")
+            swaps.append((parent, attr, linear, r, (scalings or {}).get(name, a / r)))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for parent, attr, linear, r, scaling in swaps:
+        module = LoRALinear(linear, r, scaling, dropout)
+        module.reset_lora(generator)
+        setattr(parent, attr, module)
+    return model
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """{our module name ("h.0.attn.c_attn"): its LoRALinear}, in model order."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Only the adapter: {"h.0.attn.c_attn.lora_A": (r, in), ... ".lora_B": (out, r)}."""
+    return {f"{name}.{part}": getattr(m, part).detach() for name, m in lora_modules(model).items()
+            for part in ("lora_A", "lora_B")}
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Swap every LoRALinear back for an nn.Linear holding W + scaling * B A, in place: a plain
+    model again, every parameter trainable as load_model gives it."""
+    for name, m in lora_modules(model).items():
+        parent_name, attr = name.rsplit(".", 1)
+        linear = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+        linear.weight = nn.Parameter(m.merged_weight())
+        if m.bias is not None:
+            linear.bias = m.bias
+        setattr(model.get_submodule(parent_name), attr, linear)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model

@@ -1,0 +1,73 @@
+"""ServeOptions: what a server is asked to do, validated here, and the one description of each
+setting. Each field's metadata holds its help (and optionally a metavar, or a flag of another name
+that stores const); `gpt2kit serve`'s flags are built from these fields. No torch and no FastAPI
+here, so `gpt2kit serve --help` answers without importing either.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpt2kit.validate import check_int
+
+
+def _setting(default: Any, help: str, **cli: Any) -> Any:
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass
+class ServeOptions:
+    served_model_name: str = _setting("gpt2", "the model name clients send (default: --model)")
+    max_batch: int = _setting(8, "rows decoded together at most (default 8)")
+    max_queue: int = _setting(64, "rows waiting at most; beyond: 429 (default 64)")
+    max_tokens_per_request: int | None = _setting(None, "cap on max_tokens (default: n_ctx)")
+    api_key: str | None = _setting(
+        None, "require 'Authorization: Bearer KEY' (all but /health); visible in the process list: prefer "
+              "--api-key-file or $GPT2KIT_API_KEY", metavar="KEY")
+    # the template's text (Jinja2), or None: no chat endpoint
+    chat_template: str | None = _setting(None, "a Jinja2 template over `messages`: enables /v1/chat/completions")
+    max_body_bytes: int = _setting(1 << 20, "a request body's size at most, else 413 (default 1 MiB)",
+                                   metavar="BYTES")
+    pack_weights: bool | None = _setting(None, "CPU: no prepacked second copy of the weights",
+                                         flag="--no-pack-weights", const=False)
+    # Connection lifecycle (serve/gate.py, serve/runner.py; docs/serving.md): seconds.
+    # after SIGTERM: in-flight requests may finish; then they are ended
+    shutdown_grace: float = _setting(20.0, "on SIGTERM/SIGINT: refuse new requests (503) and let in-flight ones "
+                                           "finish for up to SECONDS, then end them with an error (default 20)",
+                                     metavar="SECONDS")
+    # for a request's headers, then again for its body
+    read_timeout: float = _setting(30.0, "a request's headers, then its body, must arrive within SECONDS, else 408 "
+                                         "(default 30)", metavar="SECONDS")
+    # an idle connection after a response
+    keep_alive_timeout: float = _setting(5.0, "close a connection idle this long after a response (default 5)",
+                                         metavar="SECONDS")
+    # Host names besides the loopback ones; "*": any
+    allowed_hosts: tuple[str, ...] = _setting(
+        (), "comma list of Host names (name or name:port) accepted besides localhost, 127.0.0.1 and [::1]; "
+            "checked on loopback addresses always, elsewhere only if given; '*': any", metavar="NAMES")
+    # Speculative decoding for every eligible (greedy) request (gpt2kit.engine.routing; docs/serving.md)
+    draft_model: str | None = _setting(None, "a smaller GPT-2 with the same tokenizer drafts for every greedy request",
+                                       metavar="M")
+    draft_tokens: int = _setting(4, "tokens --draft-model proposes per step (1 .. 64)", metavar="K")
+    prompt_lookup: int = _setting(0, "every greedy request drafts up to N tokens per step from n-gram matches in its "
+                                     "context (0 = off; at most 64)", metavar="N")
+
+    def __post_init__(self) -> None:
+        check_int("ServeOptions.max_batch", self.max_batch, ">= 1", lambda v: v >= 1)
+        check_int("ServeOptions.max_queue", self.max_queue, ">= 0", lambda v: v >= 0)
+        if self.max_tokens_per_request is not None:
+            check_int("ServeOptions.max_tokens_per_request", self.max_tokens_per_request, ">= 1 (or None: n_ctx)",
+                      lambda v: v >= 1)
+        check_int("ServeOptions.max_body_bytes", self.max_body_bytes, ">= 1", lambda v: v >= 1)
+        for name, least in (("shutdown_grace", 0.0), ("read_timeout", 1e-3), ("keep_alive_timeout", 1e-3)):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not least <= value < math.inf:
+                raise ValueError(f"ServeOptions.{name} must be a finite number of seconds >= {least:g}, "
+                                 f"got {value!r}")
+        self.allowed_hosts = tuple(self.allowed_hosts)
+        check_int("ServeOptions.draft_tokens", self.draft_tokens, "in [1, 64]", lambda v: 1 <= v <= 64)
+        check_int("ServeOptions.prompt_lookup", self.prompt_lookup, "in [0, 64] (0 = off)", lambda v: 0 <= v <= 64)
+        if self.draft_model is not None and self.prompt_lookup:
+            raise ValueError("ServeOptions: draft from a draft model or by prompt lookup, not both")
