@@ -55,8 +55,9 @@ def test_prompt_lookup_greedy_is_plain_greedy_for_200_tokens(target, model_kind)
         assert min(c.acceptance_rate for c in looked) > 0.5
 
 
-def test_prompt_lookup_greedy_with_penalties_and_stop_tokens_is_plain(target):
-    kw = dict(max_new_tokens=120, temperature=0, repetition_penalty=1.3, stop_token_ids=(11, 13))
+@pytest.mark.parametrize("extra", [dict(repetition_penalty=1.3), dict(no_repeat_ngram_size=2, min_new_tokens=5)])
+def test_prompt_lookup_greedy_with_penalties_constraints_and_stop_tokens_is_plain(target, extra):
+    kw = dict(max_new_tokens=120, temperature=0, stop_token_ids=(11, 13), **extra)  # they count the drafts
     plain = generate(target, PROMPTS, SamplingSettings(**kw))
     looked = generate(target, PROMPTS, SamplingSettings(prompt_lookup=4, **kw))
     assert [(c.tokens, c.finish_reason) for c in looked] == [(c.tokens, c.finish_reason) for c in plain]
@@ -177,3 +178,16 @@ def test_draft_model_bad_input_is_one_clear_error(target):
         generate(target, [[1] * 60], _greedy(200, prompt_lookup=4))
     with pytest.raises(ValueError, match="the draft model is on"):
         generate(target, PROMPTS, _greedy(5), draft_model=varied_model(CTX).to(torch.bfloat16))
+
+
+def test_a_forked_sampler_observes_alone():
+    from gpt2kit.sampler import RowSampler
+
+    s = SamplingSettings(temperature=0, repetition_penalty=2.0, no_repeat_ngram_size=2)
+    row = RowSampler(s, [1, 2, 3], 10, None)
+    logits = torch.arange(10, dtype=torch.float32)[None]
+    before = row.warped(logits)
+    fork = row.fork()
+    for t in (9, 1):
+        fork.observe(t)
+    assert torch.equal(row.warped(logits), before) and not torch.equal(fork.warped(logits), before)
