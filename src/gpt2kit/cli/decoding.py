@@ -18,7 +18,7 @@ SKIPPED = ("early_stopping",)  # SamplingSettings fields whose flag is here
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, metavar="M",
                    help="speculative decoding: a smaller GPT-2 with the same tokenizer drafts for --model")
-    p.add_argument("--early-stopping", choices=tuple(_EARLY_STOPPING), default="false",
+    p.add_argument("--early-stopping", type=_early_stopping, default=False, metavar="{true,false,never}",
                    help="beam search: true: stop once num_beams beams finished; false: once none can improve; never")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="speculative decoding: report the draft acceptance rate on stderr at the end")
@@ -26,7 +26,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def with_early_stopping(args: argparse.Namespace, base):
     """base (the field flags' SamplingSettings) with --early-stopping."""
-    return dataclasses.replace(base, early_stopping=_EARLY_STOPPING[args.early_stopping])
+    return dataclasses.replace(base, early_stopping=args.early_stopping)
+
+
+def _early_stopping(text: str) -> bool | str:
+    if text.lower() not in _EARLY_STOPPING:
+        raise argparse.ArgumentTypeError(f"expected true, false or never, got {text!r}")
+    return _EARLY_STOPPING[text.lower()]
 
 
 def load_draft(args: argparse.Namespace, model, tok):
