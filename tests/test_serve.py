@@ -149,6 +149,47 @@ def test_echo_top_logprobs_come_from_one_forward_per_prompt(gpt2_init_dir, tok):
         torch.testing.assert_close(torch.tensor(got.token_logprobs[1:]), want, rtol=0, atol=1e-5)
 
 
+def test_echo_scoring_computes_a_shared_context_once(gpt2_init_dir):
+    """lm-eval's multiple-choice requests (one context, each ending its own request, max_tokens 0,
+    echo, logprobs): with the prefix cache the context runs through the model once (a forward hook
+    counts the tokens), the log-probs and top alternatives equal a server without it (1e-5), and
+    /metrics counts the tokens reused."""
+    import re
+
+    context = torch.randint(0, SMALL.n_vocab, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    endings = [[101, 7, 99], [202, 5, 17, 3, 8], [303], [404, 1, 2, 6]]
+    results, runs = {}, []
+
+    def loader():
+        m = load_model(gpt2_init_dir)
+        m.register_forward_hook(lambda mod, a, kw, o: runs.append(a[0].shape[1]), with_kwargs=True)
+        return m, load_tokenizer(gpt2_init_dir)
+
+    for tokens in (2048, 0):
+        runs.clear()
+        with live_server(loader, ServeOptions(served_model_name=NAME, prefix_cache_tokens=tokens)) as (url, _):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            results[tokens] = [client.completions.create(model=NAME, prompt=context + e, max_tokens=0, echo=True,
+                                                         logprobs=2).choices[0].logprobs for e in endings]
+            hits = float(re.search(r"^gpt2kit_prefix_cache_hit_tokens_total (\S+)$",
+                                   httpx.get(url + "/metrics").text, re.M).group(1))
+        if tokens:
+            # The first prompt runs whole; each later one from the context's last token (the earlier
+            # prompt went on past it, so the distribution there is computed again) to its end.
+            assert runs == [40 + 3] + [1 + len(e) for e in endings[1:]]
+            assert hits == 3 * 39
+        else:
+            assert runs == [40 + len(e) for e in endings] and hits == 0
+    for got, want in zip(results[2048], results[0], strict=True):
+        assert got.tokens == want.tokens and got.text_offset == want.text_offset
+        assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+        torch.testing.assert_close(torch.tensor(got.token_logprobs[1:]), torch.tensor(want.token_logprobs[1:]),
+                                   rtol=0, atol=1e-5)
+        assert [list(d) for d in got.top_logprobs[1:]] == [list(d) for d in want.top_logprobs[1:]]
+        torch.testing.assert_close(torch.tensor([list(d.values()) for d in got.top_logprobs[1:]]),
+                                   torch.tensor([list(d.values()) for d in want.top_logprobs[1:]]), rtol=0, atol=1e-5)
+
+
 def _check_echo(client, model, tok):
     text = "The quick brown fox jumps over the lazy dog."
     ids = [tok.eot_token] + tok.encode(text)

@@ -69,6 +69,26 @@ def test_a_cancelled_row_leaves_at_the_next_step():
     assert b.tokens == _alone(model, PROMPTS[1], s)
 
 
+def test_a_steps_tokens_are_returned_before_the_next_forward():
+    """Engine.step returns a step's events as soon as its tokens are sampled: a row's k-th token
+    comes after k forwards (its prefill, then one per earlier token), not k + 1, so a client gets
+    each token one forward sooner (issue 21); the tokens are those it gets alone. A hook on wte
+    counts the forwards (a hooked model decodes through its own forward)."""
+    model = varied_model(SMALL, seed=0)
+    forwards = []
+    model.wte.register_forward_hook(lambda *a: forwards.append(1))
+    s = SamplingSettings(temperature=0, max_new_tokens=5, stop_token_ids=())
+    engine = Engine(model)
+    row = engine.new_row(PROMPTS[0], s)
+    engine.submit([row])
+    seen = []
+    while engine.has_work:
+        seen.extend((len(forwards), len(e.row.tokens)) for e in engine.step())
+    assert seen == [(k, k) for k in range(1, 6)]  # the last token costs no forward after it either
+    forwards.clear()
+    assert row.tokens == _alone(model, PROMPTS[0], s)
+
+
 def test_reported_logprobs_are_the_models():
     model = random_model(SMALL, seed=2)  # GPT-2's init: log-probs of order 1-10
     engine = Engine(model)

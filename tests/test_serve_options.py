@@ -15,6 +15,7 @@ from gpt2kit.serve.options import ServeOptions
     ("max_queue", -1, "max_queue must be an integer >= 0, got -1"),
     ("max_tokens_per_request", 0, "max_tokens_per_request must be an integer >= 1"),
     ("max_body_bytes", 0, "max_body_bytes must be an integer >= 1, got 0"),
+    ("prefix_cache_tokens", -1, "prefix_cache_tokens must be an integer >= 0"),
     ("read_timeout", 0.0, "read_timeout must be a finite number of seconds >= 0.001"),
 ])
 def test_bad_values_raise_naming_the_value_and_the_limit(field, value, needle):

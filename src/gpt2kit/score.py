@@ -4,6 +4,11 @@
 Texts longer than the context are scored with a sliding window as in transformers' documented
 strided perplexity: windows of n_ctx tokens start every `stride` tokens, and each window scores only
 the tokens that no earlier window scored, with up to n_ctx - stride tokens of context before them.
+
+score_tokens_top can take a PrefixCache (gpt2kit.prefix_cache): a sequence that fits in n_ctx
+then reuses the keys, values and log-probs of the longest prefix it shares with a sequence scored
+before, runs only the rest through the model, and is kept for the next ones. A longer sequence
+(the sliding window) bypasses the cache: its windows' contexts differ from any prefix's.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from gpt2kit.config import EOT_ID
+from gpt2kit.prefix_cache import PrefixCache, Scored
 
 
 @dataclass(frozen=True)
@@ -44,17 +50,19 @@ def score_tokens(model, tokens: list[int], *, eot_token: int = EOT_ID, stride: i
     return _score(model, tokens, eot_token, stride, 0)[0]
 
 
-def score_tokens_top(model, tokens: list[int], top: int, *, eot_token: int = EOT_ID, stride: int | None = None
-                     ) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
+def score_tokens_top(model, tokens: list[int], top: int, *, eot_token: int = EOT_ID, stride: int | None = None,
+                     cache: PrefixCache | None = None) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
     """score_tokens, plus at every position the top `top` (id, log-prob) alternatives under the
-    same distribution, from the same forward pass (one per window)."""
+    same distribution, from the same forward pass (one per window). With `cache`, eot + tokens, if
+    it fits in n_ctx, runs through the model only past the longest prefix it shares with a
+    sequence the cache holds (the same numbers, within float rounding), and is kept in it."""
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
         raise ValueError(f"top must be an int >= 0, got {top!r}")
-    return _score(model, tokens, eot_token, stride, top)
+    return _score(model, tokens, eot_token, stride, top, cache)
 
 
 @torch.inference_mode()
-def _score(model, tokens: list[int], eot_token: int, stride: int | None, top: int
+def _score(model, tokens: list[int], eot_token: int, stride: int | None, top: int, cache: PrefixCache | None = None
            ) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
     n_ctx = model.config.n_ctx
     stride = n_ctx // 2 if stride is None else stride
@@ -65,6 +73,8 @@ def _score(model, tokens: list[int], eot_token: int, stride: int | None, top: in
         raise ValueError("the text has no tokens to score")
     if not 0 <= eot_token < model.config.n_vocab:
         raise ValueError(f"context token {eot_token} is outside the vocabulary [0, {model.config.n_vocab})")
+    if cache is not None and len(tokens) < n_ctx:  # eot + tokens fit in one window
+        return _score_cached(model, (eot_token, *tokens), top, cache)
     device = model.wte.weight.device
     seq = torch.tensor([eot_token, *tokens], device=device)  # targets are seq[1:]
     out: list[float] = []
@@ -87,6 +97,42 @@ def _score(model, tokens: list[int], eot_token: int, stride: int | None, top: in
         scored_to = end
         begin += stride
     return out, tops if top else [() for _ in out]
+
+
+def _score_cached(model, seq: tuple[int, ...], top: int, cache: PrefixCache
+                  ) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
+    """_score of one window through `cache`: position j's distribution scores seq[j + 1]."""
+    n, hit = len(seq), cache.lookup(model, seq, top)
+    lps: list[float] = []
+    tops: list[tuple[tuple[int, float], ...]] = []
+    P, first, past = 0, None, None  # P positions reused; first: position P - 1's log-probs, if kept
+    if hit is not None:
+        entry, m = hit.entry, hit.shared
+        lps, tops = list(entry.logprobs[:m - 1]), [t[:top] for t in entry.tops[:m - 1]]
+        if m == n:  # seq is a prefix of what was scored
+            cache.reused(n)
+            return lps, tops
+        # Keys and values of the shared positions are reused; the distribution at position m - 1
+        # is kept only at an entry's end, else position m - 1 runs again.
+        P = m if m == len(entry.tokens) else m - 1
+        first = entry.last_logp if P == m else None
+        past = entry.present[:, :, :, :, :P] if P else None  # (1, L, 2, nh, P, hs)
+    device = model.wte.weight.device
+    run = torch.tensor(seq[P:], device=device)
+    out = model(run[None], past=past, use_cache=True)
+    logp = torch.log_softmax(out.logits[0].float(), dim=-1)  # (n - P, V): row k is position P + k
+    rows = logp[:-1] if first is None else torch.cat([first[None], logp[:-1]])  # positions len(lps) .. n - 2
+    targets = torch.tensor(seq[len(lps) + 1:], device=device)
+    lps.extend(rows.gather(1, targets[:, None])[:, 0].tolist())
+    if top:
+        best = rows.topk(min(top, rows.shape[-1]), dim=-1)
+        tops.extend(tuple(zip(i, v, strict=True)) for i, v in zip(best.indices.tolist(), best.values.tolist(),
+                                                                 strict=True))
+    else:
+        tops = [() for _ in lps]
+    cache.reused(P)
+    cache.store(model, Scored(seq, out.present, logp[-1].clone(), tuple(lps), tuple(tops), top))
+    return lps, tops
 
 
 def score_text(model, tokenizer, text: str, *, stride: int | None = None) -> ScoreResult:

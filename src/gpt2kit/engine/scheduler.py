@@ -80,6 +80,7 @@ class Engine:
         self._lock = threading.Lock()
         self._batch = BatchCache(model.config.n_ctx)
         self._logits: torch.Tensor | None = None  # (B, V): each running row's next-token logits
+        self._unfed: torch.Tensor | None = None  # (B,): tokens sampled last step, fed at the next
         self._kernels: Kernels | None = None  # the decode kernel set (gpt2kit.decode.kernels_for)
         self._kernels_for: int | None = None  # the batch size _kernels was chosen for
 
@@ -125,14 +126,18 @@ class Engine:
             self._waiting.clear()
         self.rows = []
         self._batch.clear()
-        self._logits = None
+        self._logits = self._unfed = None
         return dropped
 
     # -- one iteration --
 
     @torch.inference_mode()
     def step(self) -> list[RowEvent]:
-        """Admit waiting rows, then give every running row its next token; one event per row."""
+        """Feed the tokens the last step sampled, admit waiting rows, then give every running row
+        its next token; one event per row. The forward that feeds a step's tokens runs at the start
+        of the next step, so a step's events are returned as soon as its tokens are sampled (a
+        row's first token: after its prefill and one sample)."""
+        self._feed_unfed()
         self._keep([r for r, row in enumerate(self.rows) if not row.cancelled])
         self._admit()
         if not self.rows:
@@ -165,9 +170,21 @@ class Engine:
             keep = [r for r in range(len(self.rows)) if r not in set(full)]
             self._keep(keep)
             tok = tok[keep]
+        self._unfed = tok if self.rows else None
+        return events
+
+    def _feed_unfed(self) -> None:
+        """Feed the tokens sampled at the last step to the rows still running (a row cancelled
+        since is dropped first, so it costs the forward nothing)."""
+        tok, self._unfed = self._unfed, None
+        if tok is None:
+            return
+        live = [r for r, row in enumerate(self.rows) if not row.cancelled]
+        if len(live) < len(self.rows):
+            self._keep(live)
+            tok = tok[live]
         if self.rows:
             self._feed(tok)
-        return events
 
     def _admit(self) -> None:
         with self._lock:

@@ -256,7 +256,8 @@ async def echo_logprobs(server: Server, job: Job, request: Request) -> list[tupl
         if await request.is_disconnected():
             cancel(server, job)
             raise asyncio.CancelledError
-        out.append(await server.run_in_worker(prompt_logprobs, server.model, p, job.body.logprobs))
+        out.append(await server.run_in_worker(prompt_logprobs, server.model, p, job.body.logprobs,
+                                              server.prefix_cache))
         job.scoring -= len(p)
         job.work -= len(p)
         server.work_tokens -= len(p)

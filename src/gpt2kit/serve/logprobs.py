@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpt2kit.model import GPT2
+    from gpt2kit.prefix_cache import PrefixCache
     from gpt2kit.tokenizer import Tokenizer
 
 
@@ -62,12 +63,14 @@ def logprobs_obj(tokenizer: Tokenizer, tokens, lps, tops, offsets: Offsets) -> d
             "text_offset": [offsets.feed(t) for t in tokens]}
 
 
-def prompt_logprobs(model: GPT2, tokens: list[int], top: int) -> tuple[list[float | None], list]:
+def prompt_logprobs(model: GPT2, tokens: list[int], top: int, cache: PrefixCache | None = None
+                    ) -> tuple[list[float | None], list]:
     """(log-probs of the prompt's tokens, first None; top-N alternatives, first None), from one
-    forward over the prompt (gpt2kit.score.score_tokens_top)."""
+    forward over the prompt (gpt2kit.score.score_tokens_top), or over the part of it past the
+    longest prefix it shares with a prompt `cache` holds."""
     from gpt2kit.score import score_tokens_top
 
     if len(tokens) < 2:
         return [None], [None]
-    lps, tops = score_tokens_top(model, tokens[1:], top, eot_token=tokens[0])
+    lps, tops = score_tokens_top(model, tokens[1:], top, eot_token=tokens[0], cache=cache)
     return [None, *lps], [None, *tops]

@@ -26,6 +26,11 @@ class Metrics:
                                  "max_tokens, prompts to score); the limit is (max_batch + max_queue) x n_ctx",
                                  registry=r)
         self.queue_length.set_function(waiting)
+        self.prefix_cache_hit_tokens = Counter(
+            "gpt2kit_prefix_cache_hit_tokens", "echo prompt tokens not run through the model: their keys, values and "
+            "log-probs came from the prefix cache", registry=r)
+        self.prefix_cache_tokens = Gauge("gpt2kit_prefix_cache_tokens", "tokens held by the prefix cache",
+                                         registry=r)
         self.ttft = Histogram("gpt2kit_time_to_first_token_seconds", "request arrival to its first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("gpt2kit_time_per_output_token_seconds", "time between a row's tokens",

@@ -30,6 +30,11 @@ class ServeOptions:
     chat_template: str | None = _setting(None, "a Jinja2 template over `messages`: enables /v1/chat/completions")
     max_body_bytes: int = _setting(1 << 20, "a request body's size at most, else 413 (default 1 MiB)",
                                    metavar="BYTES")
+    # Echo scoring (serve/logprobs.py, gpt2kit.prefix_cache): tokens of scored prompts kept
+    prefix_cache_tokens: int = _setting(
+        2048, "echo log-probs: keep the keys and values of up to TOKENS scored prompt tokens, so a prompt sharing "
+              "a prefix with an earlier one runs only the rest through the model (memory: 2 x n_layer x n_embd "
+              "values per token, e.g. 72 KiB for gpt2 in float32); 0: off (default 2048)", metavar="TOKENS")
     pack_weights: bool | None = _setting(None, "CPU: no prepacked second copy of the weights",
                                          flag="--no-pack-weights", const=False)
     # Connection lifecycle (serve/gate.py, serve/runner.py; docs/serving.md): seconds.
@@ -60,6 +65,7 @@ class ServeOptions:
         if self.max_tokens_per_request is not None:
             check_int("ServeOptions.max_tokens_per_request", self.max_tokens_per_request, ">= 1 (or None: n_ctx)",
                       lambda v: v >= 1)
+        check_int("ServeOptions.prefix_cache_tokens", self.prefix_cache_tokens, ">= 0 (0: off)", lambda v: v >= 0)
         check_int("ServeOptions.max_body_bytes", self.max_body_bytes, ">= 1", lambda v: v >= 1)
         for name, least in (("shutdown_grace", 0.0), ("read_timeout", 1e-3), ("keep_alive_timeout", 1e-3)):
             value = getattr(self, name)

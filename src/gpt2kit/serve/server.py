@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from gpt2kit.prefix_cache import PrefixCache
 from gpt2kit.serve.errors import APIError
 from gpt2kit.serve.lifecycle import Lifecycle
 from gpt2kit.serve.metrics import Metrics
@@ -47,6 +48,9 @@ class Server:
         self.metrics = Metrics(lambda: self.engine_loop.n_running if self.engine_loop else 0,
                                lambda: self.engine_loop.n_waiting if self.engine_loop else 0)
         self.metrics.work_tokens.set_function(lambda: self.work_tokens)
+        # echo scoring's prefixes (used by the worker thread only; gpt2kit.prefix_cache)
+        self.prefix_cache = PrefixCache(opts.prefix_cache_tokens, on_reuse=self.metrics.prefix_cache_hit_tokens.inc)
+        self.metrics.prefix_cache_tokens.set_function(lambda: self.prefix_cache.tokens)
 
     # -- lifecycle --
 
