@@ -130,8 +130,10 @@ def memory_bandwidth(trials: int = 5, device: torch.device | str = "cpu") -> flo
     return x.numel() * 4 / best
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    """The benchmark's device; ValueError naming it when it is unknown or absent here."""
+def bench_device(device: str | torch.device) -> torch.device:
+    """The benchmark's device, cpu or cuda, a bare cuda given its index (the one the table names);
+    ValueError naming it when it is unknown or absent here (devices.resolve_device: any device a
+    model may load onto)."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -257,7 +259,7 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
     with int8 weights (gpt2kit.quant, LM head included) as a third column."""
     if quantize is not None:
         check_scheme(quantize)
-    device = resolve_device(device)
+    device = bench_device(device)
     config = config or GPT2Config()
     if threads is not None:
         torch.set_num_threads(threads)
