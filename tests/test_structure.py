@@ -243,3 +243,14 @@ def test_every_benchmark_script_imports(script, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)  # top level only: main() is not called
+
+
+def test_the_benchmark_has_one_entry_point():
+    # `gpt2kit bench` only: no `python -m gpt2kit.bench` with a parser and error mapping of its own, and
+    # no benchmarks/ script restating it (the memory worker runs `python -m gpt2kit bench` too).
+    import importlib.util
+
+    import gpt2kit.bench
+
+    assert importlib.util.find_spec("gpt2kit.bench.__main__") is None and not hasattr(gpt2kit.bench, "main")
+    assert not (SRC.parents[1] / "benchmarks" / "bench_generate.py").exists()

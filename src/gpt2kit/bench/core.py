@@ -227,7 +227,7 @@ def peak_memory(engine: str, dtype: str, T: int, n: int, threads: int,
     where it cannot be measured), allocated GPU memory on cuda."""
     if torch.device(device).type == "cpu" and not sys.platform.startswith("linux"):
         return None
-    cmd = [sys.executable, "-m", "gpt2kit.bench", "--_memory-worker", engine, dtype, str(T), str(n),
+    cmd = [sys.executable, "-m", "gpt2kit", "bench", "--_memory-worker", engine, dtype, str(T), str(n),
            str(threads), str(device)]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
@@ -342,8 +342,6 @@ def run_from_args(args: argparse.Namespace) -> int:
         engine, dtype, T, n, threads, device = args._memory_worker
         _memory_worker(engine, dtype, int(T), int(n), int(threads), device)
         return 0
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     size = getattr(args, "size", "gpt2")
     config = GPT2Config.from_name(size)  # a name that is not a preset: ValueError listing them
     results = run(quick=args.quick, threads=args.threads, memory=not args.no_memory and size == "gpt2",
