@@ -429,3 +429,11 @@ def decisions() -> dict[str, kernel_choice.Choice]:
 def unavailable() -> dict[str, str]:
     """Kernels that failed in this process, by where they were tried, with the error's first line."""
     return dict(_UNAVAILABLE)
+
+
+def forget() -> None:
+    """Forget this process's choices and failures: the next product decides again (after the store,
+    GPT2KIT_INT8_KERNEL's absence, or the native kernel changed; `bench --kernels --remeasure` measures anew)."""
+    _CHOICE.clear()
+    _DECIDED.clear()
+    _UNAVAILABLE.clear()

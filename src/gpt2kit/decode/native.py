@@ -141,8 +141,12 @@ def _load() -> None:
     _STATE["why"] = why
 
 
-def int8_linear():
-    """The C function (built and loaded on the first call), or None where it cannot run here."""
+def int8_linear(reload: bool = False):
+    """The C function (built and loaded on the first call), or None where it cannot run here.
+    reload: forget what this process found and look again (after CC, PATH, GPT2KIT_CACHE or
+    GPT2KIT_NO_NATIVE changed)."""
+    if reload:
+        _STATE.clear()
     if not _STATE:
         if os.environ.get("GPT2KIT_NO_NATIVE"):
             _STATE["why"] = "GPT2KIT_NO_NATIVE is set"
