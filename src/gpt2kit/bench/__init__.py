@@ -47,9 +47,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         return _print_kernels(args)
     if not getattr(args, "_memory_worker", None):
         require_transformers()
-    from gpt2kit.bench.core import run_from_args as run
+    from gpt2kit.bench.core import measure_from_args
 
-    return run(args)
+    return measure_from_args(args)
 
 
 def _print_kernels(args: argparse.Namespace) -> int:

@@ -337,7 +337,9 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
     return results
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def measure_from_args(args: argparse.Namespace) -> int:
+    """The measurement (or, with --_memory-worker, one worker's part of it) for checked arguments; the table
+    printed, the JSON written."""
     if getattr(args, "_memory_worker", None):
         engine, dtype, T, n, threads, device = args._memory_worker
         _memory_worker(engine, dtype, int(T), int(n), int(threads), device)
