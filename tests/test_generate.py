@@ -738,6 +738,17 @@ def test_cli_bench_bad_device_one_line(capsys, device, needle):
     assert len(err.strip().splitlines()) == 1 and needle in err
 
 
+def test_bench_device_is_its_own_contract():
+    # devices.resolve_device takes any device a model loads onto; the benchmark's takes cpu or cuda only
+    from gpt2kit.bench.core import bench_device
+    from gpt2kit.devices import resolve_device
+
+    assert bench_device("cpu") == resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("meta") == torch.device("meta")
+    with pytest.raises(ValueError, match="the benchmark runs on cpu or cuda"):
+        bench_device("meta")
+
+
 def test_seeds_are_bounded_and_prompts_draw_their_own_numbers(model):
     with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
         SamplingSettings(seed=2**64)

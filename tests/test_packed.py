@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import re
 import weakref
 
 import pytest
@@ -111,9 +112,24 @@ def test_dropped_with_the_model_and_deepcopy_still_works():
 def test_auto_skips_when_the_copy_would_not_fit(monkeypatch):
     model = varied_model()
     pk.release(model)
-    monkeypatch.setattr(pk, "_mem_available", lambda: 1000)
+    monkeypatch.setenv("GPT2KIT_MEM_AVAILABLE", "1000")
     assert pk.packed_weights(model, 4) is None
     assert pk.packed_weights(model, 4, enabled=True) is not None  # asked for explicitly
+
+
+def test_mem_available_reads_the_override_and_refuses_a_bad_one(monkeypatch):
+    from gpt2kit.bench.machine import mem_available
+
+    monkeypatch.delenv("GPT2KIT_MEM_AVAILABLE", raising=False)
+    have = mem_available()
+    assert have is None or have > 0
+    monkeypatch.setenv("GPT2KIT_MEM_AVAILABLE", "12345")
+    assert mem_available() == 12345
+    for bad in ("lots", "-1", "1.5"):
+        monkeypatch.setenv("GPT2KIT_MEM_AVAILABLE", bad)
+        with pytest.raises(ValueError, match=rf"GPT2KIT_MEM_AVAILABLE must be a whole number of bytes >= 0, "
+                                             rf"got '{re.escape(bad)}'"):
+            mem_available()
 
 
 def test_generate_same_tokens_packed_or_not():

@@ -255,15 +255,25 @@ def test_disagreement_passes_rounding_and_fails_wrong_products():
     assert quant_kernels.disagreement(near, ref) is not None
 
 
-def test_a_kernel_the_device_lacks_is_left_out_or_falls_back(monkeypatch, tmp_path):
+@pytest.fixture
+def kernels_looked_up_again(monkeypatch):
+    """The test starts from a process that has chosen no int8 kernel; afterwards, with the environment
+    restored, the process looks its kernels up again (what the test changed is not left behind)."""
+    quant_kernels.forget()
+    yield
+    monkeypatch.undo()
+    quant_kernels.forget()
+    native.int8_linear(reload=True)
+
+
+def test_a_kernel_the_device_lacks_is_left_out_or_falls_back(monkeypatch, tmp_path, kernels_looked_up_again):
     # What happens on a device where _weight_int8pack_mm is missing or refuses a shape (CUDA is
     # untested): the measurement leaves a raising candidate out, and a chosen kernel that raises
     # later falls back to dequant for that shape with one warning; the product is still right.
     monkeypatch.delenv(quant_kernels.ENV, raising=False)
     monkeypatch.setenv("GPT2KIT_KERNEL_STORE", str(tmp_path))  # nothing stored by earlier tests
-    monkeypatch.setattr(quant_kernels, "_CHOICE", {})
-    monkeypatch.setattr(quant_kernels, "_UNAVAILABLE", {})
-    monkeypatch.setattr(native, "_STATE", {"why": "no C compiler (set CC, or install gcc)"})
+    monkeypatch.setenv("GPT2KIT_NO_NATIVE", "1")
+    assert native.int8_linear(reload=True) is None
     real = quant_kernels._I8PACK
 
     def refuses(x, w, s):
@@ -271,8 +281,8 @@ def test_a_kernel_the_device_lacks_is_left_out_or_falls_back(monkeypatch, tmp_pa
     monkeypatch.setattr(quant_kernels, "_I8PACK", refuses)
     assert quant_kernels.choose(torch.device("cpu"), torch.float32, 1) == "dequant"
     assert quant_kernels.unavailable() == {
-        "cpu float32 native-avx2": "RuntimeError: gpt2kit's native int8 kernel is unavailable: no C compiler "
-                                   "(set CC, or install gcc)",
+        "cpu float32 native-avx2": "RuntimeError: gpt2kit's native int8 kernel is unavailable: "
+                                   "GPT2KIT_NO_NATIVE is set",
         "cpu float32 i8pack-bf16": "NotImplementedError: no kernel for this device",
         "cpu float32 i8pack": "NotImplementedError: no kernel for this device"}
 
@@ -341,28 +351,25 @@ def test_native_takes_what_it_can_and_hands_on_the_rest():
     assert torch.allclose(xg.grad, (w.float() * s[:, None]).sum(0).expand(3, 16))
 
 
-def test_native_builds_once_into_the_cache_and_says_why_when_it_cannot(tmp_path, monkeypatch):
+def test_native_builds_once_into_the_cache_and_says_why_when_it_cannot(tmp_path, monkeypatch,
+                                                                        kernels_looked_up_again):
     _needs("native-avx2")
     monkeypatch.setenv("GPT2KIT_CACHE", str(tmp_path))
-    monkeypatch.setattr(native, "_STATE", {})
-    assert native.int8_linear() is not None and native.why_unavailable() is None
+    assert native.int8_linear(reload=True) is not None and native.why_unavailable() is None
     built = list((tmp_path / "kernels").iterdir())
     assert [p.suffix for p in built] == [".so"]  # the library alone: no temporary left behind
     stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(native, "_STATE", {})
-    assert native.int8_linear() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    assert native.int8_linear(reload=True) is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
 
     blocked = tmp_path / "file"  # a cache path that cannot be a directory: built for this process alone
     blocked.write_text("")
     monkeypatch.setenv("GPT2KIT_CACHE", str(blocked))
-    monkeypatch.setattr(native, "_STATE", {})
-    assert native.int8_linear() is not None and native.why_unavailable() is None
+    assert native.int8_linear(reload=True) is not None and native.why_unavailable() is None
 
     def reason(**env):
-        monkeypatch.setattr(native, "_STATE", {})
         for k, v in env.items():
             monkeypatch.setenv(k, v)
-        return native.int8_linear(), native.why_unavailable()
+        return native.int8_linear(reload=True), native.why_unavailable()
     monkeypatch.setenv("GPT2KIT_CACHE", str(tmp_path / "other"))
     assert reason(CC="false") == (None, "the build failed (false failed: no message)")
     assert list((tmp_path / "other" / "kernels").iterdir()) == []

@@ -5,6 +5,7 @@ back. Plus the golden greedy test that runs in CI (committed ids of a seeded mod
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -240,3 +241,27 @@ def test_every_benchmark_script_imports(script, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)  # top level only: main() is not called
+
+
+def test_the_benchmark_has_one_entry_point():
+    # `gpt2kit bench` only: no `python -m gpt2kit.bench` with a parser and error mapping of its own, and
+    # no benchmarks/ script restating it (the memory worker runs `python -m gpt2kit bench` too).
+    import importlib.util
+
+    import gpt2kit.bench
+
+    assert importlib.util.find_spec("gpt2kit.bench.__main__") is None and not hasattr(gpt2kit.bench, "main")
+    assert not (SRC.parents[1] / "benchmarks" / "bench_generate.py").exists()
+
+
+# Speed claims as code comments quote them ("25% faster", "~2x ATen's", "3-4x slower", "26.2 against
+# 30.6 ms", "~30% of the memory bandwidth"): figures live in docs/benchmarks.md, comments point there.
+_FIGURE = re.compile(r"\d+(\.\d+)?(-\d+(\.\d+)?)?(x|%) (faster|slower)\b|~\d+(\.\d+)?x\b|\d+(\.\d+)?x slower"
+                     r"|\d+(\.\d+)? against \d+(\.\d+)? ms|\d+% of the (memory )?bandwidth")
+
+
+def test_no_benchmark_figures_in_the_code():
+    found = [f"{path.relative_to(SRC)}:{i}: {line.strip()}"
+             for path in sorted([*SRC.rglob("*.py"), *SRC.rglob("*.c")])
+             for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if _FIGURE.search(line)]
+    assert not found, "move these figures to docs/benchmarks.md:\n" + "\n".join(found)

@@ -66,12 +66,12 @@ def atomic_write_path(path: str | os.PathLike[str], write: Callable[[str], None]
             os.close(fd)
         os.replace(tmp, path)
     except BaseException as e:
-        full = _out_of_space(e, path.parent)  # asked before the partial file is removed and frees space
+        full = out_of_space(e, path.parent)  # asked before the partial file is removed and frees space
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if full:
-            raise OSError(errno.ENOSPC, f"no space left on the device holding {path.parent} while writing "
-                          f"{path.name}; the previous {path.name}, if any, is untouched", str(path)) from None
+            raise no_space_error(path.parent, f"writing {path.name}",
+                                 f"the previous {path.name}, if any, is untouched", path) from None
         if isinstance(e, OSError) and tmp in (e.filename, e.filename2):
             raise _naming(path, e) from None  # the user named `path`, never our temporary file
         raise
@@ -94,16 +94,27 @@ def _naming(path: Path, e: OSError) -> OSError:
     return err
 
 
-def _out_of_space(e: BaseException, directory: Path) -> bool:
-    """Whether a failed write failed for want of space (torch.save says "[enforce fail at inline_container...]")."""
+def out_of_space(e: BaseException, directory: str | os.PathLike[str]) -> bool:
+    """Whether a failed write into `directory` failed for want of space: ENOSPC/EDQUOT, or an error
+    without that errno (torch.save says "[enforce fail at inline_container...]") on a full file system."""
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    if not isinstance(e, (OSError, RuntimeError)):
-        return False
+    return isinstance(e, (OSError, RuntimeError)) and no_space(directory)
+
+
+def no_space(directory: str | os.PathLike[str]) -> bool:
+    """Whether the file system holding `directory` has under 1 MiB left (False where it cannot be asked)."""
     try:
         return shutil.disk_usage(directory).free < (1 << 20)
     except OSError:
         return False
+
+
+def no_space_error(directory: str | os.PathLike[str], doing: str, note: str,
+                   path: str | os.PathLike[str] | None = None) -> OSError:
+    """The one wording of a full disk: "no space left on DIRECTORY while DOING; NOTE" (errno ENOSPC)."""
+    message = f"no space left on {directory} while {doing}; {note}"
+    return OSError(errno.ENOSPC, message) if path is None else OSError(errno.ENOSPC, message, str(path))
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:

@@ -13,8 +13,8 @@ the update) for the 2-D matrices inside the blocks (attn.c_attn, attn.c_proj, ml
 and AdamW as above for the rest: the embeddings (which are also the tied LM head), biases and gains.
 Muon's learning rate is its own (muon_lr), with Keller Jordan's shape scaling sqrt(max(1, out/in)).
 torch.optim.Muon orthogonalises in bfloat16; on a CPU without native bfloat16 matrix products (AVX2)
-those cost ~25x a float32 product, so there `Muon` (torch's class, its state and update) runs the
-Newton-Schulz iteration in float32 instead (newton_schulz_dtype).
+those cost many times a float32 product (docs/benchmarks.md), so there `Muon` (torch's class, its
+state and update) runs the Newton-Schulz iteration in float32 instead (newton_schulz_dtype).
 
 Schedules multiply each group's base rate by a factor:
     cosine  linear warmup to 1, then cosine down to min_lr_ratio at max_steps (GPT-2/3, nanoGPT)
@@ -42,7 +42,7 @@ MUON_MOMENTUM = 0.95
 def newton_schulz_dtype(device: torch.device | str) -> torch.dtype:
     """bfloat16 (torch.optim.Muon's own choice) where the device multiplies bfloat16 matrices natively:
     CUDA, and CPUs where oneDNN has bfloat16 kernels (AVX512-BF16 / AMX: decode.kernels.cpu_has_native_bfloat16);
-    float32 elsewhere (an AVX2 CPU emulates bfloat16 products, ~25x slower than float32 ones).
+    float32 elsewhere (an AVX2 CPU emulates bfloat16 products, many times slower than float32 ones).
     A property of the machine, not a timing, so every invocation of a run decides alike."""
     device = torch.device(device)
     if device.type != "cpu":

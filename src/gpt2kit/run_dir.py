@@ -10,7 +10,6 @@ and removes half-written temporaries a killed run left behind. gpt2kit.train cal
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import os
 import random
@@ -24,7 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpt2kit._io import atomic_write
+from gpt2kit._io import (
+    atomic_write,
+    no_space,  # noqa: F401 - train.py's import, until it takes no_space from gpt2kit._io
+)
 from gpt2kit.distributed import Dist
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -60,26 +62,7 @@ def write_checkpoint(path: Path, state: dict[str, Any]) -> None:
         torch.save(state, hashing)
         f.write(_TRAILER_TAG + hashing.sha.hexdigest().encode() + b"\n")
 
-    try:
-        atomic_write(path, write)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise OSError(e.errno, f"no space left on {path.parent} while writing {path.name}; the previous "
-                                   f"checkpoint is untouched") from None
-        raise
-    except RuntimeError as e:  # torch's zip writer reports a failed write as "[enforce fail at ...]"
-        if no_space(path.parent):
-            raise OSError(errno.ENOSPC, f"no space left on {path.parent} while writing {path.name}; the "
-                                        f"previous checkpoint is untouched") from e
-        raise
-
-
-def no_space(directory: Path) -> bool:
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < 1 << 20
+    atomic_write(path, write)  # a full disk (torch's "[enforce fail ...]" included) is said by _io
 
 
 def _verify_checkpoint(path: Path) -> None:

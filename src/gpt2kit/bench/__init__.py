@@ -2,18 +2,18 @@
 timed by timing.py, printed by report.py).
 
 This module owns the command's options and is light to import (no torch), so the CLI can build its
-parser without loading the benchmark; `python -m gpt2kit.bench` runs it on its own too.
+parser without loading the benchmark. `gpt2kit bench` is the one entry point (the memory worker is
+`python -m gpt2kit bench --_memory-worker ...`, so it too parses and reports errors as the CLI does).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The benchmark's options: the one definition, for `gpt2kit bench` and `python -m gpt2kit.bench`."""
+    """The benchmark's options: the one definition, for `gpt2kit bench`."""
     p.add_argument("--quick", action="store_true", help="T=256 prefill, 32 new tokens, fewer trials")
     p.add_argument("--size", default="gpt2", metavar="PRESET",
                    help="the model's size, a preset (gpt2 default; gpt2-tiny/gpt2-mini for a run of seconds; "
@@ -47,9 +47,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         return _print_kernels(args)
     if not getattr(args, "_memory_worker", None):
         require_transformers()
-    from gpt2kit.bench.core import run_from_args as run
+    from gpt2kit.bench.core import measure_from_args
 
-    return run(args)
+    return measure_from_args(args)
 
 
 def _print_kernels(args: argparse.Namespace) -> int:
@@ -71,13 +71,3 @@ def require_transformers() -> None:
         raise ImportError("gpt2kit bench compares with transformers, which is not installed: "
                           "pip install 'gpt2kit[bench]'")
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpt2kit bench", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_from_args(args)
-    except (ValueError, ImportError) as e:  # bad values, a missing peer: one line, as the gpt2kit CLI does
-        print(f"gpt2kit bench: error: {e}", file=sys.stderr)
-        return 2

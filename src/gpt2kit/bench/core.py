@@ -130,8 +130,10 @@ def memory_bandwidth(trials: int = 5, device: torch.device | str = "cpu") -> flo
     return x.numel() * 4 / best
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    """The benchmark's device; ValueError naming it when it is unknown or absent here."""
+def bench_device(device: str | torch.device) -> torch.device:
+    """The benchmark's device, cpu or cuda, a bare cuda given its index (the one the table names);
+    ValueError naming it when it is unknown or absent here (devices.resolve_device: any device a
+    model may load onto)."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -225,7 +227,7 @@ def peak_memory(engine: str, dtype: str, T: int, n: int, threads: int,
     where it cannot be measured), allocated GPU memory on cuda."""
     if torch.device(device).type == "cpu" and not sys.platform.startswith("linux"):
         return None
-    cmd = [sys.executable, "-m", "gpt2kit.bench", "--_memory-worker", engine, dtype, str(T), str(n),
+    cmd = [sys.executable, "-m", "gpt2kit", "bench", "--_memory-worker", engine, dtype, str(T), str(n),
            str(threads), str(device)]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
@@ -257,7 +259,7 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
     with int8 weights (gpt2kit.quant, LM head included) as a third column."""
     if quantize is not None:
         check_scheme(quantize)
-    device = resolve_device(device)
+    device = bench_device(device)
     config = config or GPT2Config()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -335,13 +337,13 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
     return results
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def measure_from_args(args: argparse.Namespace) -> int:
+    """The measurement (or, with --_memory-worker, one worker's part of it) for checked arguments; the table
+    printed, the JSON written."""
     if getattr(args, "_memory_worker", None):
         engine, dtype, T, n, threads, device = args._memory_worker
         _memory_worker(engine, dtype, int(T), int(n), int(threads), device)
         return 0
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     size = getattr(args, "size", "gpt2")
     config = GPT2Config.from_name(size)  # a name that is not a preset: ValueError listing them
     results = run(quick=args.quick, threads=args.threads, memory=not args.no_memory and size == "gpt2",

@@ -1,10 +1,13 @@
-"""What machine a measurement ran on: the one reader of the CPU's name and instruction sets, shared by
-`gpt2kit bench` and the scripts in benchmarks/ (every table names the CPU and its flags). No torch."""
+"""What machine this is: the one reader of the CPU's name and instruction sets, shared by `gpt2kit bench`
+and the scripts in benchmarks/ (every table names the CPU and its flags), and of the memory free for new
+allocations (packed decode copies, training's size check). No torch."""
 
 from __future__ import annotations
 
 import os
 import platform
+
+MEM_ENV = "GPT2KIT_MEM_AVAILABLE"  # bytes: stands in for MemAvailable (tests, or a cgroup-limited container)
 
 # The instruction sets that decide which kernels are fast here (docs/benchmarks.md).
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
@@ -52,3 +55,28 @@ def describe_cpu() -> str:
     """One line for a table's caption: "AMD EPYC 7B13, 2 cores (avx2, fma)"."""
     info = cpu_info()
     return f"{info['cpu']}, {info['cores']} cores ({', '.join(info['isa']) or 'no AVX2'})"
+
+
+def mem_available() -> int | None:
+    """Bytes of memory free for new allocations: $GPT2KIT_MEM_AVAILABLE when set, else MemAvailable from
+    /proc/meminfo, else the available physical pages; None where none of them can be read."""
+    forced = os.environ.get(MEM_ENV)
+    if forced is not None:
+        try:
+            n = int(forced)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise ValueError(f"{MEM_ENV} must be a whole number of bytes >= 0, got {forced!r}")
+        return n
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -58,10 +58,10 @@ def mask(crc: int) -> int:
     return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + _CRC_MASK_DELTA) & 0xFFFFFFFF
 
 
-def crc32c_of_buffer(buf: np.ndarray) -> int:
-    """crc32c of a uint8 array; google-crc32c rejects numpy buffers, so feed it bytes chunks."""
+def crc32c_of_buffer(buf: np.ndarray, chunk: int = _CRC_CHUNK) -> int:
+    """crc32c of a uint8 array; google-crc32c rejects numpy buffers, so feed it bytes `chunk` at a time."""
     crc = 0
     view = memoryview(buf)
-    for start in range(0, len(view), _CRC_CHUNK):
-        crc = _google_crc32c.extend(crc, view[start : start + _CRC_CHUNK].tobytes())
+    for start in range(0, len(view), chunk):
+        crc = _google_crc32c.extend(crc, view[start : start + chunk].tobytes())
     return crc

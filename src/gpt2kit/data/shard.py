@@ -7,7 +7,6 @@ and modded-nanogpt write for FineWeb, so their shards load here and ours load th
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 from collections.abc import Sequence
@@ -52,13 +51,7 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray | Sequence[int]) -> 
         f.write(header.tobytes())
         f.write(payload.tobytes())
 
-    path = Path(path)
-    try:
-        atomic_write(path, write)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"no space left on {path.parent} while writing {path.name}") from None
-        raise
+    atomic_write(path, write)  # a full disk is said by _io: "no space left on DIR while writing NAME"
 
 
 def shard_token_count(path: Path) -> int:

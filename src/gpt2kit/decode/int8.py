@@ -2,17 +2,18 @@
 
 Weight-only int8 keeps activations in floating point; only the weight is stored as int8 with one
 scale per output channel, so y = (x @ W^T) * s exactly, and a kernel may apply s before or after
-the product. The formulations this module can run (docs/quantization.md has the measurements):
+the product. The formulations this module can run (docs/quantization.md and docs/benchmarks.md,
+"Figures behind the code's choices", have the measurements):
 
   i8pack-bf16  torch.ops.aten._weight_int8pack_mm on bfloat16 activations (cast in, cast back):
                ATen's vectorised int8-weight kernel; the fastest on an AVX2 CPU for a few rows
   i8pack       the same op on the activations' own dtype; on CPU in float32 it is a scalar loop
-               (3-4x slower than bfloat16 activations), in bfloat16 it is i8pack-bf16 without casts
+               (much slower than on bfloat16 activations), in bfloat16 it is i8pack-bf16 without casts
   dequant      F.linear(x, W.to(x.dtype)) * s: converts the whole matrix each call, then the
                dtype's GEMM; slow for a few rows, the best for many (prefill) where the GEMM
                dominates, and the portable path (any device, any shape)
   native-avx2  gpt2kit's own C kernel (decode/native.py, csrc/int8_linear.c), float32 activations
-               on an AVX2 CPU: streams the int8 weights near memory bandwidth, ~2x ATen's kernel
+               on an AVX2 CPU: streams the int8 weights near memory bandwidth, ahead of ATen's kernel
                for a few rows; built with the system's C compiler on first use, absent without one
 
 Which one runs is decided per (device type, activation dtype, row bucket) by `decide_for`: the choice
@@ -61,8 +62,7 @@ _UNAVAILABLE: dict[str, str] = {}  # where a kernel failed -> the error (measure
 
 # Row buckets and the row count each is measured at: decode steps (1, few), small batches of
 # tokens (many), prompts (prefill: 129-512 rows) and long prompts (long), where the winner changes:
-# on an AVX2 CPU native-avx2 wins up to ~512 rows and dequantize-then-GEMM beyond (measured per
-# c_fc product: 26.2 against 30.6 ms at 512 rows, 59.8 against 48.6 at 1,024).
+# on an AVX2 CPU native-avx2 wins up to ~512 rows and dequantize-then-GEMM beyond (docs/benchmarks.md).
 _BUCKET_ROWS = {"1": 1, "few": 8, "many": 64, "prefill": 256, "long": 1024}
 _HOPELESS = 10.0  # a candidate this many times slower than the fastest on the screening slice is not timed
 
@@ -177,7 +177,7 @@ def disagreement(y: torch.Tensor, reference: torch.Tensor) -> str | None:
 
 
 ROUNDS = kernel_choice.ROUNDS
-_SAMPLE_S = 2e-3  # a sample repeats the product until it takes about this long (single rows: ~0.1 ms each)
+_SAMPLE_S = 2e-3  # a sample repeats the product until it takes about this long (many products for single rows)
 
 
 @torch.inference_mode()
@@ -429,3 +429,11 @@ def decisions() -> dict[str, kernel_choice.Choice]:
 def unavailable() -> dict[str, str]:
     """Kernels that failed in this process, by where they were tried, with the error's first line."""
     return dict(_UNAVAILABLE)
+
+
+def forget() -> None:
+    """Forget this process's choices and failures: the next product decides again (after the store,
+    GPT2KIT_INT8_KERNEL's absence, or the native kernel changed; `bench --kernels --remeasure` measures anew)."""
+    _CHOICE.clear()
+    _DECIDED.clear()
+    _UNAVAILABLE.clear()

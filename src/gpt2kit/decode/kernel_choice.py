@@ -4,8 +4,8 @@ whatever load it starts in.
 
 gpt2kit.decode.int8 (the int8 products) and gpt2kit.decode.kernels (the half-precision few-row
 products) decide between kernels by timing them. A single best-of-3 timing at start-up flipped under
-load (one process on a busy machine chose a kernel 100x slower for single rows, and int8 decoding fell
-below float32), so a choice here is made by `decide` on samples taken in interleaved rounds:
+load (one process on a busy machine chose a kernel far slower for single rows, and int8 decoding fell
+below float32; docs/benchmarks.md), so a choice here is made by `decide` on samples taken in interleaved rounds:
 
 - the family default (`family()`: "amx", "avx512", "avx2" or "other", from the CPU's flags as
   gpt2kit.bench.machine reads them) is what runs unless a measurement says otherwise;

@@ -5,10 +5,10 @@ FMA.
 Why a kernel of our own: a batch-1 decode step reads every weight once, so an int8 model should run
 at the speed of streaming its int8 bytes from memory. PyTorch's `_weight_int8pack_mm` is compute
 bound on AVX2 (it scales every weight before the FMA, about one weight per cycle per core) and
-reaches ~30% of the memory bandwidth; this kernel widens, converts and multiplies, applying the
-per-channel scale once per output, and prefetches the next rows (docs/quantization.md has the
-measurements). It is one candidate among the kernels gpt2kit.decode.int8 measures: it runs only
-where it wins.
+falls well short of the memory bandwidth; this kernel widens, converts and multiplies, applying the
+per-channel scale once per output, and prefetches the next rows (docs/quantization.md and
+docs/benchmarks.md have the measurements). It is one candidate among the kernels gpt2kit.decode.int8
+measures: it runs only where it wins.
 
 The build: `cc -O3 -mavx2 -mfma -fopenmp -ffp-contract=off -shared -fPIC` (cc is $CC, else gcc, else
 cc) in a private temporary directory, stored in `$GPT2KIT_CACHE/kernels/` (default
@@ -141,8 +141,12 @@ def _load() -> None:
     _STATE["why"] = why
 
 
-def int8_linear():
-    """The C function (built and loaded on the first call), or None where it cannot run here."""
+def int8_linear(reload: bool = False):
+    """The C function (built and loaded on the first call), or None where it cannot run here.
+    reload: forget what this process found and look again (after CC, PATH, GPT2KIT_CACHE or
+    GPT2KIT_NO_NATIVE changed)."""
+    if reload:
+        _STATE.clear()
     if not _STATE:
         if os.environ.get("GPT2KIT_NO_NATIVE"):
             _STATE["why"] = "GPT2KIT_NO_NATIVE is set"

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gpt2kit.bench.machine import mem_available
 from gpt2kit.decode.bind import Binding, Mat
 from gpt2kit.decode.kernels import PlainKernels, cpu_has_native_bfloat16
 
@@ -126,17 +127,6 @@ def _matrices(model: torch.nn.Module) -> list[torch.Tensor]:
     return mats
 
 
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def supported(dtype: torch.dtype, batch_size: int) -> bool:
     """Whether packing speeds up a CPU decode step of this dtype and batch size here."""
     if not torch.backends.mkldnn.is_available():
@@ -166,7 +156,7 @@ def packed_weights(model: torch.nn.Module, batch_size: int, enabled: bool | None
     if pack is None or pack.hint != hint:
         if enabled is None:
             need = sum(p.numel() * p.element_size() for p in mats)
-            have = _mem_available()
+            have = mem_available()
             if pack is not None:
                 have = None if have is None else have + pack.nbytes()  # the old copy goes first
             if have is not None and have < 2 * need:

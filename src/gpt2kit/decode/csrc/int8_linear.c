@@ -12,11 +12,11 @@
  * bandwidth. Per 8 weights this does one widening load (int8 -> int32), one convert to float and
  * one FMA per row of x. With one row of x (a decode step at batch 1) the channels are summed one
  * after another, so each thread reads its part of W as one sequential stream, prefetched 4 KiB
- * ahead (25% faster than interleaving 4 channels, measured). With more rows, 2 channels and 4 rows
- * at a time (then pairs of rows, then one), so each widened weight feeds four FMAs and a block of 4
- * channels is read from memory once and from cache for the other rows (12-20% faster at 8 rows than
- * 4 channels and 2 rows, in 6 of 6 interleaved runs; prefetching the next block there was faster in
- * some runs and slower in others on this shared VM, so it is not done). Threads split the
+ * ahead (faster than interleaving 4 channels). With more rows, 2 channels and 4 rows at a time
+ * (then pairs of rows, then one), so each widened weight feeds four FMAs and a block of 4 channels is
+ * read from memory once and from cache for the other rows (faster at 8 rows than 4 channels and 2
+ * rows; prefetching the next block there was not reliably faster, so it is not done; the figures are
+ * in docs/benchmarks.md, "Figures behind the code's choices"). Threads split the
  * output channels (OpenMP: the process's libgomp, the one PyTorch loaded, so the two share one
  * thread pool).
  *

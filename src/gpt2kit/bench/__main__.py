@@ -1,5 +1,0 @@
-import sys
-
-from gpt2kit.bench import main
-
-sys.exit(main())
