@@ -42,12 +42,15 @@ def build(layers: int = 12, small: bool = False, int8: bool = False, seed: int =
 
 def profile_decode(model: GPT2, batch: int = 1, tokens: int = 16, settings: SamplingSettings | None = None
                    ) -> pstats.Stats:
-    """cProfile's stats of `tokens` decode steps (each samples a token and feeds it), after a first
-    step (prefill and any one-off set-up) that is not counted."""
-    settings = settings or SamplingSettings(max_new_tokens=tokens + 2, temperature=0, stop_token_ids=())
+    """cProfile's stats of `tokens` decode steps (each feeds a token and samples the next), after the
+    first two (prefill, then the first decode forward with the kernel choice, packing and any
+    measurement: once per generation), which are not counted. A step hands its token out before the
+    forward that feeds it, so the one-off set-up runs in the second step."""
+    settings = settings or SamplingSettings(max_new_tokens=tokens + 3, temperature=0, stop_token_ids=())
     prompts = [[(7 * r + i) % model.config.n_vocab for i in range(8)] for r in range(batch)]
     steps = generate_stream(model, prompts, settings)
-    next(steps)  # prefill, kernel choice, packing, measurements: once per generation
+    next(steps)  # prefill and the first token
+    next(steps)  # the first decode forward: kernel choice, packing, measurements (once per generation)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(tokens):
@@ -79,7 +82,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15, help="functions to list, by calls")
     args = ap.parse_args()
     model = build(args.layers, args.small, args.int8)
-    settings = sampled_settings(args.tokens + 2) if args.sample else None
+    settings = sampled_settings(args.tokens + 3) if args.sample else None
     stats = profile_decode(model, args.batch, args.tokens, settings)
     kind = ("int8" if args.int8 else "float32") + (", sampled" if args.sample else ", greedy")
     print(f"{args.layers} layers, batch {args.batch}, {kind}: {stats.total_calls / args.tokens:.1f} "
