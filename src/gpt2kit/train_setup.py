@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from gpt2kit import finetune, fsdp
+from gpt2kit.bench.machine import mem_available
 from gpt2kit.checkpoint import load_model, resolve_source
 from gpt2kit.checkpoint.source import HUB_NAMES
 from gpt2kit.completions import with_masks
@@ -65,10 +66,8 @@ TRAIN_BYTES_PER_PARAMETER = 16
 
 
 def parameter_count(config: GPT2Config) -> int:
-    """The parameters GPT2(config) has, computed without building it."""
-    C = config.n_embd
-    block = 12 * C * C + 13 * C  # ln_1, c_attn, attn c_proj, ln_2, c_fc, mlp c_proj
-    return config.embedding_rows * C + config.n_ctx * C + config.n_layer * block + 2 * C
+    """The parameters GPT2(config) has, computed without building it (GPT2Config.n_params)."""
+    return config.n_params
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -77,17 +76,7 @@ def available_memory(device: torch.device) -> int | None:
         return torch.cuda.mem_get_info(device)[0]
     if device.type != "cpu":
         return None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return mem_available()  # the one MemAvailable reader (GPT2KIT_MEM_AVAILABLE overrides it)
 
 
 def check_memory(config: GPT2Config, device: torch.device, what: str,
