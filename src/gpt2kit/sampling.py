@@ -158,6 +158,10 @@ class SamplingSettings:
                 raise ValueError("contrastive search (penalty_alpha > 0) and beam search (num_beams > 1) are "
                                  "two methods: choose one")
 
+    def window_for(self, n_ctx: int) -> int:
+        """Tokens kept when re-encoding past the context n_ctx: window, or n_ctx // 2 (at least 1)."""
+        return self.window or max(n_ctx // 2, 1)
+
     @property
     def contrastive(self) -> bool:
         """Contrastive search: penalty_alpha > 0 and top_k > 1 (transformers' condition)."""

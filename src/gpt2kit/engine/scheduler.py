@@ -198,7 +198,7 @@ class Engine:
             self._join(join)
 
     def _window(self, row: Row) -> int:
-        return row.settings.window or max(self.model.config.n_ctx // 2, 1)
+        return row.settings.window_for(self.model.config.n_ctx)
 
     def _to_feed(self) -> int:
         """The most tokens a running row may still be fed (the cache's room at a rebuild)."""
