@@ -63,6 +63,20 @@ class BatchCache:
         self.mask = self.mask[sel]
         return sel
 
+    def reorder(self, src: list[int]) -> None:
+        """Row r's cached keys, values, mask and length become row src[r]'s (a beam group's slots
+        moving to the beams they continue, gpt2kit.engine.beam_rows): one gather and scatter of the
+        rows that change; the others are not touched."""
+        moved = [r for r, s in enumerate(src) if s != r]
+        if not moved:
+            return
+        dst = torch.tensor(moved, device=self.mask.device)
+        frm = torch.tensor([src[r] for r in moved], device=self.mask.device)
+        kv = self.cache.kv
+        kv[:, dst] = kv[:, frm]  # the right side is a copy, so sources overwritten here are read first
+        self.mask[dst] = self.mask[frm]
+        self.lengths = [self.lengths[s] for s in src]
+
     @property
     def full(self) -> bool:
         """No column left for the next token, or the padded width at n_ctx: :meth:`trim` first."""
