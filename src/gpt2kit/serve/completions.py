@@ -118,8 +118,9 @@ def plan(server: Server, body: S.CompletionRequest) -> Job:
     rows = len(prompts) * per_prompt if max_tokens > 0 else 0
     limit = server.opts.max_batch + server.opts.max_queue
     if rows > limit:
-        raise APIError(400, f"this request needs {rows} rows (prompts x best_of/n); this server runs at most "
-                            f"{limit} (--max-batch + --max-queue)", param="n")
+        how, param = ("top_k for contrastive search", "top_k") if kind == search.CONTRASTIVE else ("best_of/n", "n")
+        raise APIError(400, f"this request needs {rows} rows (prompts x {how}); this server runs at most "
+                            f"{limit} (--max-batch + --max-queue)", param=param)
     scored = sum(map(len, prompts)) if echo and body.logprobs is not None else 0
     work = work_tokens(prompts, max_tokens, per_prompt, bool(scored))
     check_work(work, server.work_tokens, limit * cfg.n_ctx)  # scoring counts as generation does
