@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import gpt2kit.serve.schemas as S
-from gpt2kit.serve import search
+import gpt2kit.serve.search as search
 from gpt2kit.serve.errors import APIError, error_body
 from gpt2kit.serve.lifecycle import DISCONNECTED, SHUTDOWN
 from gpt2kit.serve.limits import check_work, logit_bias_ids, work_tokens
