@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import gpt2kit.sampler as sampler
 from gpt2kit.engine.beam import BeamState
 from gpt2kit.engine.rows import Row, RowEvent, RowKey
-from gpt2kit.sampler import next_tokens
 
 if TYPE_CHECKING:
     from gpt2kit.engine.beam import Beam
@@ -80,12 +80,12 @@ def choose_tokens(logits: torch.Tensor, rows: list[Row], failed: dict[int, Excep
     group's step; and the groups' cache sources (None: no row moves). A row whose choice raises is
     recorded in failed (next_tokens)."""
     if all(row.beam is None for row in rows):
-        return next_tokens(logits, [row.sampler for row in rows], failed), None
+        return sampler.next_tokens(logits, [row.sampler for row in rows], failed), None
     tok = torch.zeros(len(rows), dtype=torch.long, device=logits.device)  # (B,)
     plain = [r for r, row in enumerate(rows) if row.beam is None]
     if plain:
         mine: dict[int, Exception] = {}
-        tok[plain] = next_tokens(logits[plain], [rows[r].sampler for r in plain], mine)
+        tok[plain] = sampler.next_tokens(logits[plain], [rows[r].sampler for r in plain], mine)
         failed.update({plain[r]: e for r, e in mine.items()})
     return tok, step_groups(logits, rows, tok, failed)
 
