@@ -269,8 +269,7 @@ def _beam_completions(model: GPT2, prompts: Sequence[Sequence[int]], settings: S
                 found = beam_search(model, chunk, settings)
             for i, beams in enumerate(found, start=start):
                 for j, b in enumerate(beams):
-                    text = tokenizer.decode(b.tokens[:-1] if b.finish_reason == "stop" else b.tokens) \
-                        if tokenizer is not None else None
+                    text = b.text(tokenizer) if tokenizer is not None else None
                     out.append(Completion(i * n + j, i, j, list(prompts[i]), list(b.tokens), text, b.finish_reason,
                                           score=b.score))
     finally:

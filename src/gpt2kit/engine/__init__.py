@@ -9,6 +9,7 @@ the row, its typed routing key and its one event shape. The generator API over i
 from gpt2kit.engine.batch_cache import BatchCache
 from gpt2kit.engine.loop import EngineLoop
 from gpt2kit.engine.rows import Row, RowEvent, RowKey
-from gpt2kit.engine.scheduler import Engine, next_tokens
+from gpt2kit.engine.scheduler import Engine
+from gpt2kit.sampler import next_tokens
 
 __all__ = ["BatchCache", "Engine", "EngineLoop", "Row", "RowEvent", "RowKey", "next_tokens"]

@@ -4,7 +4,8 @@ Row b's cached tokens are the last lengths[b] columns of [0, P) (P the cache's l
 before them are padding (mask 0, keys and values zeros: finite, so a masked key's weight 0 never
 meets 0 * NaN). Positions come from the mask (cumsum - 1), so padding shifts nothing and each row
 computes what it would alone. Rows join (their prefilled keys and values added beside the running
-ones), leave (dropped from the batch), and the cache is rebuilt (rows concatenated, columns that are
+ones), leave (dropped from the batch), move (a beam group's slots take the beams they continue:
+reorder), and the cache is rebuilt (rows concatenated, columns that are
 padding in every row trimmed, room for the next tokens added) when rows join or it fills, or when
 its padded width reaches n_ctx (every row fits, but rows that left held the leading columns: the
 trim keeps a model's own forward, which checks the width against n_ctx, from refusing them).
@@ -62,6 +63,20 @@ class BatchCache:
         self.cache.select(sel)
         self.mask = self.mask[sel]
         return sel
+
+    def reorder(self, src: list[int]) -> None:
+        """Row r's cached keys, values, mask and length become row src[r]'s (a beam group's slots
+        moving to the beams they continue, gpt2kit.engine.beam_rows): one gather and scatter of the
+        rows that change; the others are not touched."""
+        moved = [r for r, s in enumerate(src) if s != r]
+        if not moved:
+            return
+        dst = torch.tensor(moved, device=self.mask.device)
+        frm = torch.tensor([src[r] for r in moved], device=self.mask.device)
+        kv = self.cache.kv
+        kv[:, dst] = kv[:, frm]  # the right side is a copy, so sources overwritten here are read first
+        self.mask[dst] = self.mask[frm]
+        self.lengths = [self.lengths[s] for s in src]
 
     @property
     def full(self) -> bool:

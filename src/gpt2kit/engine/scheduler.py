@@ -27,6 +27,7 @@ import torch
 from gpt2kit.config import EOT_ID
 from gpt2kit.decode import Kernels, decode_step, kernels_for, prefill
 from gpt2kit.engine.batch_cache import BatchCache
+from gpt2kit.engine.beam_rows import BeamGroup, admit, choose_tokens, prefill_index
 from gpt2kit.engine.outputs import RowText, advance, token_logprobs
 from gpt2kit.engine.rows import Row, RowEvent, RowKey
 from gpt2kit.kv_cache import KVCache
@@ -37,26 +38,6 @@ from gpt2kit.validate import check_int
 if TYPE_CHECKING:
     from gpt2kit.model import GPT2
     from gpt2kit.tokenizer import Tokenizer
-
-
-def next_tokens(logits: torch.Tensor, samplers: Sequence[RowSampler],
-                failed: dict[int, Exception] | None = None) -> torch.Tensor:
-    """Each row's next token (B,): row r chooses from logits[r] (B, V) with samplers[r].
-
-    With failed (a dict), a row whose choice raises is recorded there (row -> exception) and given
-    token 0, so one row's failure never costs its neighbours their tokens; without, it raises."""
-    if all(s.plain_greedy for s in samplers) and torch.isfinite(logits.amax(dim=-1)).all():
-        return logits.argmax(dim=-1)  # one batched argmax: the same as row by row
-    out = []  # row by row (RowSampler.choose checks each row's distribution)
-    for r, s in enumerate(samplers):
-        try:
-            out.append(s.choose(logits[r:r + 1]))
-        except Exception as e:
-            if failed is None:
-                raise
-            failed[r] = e
-            out.append(torch.zeros(1, dtype=torch.long, device=logits.device))
-    return torch.cat(out)
 
 
 class Engine:
@@ -98,6 +79,12 @@ class Engine:
         text = RowText(self.tokenizer, settings.stop_strings) if self.tokenizer is not None else None
         return Row(list(prompt), settings, sampler, text, logprobs, key or RowKey(sample_index=sample_index))
 
+    def new_beam_rows(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None
+                      ) -> list[Row]:
+        """One prompt's beam search (settings.num_beams rows, gpt2kit.engine.beam_rows), to submit
+        together; the first row (key) gets the group's one event."""
+        return BeamGroup(prompt, settings, self.device, key or RowKey(), self.model.config.n_ctx, self.max_batch).rows
+
     def submit(self, rows: Sequence[Row]) -> None:
         """Queue rows; they join the batch at the next step, in order, as room allows."""
         with self._lock:
@@ -138,18 +125,24 @@ class Engine:
         of the next step, so a step's events are returned as soon as its tokens are sampled (a
         row's first token: after its prefill and one sample)."""
         self._feed_unfed()
-        self._keep([r for r, row in enumerate(self.rows) if not row.cancelled])
+        self._keep([r for r, row in enumerate(self.rows) if not row.dropped])
         self._admit()
         if not self.rows:
             return []
         rows, failed = self.rows, {}
-        tok = next_tokens(self._logits, [row.sampler for row in rows], failed)  # (B,)
+        tok, src = choose_tokens(self._logits, rows, failed)  # (B,), beam groups' cache sources
         scores = token_logprobs(self._logits, tok, rows)
         events, keep = [], []
         for r, (row, t) in enumerate(zip(rows, tok.tolist(), strict=True)):
             if r in failed:  # this row alone fails; its neighbours go on (issue 18)
                 row.finish_reason, row.error = "error", failed[r]
                 events.append(RowEvent.failed(row, failed[r]))
+                continue
+            if row.beam is not None:  # its group set its tokens; it ends with the group
+                if row.finish_reason is None:
+                    keep.append(r)
+                elif row is row.beam.lead:
+                    events.append(row.beam.event())
                 continue
             row.tokens.append(t)
             row.sampler.observe(t)
@@ -159,6 +152,8 @@ class Engine:
             events.append(RowEvent(row, t, piece, reason, lp, top))
             if reason is None:
                 keep.append(r)
+        if src is not None:
+            self._batch.reorder(src)  # beams move to the slots of the beams they continue
         self._keep(keep)
         tok = tok[keep] if len(keep) < len(rows) else tok
         # A row whose context is full re-joins with a window of its sequence (module doc).
@@ -179,7 +174,7 @@ class Engine:
         tok, self._unfed = self._unfed, None
         if tok is None:
             return
-        live = [r for r, row in enumerate(self.rows) if not row.cancelled]
+        live = [r for r, row in enumerate(self.rows) if not row.dropped]
         if len(live) < len(self.rows):
             self._keep(live)
             tok = tok[live]
@@ -189,11 +184,7 @@ class Engine:
     def _admit(self) -> None:
         with self._lock:
             room = len(self._waiting) if self.max_batch is None else self.max_batch - len(self.rows)
-            join = []
-            while self._waiting and len(join) < room:
-                row = self._waiting.popleft()
-                if not row.cancelled:
-                    join.append(row)
+            join = admit(self._waiting, room)  # in order; a beam group whole
         if join:
             self._join(join)
 
@@ -207,8 +198,9 @@ class Engine:
     def _join(self, rows: list[Row]) -> None:
         """Prefill the joining rows (left-padded among themselves) and add them to the batch."""
         n_ctx, n_vocab = self.model.config.n_ctx, self.model.config.n_vocab
-        contexts = [row.context(n_ctx, self._window(row)) for row in rows]
-        B, T = len(rows), max(map(len, contexts))
+        first, of = prefill_index(rows)  # a beam group's prompt is prefilled once
+        contexts = [rows[r].context(n_ctx, self._window(rows[r])) for r in first]
+        B, T = len(contexts), max(map(len, contexts))
         idx = torch.full((B, T), EOT_ID % n_vocab, dtype=torch.long)  # (B, T)
         mask = torch.ones(B, T, dtype=torch.long)  # (B, T)
         for r, ctx in enumerate(contexts):
@@ -218,11 +210,15 @@ class Engine:
         padded = any(len(c) < T for c in contexts)
         cache = KVCache.for_model(self.model, B, T)
         logits = prefill(self.model, idx, mask if padded else None, cache)  # (B, V)
+        kv = cache.kv
+        if len(first) < len(rows):  # every slot of a beam group starts from its prompt
+            sel = torch.tensor(of, device=self.device)
+            kv, mask, logits, contexts = kv[:, sel], mask[sel], logits[sel], [contexts[i] for i in of]
         if self.rows:
             logits = torch.cat([self._logits, logits])
         self.rows = self.rows + rows
         self._logits = logits
-        self._batch.join(cache.kv, mask, [len(c) for c in contexts], self._to_feed())
+        self._batch.join(kv, mask, [len(c) for c in contexts], self._to_feed())
 
     def _keep(self, keep: list[int]) -> None:
         """Keep only batch rows `keep` (the others finished, were cancelled or re-join)."""
