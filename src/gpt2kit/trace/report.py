@@ -157,7 +157,7 @@ def report_data(tr, *, attention_encoding: str | None = "list", position: int = 
     data["sae"] = tr.sae_features()
     used = set(tr.ids)
     if tr.clean is not None:
-        data["intervention"] = {**tr.intervention_effect(), "clean_lens": tr.clean.logit_lens(k=5)}
+        data["intervention"] = {**tr.intervention_effect(), "clean_lens": tr.clean_logit_lens(k=5)}
         used.update(i for i, _, _ in data["intervention"]["last"])
         for layer in data["intervention"]["clean_lens"]["top_ids"]:
             for rows in layer:

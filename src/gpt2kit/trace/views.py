@@ -87,37 +87,65 @@ def _blocks(start: int, stop: int, most: int) -> list[tuple[int, int]]:
     return [(s, min(s + size, stop)) for s in range(start, stop, size)] if n else []
 
 
-@torch.no_grad()
-def logit_lens(tr, k: int = 5) -> dict:
-    """Per recorded residual layer x position: top-k tokens and probabilities; the probability and
-    rank of the actual next token (positions 0..T-2).
+def _lens_rows(tr, layers: list[int], k: int) -> dict[int, tuple[list, list, list, list]]:
+    """The lens of these layers: {layer: (top ids, top probs, next prob, next rank)}, each a list per position.
 
-    Every (layer, position) row is one row of a single stack, so the unembedding runs as a few
-    large products over all layers at once; each product's (rows, V) logits are scanned once
-    (_scan) and dropped. At the last layer the lens is the model's own output (tested equal): its
-    rows are the recorded logits, not a product."""
-    layers = lens_layers(tr)
+    Every (layer, position) row is one row of a single stack, so the unembedding runs as a few large
+    products over all layers at once; each product's (rows, V) logits are scanned once (_scan) and
+    dropped. At the last layer the lens is the model's own output (tested equal): its rows are the
+    recorded logits, not a product."""
     T, V, L = len(tr.ids), tr.config.n_vocab, tr.config.n_layer
-    k = min(k, V)
-    if not layers:
-        return {"layers": [], "top_ids": [], "top_probs": [], "next_prob": [], "next_rank": []}
-    computed = [layer for layer in layers if layer != L]
+    layers = [layer for layer in layers if layer != L] + [layer for layer in layers if layer == L]
+    computed = layers[:-1] if layers and layers[-1] == L else layers
     h = torch.cat([tr.model.ln_f(tr[f"resid.{layer}"]) for layer in computed]) if computed else None  # (g T, C)
     nxt = _next_ids(tr)
     targets = torch.cat([nxt, nxt.new_zeros(1)]).repeat(len(layers))  # (n T,): a stand-in at each end
-    rows = len(layers) * T
+    rows, nc = len(layers) * T, len(computed) * T  # rows of the products first, then the last layer's
     per = max(1, min(rows, _LENS_BLOCK_BYTES // (4 * V)))
     scratch = _scratch(per, V, tr.logits)
-    nc = len(computed) * T  # rows that need a product; the last layer's follow
     parts = []
     for s, e in _blocks(0, nc, per) + _blocks(nc, rows, per):
         block = unembed(tr.model, h[s:e]).float() if s < nc else tr.logits[s - nc:e - nc].float()  # (rows, V)
         parts.append(_scan(block, targets[s:e], k, scratch[:e - s]))
         del block
+    if not parts:
+        return {}
     n = len(layers)
     top_i, top_lp, next_lp, rank = (torch.cat(c).view(n, T, *c[0].shape[1:]) for c in zip(*parts, strict=True))
-    return {"layers": layers, "top_ids": top_i.tolist(), "top_probs": top_lp.exp().tolist(),
-            "next_prob": next_lp[:, :-1].exp().tolist(), "next_rank": rank[:, :-1].tolist()}
+    cols = (top_i.tolist(), top_lp.exp().tolist(), next_lp[:, :-1].exp().tolist(), rank[:, :-1].tolist())
+    return {layer: tuple(c[j] for c in cols) for j, layer in enumerate(layers)}
+
+
+def _unchanged(tr, like, layer: int) -> bool:
+    """Whether the residual at this layer (the logits at the last) is bit for bit the same in both traces."""
+    name = "logits" if layer == tr.config.n_layer else f"resid.{layer}"
+    return name in like.tensors and torch.equal(tr[name], like[name])
+
+
+@torch.no_grad()
+def logit_lens(tr, k: int = 5, like=None) -> dict:
+    """Per recorded residual layer x position: top-k tokens and probabilities; the probability and
+    rank of the actual next token (positions 0..T-2).
+
+    like: another trace of the same ids and model (the intervened run, for the clean one): every
+    layer whose residual is bit for bit like's takes its rows from like's lens (computed once and
+    cached there) instead of another product — an intervention leaves the layers before it alone."""
+    layers = lens_layers(tr)
+    k = min(k, tr.config.n_vocab)
+    out: dict[int, tuple] = {}
+    if like is not None and like.ids == tr.ids and like.model is tr.model:
+        theirs = like.logit_lens(k)
+        for j, layer in enumerate(theirs["layers"]):
+            if layer in layers and _unchanged(tr, like, layer):
+                out[layer] = tuple(theirs[key][j] for key in ("top_ids", "top_probs", "next_prob", "next_rank"))
+    out.update(_lens_rows(tr, [layer for layer in layers if layer not in out], k))
+    return {"layers": layers, **{key: [out[layer][c] for layer in layers]
+                                 for c, key in enumerate(("top_ids", "top_probs", "next_prob", "next_rank"))}}
+
+
+def clean_lens(tr, k: int = 5) -> dict:
+    """The logit lens of tr.clean (the run without interventions), reusing tr's rows where they agree."""
+    return logit_lens(tr.clean, k, like=tr)
 
 
 def dla_targets(tr) -> list[int]:
