@@ -159,6 +159,14 @@ def test_residual_norms_and_attention_summary(tiny_model):
         assert summ["induction"][i] == pytest.approx([sum(r) / len(r) for r in per_query], abs=1e-6)
 
 
+def test_one_token_has_a_lens_and_stats_with_no_next_token(tiny_model):
+    tr = trace(tiny_model, None, [5])
+    lens, stats = tr.logit_lens(k=3), tr.next_token_stats()
+    assert lens["next_prob"] == [[]] * (TINY.n_layer + 1) and len(lens["top_ids"][0]) == 1
+    assert stats["next_rank"] == [] and stats["top_ids"][0] == tr.logits[0].topk(10).indices.tolist()
+    assert "lens" in tr.to_json()
+
+
 def test_ranks_count_only_strictly_higher_tokens():
     model = random_model()
     ids = _ids(TINY.n_vocab, 16)

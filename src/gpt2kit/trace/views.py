@@ -28,7 +28,7 @@ def _matrix(module) -> torch.Tensor:
 
 
 def _next_ids(tr) -> torch.Tensor:
-    return torch.tensor(tr.ids[1:], device=tr.logits.device)  # (T - 1,)
+    return torch.tensor(tr.ids[1:], dtype=torch.long, device=tr.logits.device)  # (T - 1,): ids even when empty
 
 
 def _scan(logits: torch.Tensor, targets: torch.Tensor, k: int, scratch: torch.Tensor) -> tuple:
