@@ -247,8 +247,9 @@ def pair():
 
 
 def test_the_mode_is_close_to_float32_and_the_weights_are_unchanged(pair):
-    # Documented tolerance (docs/quantization.md): on this random model the int8-activation logits are
-    # within 5% of the float32 logits' spread (std), and within 3x the weight-only int8 error.
+    # The documented tolerance (docs/quantization.md): on these random models the int8-activation logits
+    # are within 10% of the float32 logits' spread (their std) and 3x the weight-only int8 error (measured:
+    # about 4% and 1.3-1.6x over seeds 0-3).
     f, q = pair
     ids = torch.randint(0, CFG.n_vocab, (3, 40), generator=torch.Generator().manual_seed(5))
     state = {k: v.clone() for k, v in q.state_dict().items()}
@@ -256,7 +257,7 @@ def test_the_mode_is_close_to_float32_and_the_weights_are_unchanged(pair):
         lf, la = f(ids).logits, q(ids).logits
         lw = set_activations(q, "float")(ids).logits
     err_a, err_w = (la - lf).abs().max().item(), (lw - lf).abs().max().item()
-    assert err_a <= 0.05 * lf.std().item() and err_a <= 3 * err_w, (err_a, err_w, lf.std().item())
+    assert err_a <= 0.10 * lf.std().item() and err_a <= 3 * err_w, (err_a, err_w, lf.std().item())
     assert not torch.equal(la, lw)  # the mode changed the arithmetic
     assert all(torch.equal(v, q.state_dict()[k]) for k, v in state.items()) and activations(q) == "float"
     assert activations(f) is None and "int8 activations" in repr(set_activations(q, "int8"))
@@ -378,6 +379,11 @@ def test_cli_int8_activations_pass_the_gate_or_are_refused_in_one_line(tmp_path,
     assert cli_main(["score", str(prompt), "-m", str(good), "--quantize", "int8", "--int8-activations",
                      "--gate-data", str(data), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["nll"] > 0
+    assert cli_main(["quantize", str(good), str(tmp_path / "good8"), "--int8"]) == 0  # an int8 checkpoint: no --quantize
+    capsys.readouterr()
+    assert cli_main(["generate", "-m", str(tmp_path / "good8"), *args[:-2], "--int8-activations", "--gate-data",
+                     str(data)]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == [7, 7, 7]
     code = cli_main(["generate", "-m", str(fragile), *args, "--int8-activations", "--gate-data", str(data)])
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
