@@ -379,7 +379,7 @@ def test_cli_int8_activations_pass_the_gate_or_are_refused_in_one_line(tmp_path,
     assert cli_main(["score", str(prompt), "-m", str(good), "--quantize", "int8", "--int8-activations",
                      "--gate-data", str(data), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["nll"] > 0
-    assert cli_main(["quantize", str(good), str(tmp_path / "good8"), "--int8"]) == 0  # an int8 checkpoint: no --quantize
+    assert cli_main(["quantize", str(good), str(tmp_path / "good8"), "--int8"]) == 0  # int8 checkpoint: no --quantize
     capsys.readouterr()
     assert cli_main(["generate", "-m", str(tmp_path / "good8"), *args[:-2], "--int8-activations", "--gate-data",
                      str(data)]) == 0
