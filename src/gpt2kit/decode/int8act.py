@@ -65,7 +65,9 @@ def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a = x2.abs().amax(dim=1) if x2.shape[1] else x2.new_zeros(x2.shape[0])  # (R,); NaN where a row has one
     finite = torch.isfinite(a)
     ok = finite & (a >= _FLT_MIN)
-    inv = torch.where(ok, 127.0 / a, torch.zeros_like(a))
+    # a tensor divided, not `127.0 / a`: torch computes a number over a tensor as reciprocal(a) * 127,
+    # two roundings that differ from the C kernels' one division for a quarter of the rows' a
+    inv = torch.where(ok, torch.full_like(a, 127.0) / a, torch.zeros_like(a))
     q = torch.where(ok[:, None], torch.round(x2 * inv[:, None]).clamp_(-127, 127), 0.0).to(torch.int8)
     sx = torch.where(ok, a / 127, torch.where(finite, 0.0, float("nan")))
     return q, sx
