@@ -186,13 +186,15 @@ def why_int8act_unavailable(isa: str) -> str | None:
     if isa not in ISAS:
         raise ValueError(f"unknown instruction set {isa!r}; valid choices: {', '.join(ISAS)}")
     int8act_linear()
-    why = _STATE["int8act_linear"].get("why")
-    if why is None and isa == "avx512-vnni":
+    state = _STATE["int8act_linear"]
+    if state.get("why") is not None or isa == "avx2":
+        return state.get("why")
+    if "vnni" not in state:  # read once per load (a product must not read /proc/cpuinfo)
         lacking = sorted(_VNNI_FLAGS - cpu_flags())
-        if lacking or torch.backends.cpu.get_cpu_capability() != "AVX512":
-            why = (f"this CPU lacks {', '.join(lacking)}" if lacking
-                   else f"PyTorch reports {torch.backends.cpu.get_cpu_capability()}, not AVX512")
-    return why
+        state["vnni"] = (f"this CPU lacks {', '.join(lacking)}" if lacking
+                         else None if torch.backends.cpu.get_cpu_capability() == "AVX512"
+                         else f"PyTorch reports {torch.backends.cpu.get_cpu_capability()}, not AVX512")
+    return state["vnni"]
 
 
 def run_int8act_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,

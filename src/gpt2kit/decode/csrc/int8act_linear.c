@@ -20,8 +20,8 @@
  *   AVX2          the activations widened to int16 once per row, the weights per load; vpmaddwd
  *                 sums pairs of int16 products into int32 (no saturation: |pair| <= 2 * 128 * 127)
  * Blocking as csrc/int8_linear.c: threads split the output channels in blocks of 4; within a
- * block, 4 rows x 2 channels at a time (each loaded weight feeds 4 rows), then 2 rows, then 1 (one
- * sequential stream per channel, prefetched ahead). Legend: R rows, K in, N out. */
+ * block, 4 rows x 2 channels at a time (each loaded weight feeds 4 rows), then (AVX2) 2 rows, then 1
+ * (one sequential stream per channel, prefetched ahead). Legend: R rows, K in, N out. */
 #include <float.h>
 #include <immintrin.h>
 #include <math.h>
@@ -143,42 +143,86 @@ static void block_avx2(const int16_t *q, const float *sx, long R, long K, const 
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
-VNNI static inline __mmask64 tail_mask(long k, long K) {
-    long n = K - k;
-    return n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
+VNNI static inline __m512i load_tail(const void *p, long n) { /* the last n < 64 bytes, zeros after */
+    return _mm512_maskz_loadu_epi8((((__mmask64)1) << n) - 1, p);
 }
 
-/* sum_k q[k] * w[k] for the bytes (q + 128) of up to 4 rows against one channel w: dpbusd on the
- * shifted bytes, minus 128 * sum_k w[k] (the same instruction against ones). */
-VNNI static void dot_vnni(const uint8_t *const *qs, int rows, const int8_t *w, long K, int32_t *out, int prefetch) {
+#define DP(acc, u, w) acc = _mm512_dpbusd_epi32(acc, u, w)
+
+/* sum(acc) - 128 * sum(comp), with one reduction (the lanes' int32 sums wrap alike, so the exact
+ * result is what the wrapped lanes give whenever it fits in int32) */
+VNNI static inline int32_t corrected(__m512i acc, __m512i comp) {
+    return _mm512_reduce_add_epi32(_mm512_sub_epi32(acc, _mm512_slli_epi32(comp, 7)));
+}
+
+/* One channel w against one row of shifted codes u: sum_k (u[k] - 128) * w[k], streamed with prefetch. */
+VNNI static int32_t dot1_vnni(const uint8_t *u, const int8_t *w, long K, int prefetch) {
     const __m512i ones = _mm512_set1_epi8(1);
-    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
-                      _mm512_setzero_si512()};
-    __m512i comp = _mm512_setzero_si512();
-    for (long k = 0; k < K; k += 64) {
-        const __mmask64 m = tail_mask(k, K);
-        if (prefetch) _mm_prefetch((const char *)(w + k + PREFETCH), _MM_HINT_T0);
-        const __m512i wk = _mm512_maskz_loadu_epi8(m, w + k);
-        comp = _mm512_dpbusd_epi32(comp, ones, wk);
-        for (int i = 0; i < rows; i++)
-            acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_maskz_loadu_epi8(m, qs[i] + k), wk);
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, c0 = a0, c1 = a0;
+    long k = 0;
+    for (; k + 128 <= K; k += 128) {
+        if (prefetch) {
+            _mm_prefetch((const char *)(w + k + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + k + PREFETCH + 64), _MM_HINT_T0);
+        }
+        const __m512i w0 = _mm512_loadu_si512(w + k), w1 = _mm512_loadu_si512(w + k + 64);
+        DP(a0, _mm512_loadu_si512(u + k), w0); DP(c0, ones, w0);
+        DP(a1, _mm512_loadu_si512(u + k + 64), w1); DP(c1, ones, w1);
     }
-    const int32_t c = 128 * _mm512_reduce_add_epi32(comp);
-    for (int i = 0; i < rows; i++) out[i] = _mm512_reduce_add_epi32(acc[i]) - c;
+    for (; k + 64 <= K; k += 64) {
+        const __m512i w0 = _mm512_loadu_si512(w + k);
+        DP(a0, _mm512_loadu_si512(u + k), w0); DP(c0, ones, w0);
+    }
+    if (k < K) {
+        const __m512i w0 = load_tail(w + k, K - k);
+        DP(a0, load_tail(u + k, K - k), w0); DP(c0, ones, w0);
+    }
+    return corrected(_mm512_add_epi32(a0, a1), _mm512_add_epi32(c0, c1));
+}
+
+/* Two channels (w, v) against four rows of shifted codes: each loaded weight feeds four rows, each
+ * loaded row two channels. out[2 * i + j]: row i, channel j. */
+VNNI static void dot4x2_vnni(const uint8_t *ua, long K, const int8_t *w, const int8_t *v, int32_t *out) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    const uint8_t *ub = ua + K, *uc = ub + K, *ud = uc + K;
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
+    __m512i cw = a0, cv = a0;
+    for (long k = 0; k < K; k += 64) {
+        const long n = K - k;
+        __m512i x, y, qa, qb, qc, qd;
+        if (n >= 64) {
+            x = _mm512_loadu_si512(w + k); y = _mm512_loadu_si512(v + k);
+            qa = _mm512_loadu_si512(ua + k); qb = _mm512_loadu_si512(ub + k);
+            qc = _mm512_loadu_si512(uc + k); qd = _mm512_loadu_si512(ud + k);
+        } else {
+            x = load_tail(w + k, n); y = load_tail(v + k, n);
+            qa = load_tail(ua + k, n); qb = load_tail(ub + k, n); qc = load_tail(uc + k, n); qd = load_tail(ud + k, n);
+        }
+        DP(cw, ones, x); DP(cv, ones, y);
+        DP(a0, qa, x); DP(a1, qa, y); DP(b0, qb, x); DP(b1, qb, y);
+        DP(c0, qc, x); DP(c1, qc, y); DP(d0, qd, x); DP(d1, qd, y);
+    }
+    out[0] = corrected(a0, cw); out[1] = corrected(a1, cv); out[2] = corrected(b0, cw); out[3] = corrected(b1, cv);
+    out[4] = corrected(c0, cw); out[5] = corrected(c1, cv); out[6] = corrected(d0, cw); out[7] = corrected(d1, cv);
 }
 
 VNNI static void block_vnni(const uint8_t *q, const float *sx, long R, long K, const int8_t *W, long N,
                             const float *s, const float *b, float *y, long n0, long width) {
-    for (long r = 0; r < R; r += 4) {
-        const int rows = R - r >= 4 ? 4 : (int)(R - r);
-        const uint8_t *qs[4];
-        for (int i = 0; i < rows; i++) qs[i] = q + (r + i) * K;
-        for (long j = 0; j < width; j++) {
-            int32_t acc[4];
-            dot_vnni(qs, rows, W + (n0 + j) * K, K, acc, R == 1);
-            for (int i = 0; i < rows; i++) store_row(y + (r + i) * N, n0 + j, acc[i], sx[r + i], s, b);
+    long r = 0;
+    for (; width == 4 && r + 4 <= R; r += 4) { /* 4 rows x 2 channels */
+        for (long j = 0; j < 4; j += 2) {
+            int32_t acc[8];
+            const long n = n0 + j;
+            dot4x2_vnni(q + r * K, K, W + n * K, W + (n + 1) * K, acc);
+            for (int i = 0; i < 4; i++) {
+                store_row(y + (r + i) * N, n, acc[2 * i], sx[r + i], s, b);
+                store_row(y + (r + i) * N, n + 1, acc[2 * i + 1], sx[r + i], s, b);
+            }
         }
     }
+    for (; r < R; r++) /* the rest (decode at batch 1): one row, channel after channel */
+        for (long j = 0; j < width; j++)
+            store_row(y + r * N, n0 + j, dot1_vnni(q + r * K, W + (n0 + j) * K, K, R == 1), sx[r], s, b);
 }
 
 /* --- the entry points ---------------------------------------------------------------------------------- */
@@ -191,7 +235,10 @@ int gpt2kit_int8act_linear(const float *x, long R, long K, const int8_t *W, long
                            const float *b, float *y, int threads, int isa) {
     if (R <= 0) return 0;
     float *sx = malloc(R * sizeof(float));
-    void *q = malloc((size_t)R * (size_t)(K > 0 ? K : 1) * (isa == 2 ? 1 : sizeof(int16_t)));
+    /* rows of codes on 64-byte lines (a row of K bytes starts on one where K is a multiple of 64), so
+     * a 64-byte load of them does not straddle two */
+    const size_t bytes = (size_t)R * (size_t)(K > 0 ? K : 1) * (isa == 2 ? 1 : sizeof(int16_t));
+    void *q = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     if (!sx || !q) {
         free(sx);
         free(q);
