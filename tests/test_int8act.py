@@ -430,3 +430,16 @@ def test_cli_int8_activations_pass_the_gate_or_are_refused_in_one_line(tmp_path,
     assert code != 0 and out == "" and "int8 activations fail their quality gate on this model" in lines[-1], err
     assert cli_main(["generate", "-m", str(good), *args[:-2], "--int8-activations", "--gate-data", str(data)]) != 0
     assert "apply to an int8 model; this one is not quantized" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_model_that_fails_the_gate_before_serving(tmp_path, capsys):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    fragile = tmp_path / "fragile"
+    save_model(outlier_model(CFG.replace(n_vocab=50257)), fragile)
+    data = tmp_path / "val.txt"
+    data.write_text("for i in range(10):\n    print(i, i * i)\n" * 100)
+    code = cli_main(["serve", "--model", str(fragile), "--port", "0", "--quantize", "int8", "--int8-activations",
+                     "--gate-data", str(data)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and "int8 activations fail their quality gate on this model" in err[-1], err
