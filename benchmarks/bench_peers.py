@@ -6,6 +6,10 @@
 One random-weight GPT-2 124M (gpt2kit's init, seed 0) is saved by gpt2kit as an HF directory, and
 each peer converts it with its own tools:
 
+  gpt2kit-a8    gpt2kit's opt-in int8-activation mode (int8 weights and activations, per-row scales:
+                gpt2kit.decode.int8act), int8 only; on random weights, so without its quality gate
+                (speed only; the gate on a trained model is in docs/quantization.md)
+
   ctranslate2   ct2-transformers-converter (int8 and float32 models; compute_type int8 / float32)
   onnxruntime   torch.onnx.export of transformers' GPT2LMHeadModel with its key/value cache as
                 inputs and outputs (float32), and onnxruntime.quantization.quantize_dynamic (int8:
@@ -37,7 +41,8 @@ from pathlib import Path
 
 WORKLOADS = ("decode_b1", "decode_b8", "prefill")
 DTYPES = ("float32", "int8")
-ENGINES = ("gpt2kit", "ctranslate2", "onnxruntime", "llama.cpp")
+ENGINES = ("gpt2kit", "gpt2kit-a8", "ctranslate2", "onnxruntime", "llama.cpp")
+ONLY = {"gpt2kit-a8": ("int8",)}  # engines that run some dtypes only (the others are left out, not skipped)
 PROMPT = 16
 
 
@@ -49,7 +54,7 @@ def missing(engine: str) -> str | None:
     import importlib.util
 
     need = {"ctranslate2": ["ctranslate2"], "onnxruntime": ["onnxruntime", "onnx", "transformers"],
-            "llama.cpp": ["llama_cpp"], "gpt2kit": []}[engine]
+            "llama.cpp": ["llama_cpp"], "gpt2kit": [], "gpt2kit-a8": []}[engine]
     absent = [m for m in need if importlib.util.find_spec(m) is None]
     if absent:
         hint = ("pip install llama-cpp-python (builds from source: ~15 minutes on 2 idle cores)"
@@ -82,7 +87,7 @@ def convert(engine: str, dtype: str, hf_dir: Path, work: Path) -> Path:
     out = work / f"{engine}-{dtype}"
     if out.exists():
         return out
-    if engine == "gpt2kit":
+    if engine in ("gpt2kit", "gpt2kit-a8"):
         return hf_dir
     if engine == "ctranslate2":
         tool = shutil.which("ct2-transformers-converter") or str(Path(sys.executable).with_name(
@@ -199,6 +204,16 @@ class Gpt2kit(Engine):
             prefill(self.model, ids, None, KVCache.for_model(self.model, 1, ids.shape[1]))
 
 
+class Gpt2kitA8(Gpt2kit):
+    """gpt2kit int8 with int8 activations (set directly: random weights have no quality gate to pass)."""
+
+    def __init__(self, path: Path, dtype: str, threads: int):
+        from gpt2kit.quant import set_activations
+
+        super().__init__(path, dtype, threads)
+        set_activations(self.model, "int8")
+
+
 class CTranslate2(Engine):
     def __init__(self, path: Path, dtype: str, threads: int):
         import ctranslate2
@@ -276,7 +291,8 @@ class LlamaCpp(Engine):
         self.llm.eval(prompt)
 
 
-CLASSES = {"gpt2kit": Gpt2kit, "ctranslate2": CTranslate2, "onnxruntime": OnnxRuntime, "llama.cpp": LlamaCpp}
+CLASSES = {"gpt2kit": Gpt2kit, "gpt2kit-a8": Gpt2kitA8, "ctranslate2": CTranslate2, "onnxruntime": OnnxRuntime,
+           "llama.cpp": LlamaCpp}
 
 
 def _worker(engine: str, path: str, dtype: str, threads: int) -> None:
@@ -349,6 +365,8 @@ def run(threads: int = 2, trials: int = 3, new_tokens: int = 128, prefill: int =
         for dtype in dtypes:
             workers = []
             for engine in engines:
+                if dtype not in ONLY.get(engine, (dtype,)):
+                    continue
                 why = missing(engine)
                 if why is None:
                     try:
@@ -402,8 +420,9 @@ def format_table(r: dict) -> str:
     m = r["machine"]
     lines = [f"machine: {m['describe']}; {m['threads']} threads each; GPT-2 {r['size']}, random weights (seed 0), "
              f"best of {r['trials']} alternating trials, each engine in its own process", "",
-             "| workload (tok/s) | gpt2kit | ctranslate2 | onnxruntime | llama.cpp | gpt2kit / best peer |",
-             "|---|--:|--:|--:|--:|--:|"]
+             "| workload (tok/s) | gpt2kit | gpt2kit int8-act. | ctranslate2 | onnxruntime | llama.cpp "
+             "| gpt2kit / best peer | gpt2kit int8-act. / best peer |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|"]
     n = r["new_tokens"]
     names = {"decode_b1": f"decode batch 1 ({n} new)", "decode_b8": f"decode batch 8 ({n} new)",
              "prefill": f"prefill {r['prefill']} tokens"}
@@ -413,11 +432,12 @@ def format_table(r: dict) -> str:
             if f"gpt2kit/{dtype}" not in v and not any(k.endswith(dtype) for k in v):
                 continue
             cells = [f"{v[f'{e}/{dtype}']:.1f}" if f"{e}/{dtype}" in v else "—" for e in ENGINES]
-            peers = {k: x for k, x in v.items() if k.endswith(f"/{dtype}") and not k.startswith("gpt2kit/")}
-            ours = v.get(f"gpt2kit/{dtype}")
-            ratio = (f"{ours / max(peers.values()):.2f}x ({max(peers, key=peers.get).split('/')[0]})"
-                     if ours and peers else "—")
-            lines.append(f"| {label}, {dtype} | {' | '.join(cells)} | {ratio} |")
+            peers = {k: x for k, x in v.items() if k.endswith(f"/{dtype}") and not k.startswith("gpt2kit")}
+            ratios = []
+            for ours in (v.get(f"gpt2kit/{dtype}"), v.get(f"gpt2kit-a8/{dtype}")):
+                ratios.append(f"{ours / max(peers.values()):.2f}x ({max(peers, key=peers.get).split('/')[0]})"
+                              if ours and peers else "—")
+            lines.append(f"| {label}, {dtype} | {' | '.join(cells)} | {' | '.join(ratios)} |")
     if "bandwidth_GBs" in r:
         b1 = r["tok_s"].get("decode_b1", {})
         parts = []
@@ -429,8 +449,9 @@ def format_table(r: dict) -> str:
                       f"a 1 GiB float32 sum): " + "; ".join(parts)]
     for k, why in r["skipped"].items():
         lines.append(f"skipped {k}: {why}")
-    lines.append("int8 means: gpt2kit int8 weights, float activations; ctranslate2 int8 and onnxruntime dynamic "
-                 "quantization int8 weights and int8 activations; llama.cpp Q8_0 (blocks of 32 with a scale)")
+    lines.append("int8 means: gpt2kit int8 weights, float activations; gpt2kit int8-act. (opt-in, ungated here: "
+                 "random weights) and ctranslate2 int8 weights and int8 activations with per-row scales, onnxruntime "
+                 "dynamic quantization with one scale per tensor; llama.cpp Q8_0 (blocks of 32 with a scale)")
     return "\n".join(lines)
 
 

@@ -59,3 +59,15 @@ def test_bad_settings_are_one_line(peers, capsys):
     assert capsys.readouterr().err.strip() == "bench_peers: error: --threads must be an integer >= 1, got 0"
     assert peers.main(["--trials", "0"]) == 2
     assert "--trials must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_gpt2kits_int8_activation_mode_is_a_contender_for_int8_only(peers, work):
+    r = peers.run(threads=1, trials=1, new_tokens=2, prefill=16, size="gpt2-tiny", engines=("gpt2kit", "gpt2kit-a8"),
+                  workloads=("decode_b1",), dtypes=("float32", "int8"), work=work, bandwidth=False, log=lambda s: None)
+    assert r["skipped"] == {}
+    assert set(r["tok_s"]["decode_b1"]) == {"gpt2kit/float32", "gpt2kit/int8", "gpt2kit-a8/int8"}
+    table = peers.format_table(r)
+    assert "| gpt2kit | gpt2kit int8-act. | ctranslate2 |" in table and "gpt2kit int8-act. / best peer |" in table
+    prompts = [[(97 * b + 13 * i) % 50000 for i in range(peers.PROMPT)] for b in range(2)]
+    a8 = peers.Gpt2kitA8(work / "checkpoint", "int8", 1)
+    assert len(a8.decode(prompts, 3)[1]) == 3 and "int8 activations" in repr(a8.model.h[0].mlp.c_fc)

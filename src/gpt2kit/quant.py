@@ -16,6 +16,12 @@ buffer, the float `bias`) and wte a QuantEmbedding, so the model's code stays th
 forward hooks still fire. Products run through gpt2kit.decode.int8 (the kernel measured fastest
 on the machine). A quantized model is for inference: putting it in training mode raises.
 
+Opt-in, the same int8 modules can run with int8 activations too (`set_activations(model, "int8")`,
+or through the quality gate: gpt2kit.quant_gate): each product's input rows are quantized to int8
+on the fly (per-row scales) and multiplied int8 x int8 in int32 (gpt2kit.decode.int8act), as
+CTranslate2 and ONNX Runtime run int8 models. It is a way of running the model, not part of it:
+the weights, the state dict and a saved checkpoint are the same in both modes.
+
 Legend: R rows, in/out the matrix's features, V embedding rows, C n_embd.
 """
 
@@ -29,10 +35,13 @@ from torch import nn
 
 from gpt2kit.config import QUANT_SCALE_DTYPES, QUANT_SCHEMES, check_scheme
 from gpt2kit.decode.int8 import int8_linear
+from gpt2kit.decode.int8act import MAX_IN_FEATURES, int8act_linear
 
-__all__ = ["SCALE_DTYPES", "SCHEMES", "QuantEmbedding", "QuantLinear", "check_scheme", "is_quantized",
-           "parameter_count", "quality", "quantization", "quantize_model", "quantize_weight", "quantized_skeleton",
-           "weight_bytes"]
+__all__ = ["ACTIVATIONS", "SCALE_DTYPES", "SCHEMES", "QuantEmbedding", "QuantLinear", "activations", "check_scheme",
+           "is_quantized", "parameter_count", "quality", "quantization", "quantize_model", "quantize_weight",
+           "quantized_skeleton", "set_activations", "weight_bytes"]
+
+ACTIVATIONS = ("float", "int8")  # how an int8 model's products take their input rows
 
 SCHEMES = QUANT_SCHEMES
 SCALE_DTYPES = {name: getattr(torch, name) for name in QUANT_SCALE_DTYPES}
@@ -73,6 +82,7 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
                                  requires_grad=False) if bias else None
         self.training = False
+        self.activations = "float"  # or "int8": set_activations
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scale_dtype: str | torch.dtype = "float32") -> QuantLinear:
@@ -85,6 +95,8 @@ class QuantLinear(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations == "int8":
+            return int8act_linear(x, self.weight, self.scale, self.bias)  # (..., out)
         return int8_linear(x, self.weight, self.scale, self.bias)  # (..., out)
 
     def dequantize(self) -> torch.Tensor:
@@ -98,7 +110,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, int8, scale={str(self.scale.dtype).removeprefix('torch.')}")
+                f"bias={self.bias is not None}, int8, scale={str(self.scale.dtype).removeprefix('torch.')}"
+                + (", int8 activations" if self.activations == "int8" else ""))
 
 
 class QuantEmbedding(nn.Module):
@@ -116,6 +129,7 @@ class QuantEmbedding(nn.Module):
         self.register_buffer("weight", torch.zeros(num_embeddings, embedding_dim, dtype=torch.int8, device=device))
         self.register_buffer("scale", torch.ones(num_embeddings, dtype=_scale_dtype(scale_dtype), device=device))
         self.training = False
+        self.activations = "float"  # or "int8" (the head's product; lookups are dequantized rows either way)
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, scale_dtype: str | torch.dtype = "float32") -> QuantEmbedding:
@@ -132,6 +146,8 @@ class QuantEmbedding(nn.Module):
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """The tied head's product, which GPT2.lm_head asks its wte for: x (..., C) -> (..., V) over
         every row (GPT2.lm_head cuts padded rows, as for the float table)."""
+        if self.activations == "int8":
+            return int8act_linear(x, self.weight, self.scale)
         return int8_linear(x, self.weight, self.scale)
 
     def dequantize(self) -> torch.Tensor:
@@ -153,7 +169,8 @@ class QuantEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, int8, "
-                f"scale={str(self.scale.dtype).removeprefix('torch.')}")
+                f"scale={str(self.scale.dtype).removeprefix('torch.')}"
+                + (", int8 activations" if self.activations == "int8" else ""))
 
 
 def quantization(model: nn.Module) -> dict | None:
@@ -168,6 +185,35 @@ def quantization(model: nn.Module) -> dict | None:
 
 def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules())
+
+
+def activations(model: nn.Module) -> str | None:
+    """How an int8 model's products take their inputs: "float" (weight-only, the default) or "int8";
+    None for a float model."""
+    quant = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    if not quant:
+        return None
+    return "int8" if all(m.activations == "int8" for m in quant) else "float"
+
+
+def set_activations(model: nn.Module, mode: str) -> nn.Module:
+    """Run an int8 model's products on float activations ("float", weight-only: the default) or on
+    int8 ones ("int8": gpt2kit.decode.int8act), in place; returns the model. This applies the mode
+    as asked, with no quality check: gpt2kit.quant_gate.use_int8_activations measures the gate first.
+    ValueError for another mode, a float model, or in_features beyond the int32 sums' range."""
+    if mode not in ACTIVATIONS:
+        raise ValueError(f"unknown activation mode {mode!r}; valid choices: {', '.join(ACTIVATIONS)}")
+    quant = [m for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    if not quant:
+        raise ValueError(f"{mode} activations apply to an int8 model; this one is not quantized "
+                         "(quantize_model, or --quantize int8)")
+    widest = max(m.weight.shape[1] for m in quant)
+    if mode == "int8" and widest > MAX_IN_FEATURES:
+        raise ValueError(f"int8 activations take in_features up to {MAX_IN_FEATURES} (int32 sums), "
+                         f"this model has {widest}")
+    for m in quant:
+        m.activations = mode
+    return model
 
 
 def _swap(model: nn.Module, lm_head: bool, make_linear, make_embedding) -> None:

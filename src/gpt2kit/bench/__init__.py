@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print which kernel each product bucket runs here, from where (default / stored / "
                         "measured / forced) and the measured medians, then exit (no transformers needed)")
     p.add_argument("--remeasure", action="store_true", help="with --kernels: measure anew, whatever is stored")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="with --quantize int8: run the int8 column with int8 activations too (speed only: random "
+                        "weights, no quality gate); with --kernels: also show the int8-activation kernels' choice")
     p.add_argument("--int8-kernel", default=None, metavar="KERNEL",
                    help="run int8 products with this kernel (as GPT2KIT_INT8_KERNEL): native-avx2, i8pack-bf16, "
                         "i8pack, dequant")
@@ -43,6 +46,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         from gpt2kit.decode.int8 import ENV, check_kernel
 
         os.environ[ENV] = check_kernel(args.int8_kernel, getattr(args, "device", "cpu"), "--int8-kernel ")
+    if getattr(args, "int8_activations", False):
+        if not (getattr(args, "kernels", False) or getattr(args, "quantize", None)):
+            raise ValueError("--int8-activations runs an int8 model: add --quantize int8 (or --kernels)")
+        if os.environ.get("GPT2KIT_INT8ACT_KERNEL"):
+            from gpt2kit.decode.int8act import ENV, check_kernel
+
+            check_kernel(os.environ[ENV], getattr(args, "device", "cpu"))
     if getattr(args, "kernels", False):
         return _print_kernels(args)
     if not getattr(args, "_memory_worker", None):
@@ -59,7 +69,8 @@ def _print_kernels(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    print(format_kernels(kernel_choices(remeasure=args.remeasure)))
+    print(format_kernels(kernel_choices(remeasure=args.remeasure,
+                                        int8_activations=getattr(args, "int8_activations", False))))
     return 0
 
 

@@ -41,10 +41,11 @@ from gpt2kit.checkpoint.keymap import to_hf_state
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import prefill, use_decode_layout
 from gpt2kit.decode.int8 import chosen
+from gpt2kit.decode.int8act import chosen as int8act_chosen
 from gpt2kit.generate import generate
 from gpt2kit.kv_cache import KVCache
 from gpt2kit.model import GPT2
-from gpt2kit.quant import check_scheme, quantize_model, quantized_skeleton, weight_bytes
+from gpt2kit.quant import check_scheme, quantize_model, quantized_skeleton, set_activations, weight_bytes
 from gpt2kit.sampling import SamplingSettings
 from gpt2kit.tokenizer import Tokenizer
 
@@ -251,12 +252,14 @@ def machine(device: torch.device | str = "cpu") -> dict[str, object]:
 
 def run(quick: bool = False, threads: int | None = None, memory: bool = True, wait: float = 0.0,
         log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
-        device: str | torch.device = "cpu", config: GPT2Config | None = None, quantize: str | None = None) -> dict:
+        device: str | torch.device = "cpu", config: GPT2Config | None = None, quantize: str | None = None,
+        int8_activations: bool = False) -> dict:
     """Run the benchmark; returns the results (also what `format_table` prints). wait: seconds to
     wait, before each trial, for other processes to leave the CPU (for shared machines). device:
     cpu or cuda (on cuda each trial ends with a synchronize; memory is the peak allocated).
     config: another model than gpt2 124M (the tests run a tiny one). quantize: "int8" adds gpt2kit
-    with int8 weights (gpt2kit.quant, LM head included) as a third column."""
+    with int8 weights (gpt2kit.quant, LM head included) as a third column; int8_activations: that
+    column with int8 activations too (gpt2kit.decode.int8act; speed only: no quality gate on random weights)."""
     if quantize is not None:
         check_scheme(quantize)
     device = bench_device(device)
@@ -279,6 +282,8 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
         ours8 = GPT2(config).eval()
         ours8.load_state_dict(ours32.state_dict())
         ours8 = quantize_model(ours8.to(device), quantize, lm_head=True)
+        if int8_activations:
+            set_activations(ours8, "int8")
     for model in (ours32, ours16):  # what generate does first; here so that prefill has it too
         use_decode_layout(model)
     engines = {"transformers/float32": (hf, hf_prefill, hf_decode),
@@ -324,7 +329,8 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
         results["bytes_per_token"]["int8"] = weight_bytes_per_token(ours8)
         results["weight_MB"] = {"float32": weight_bytes(ours32) / 1e6, "int8": weight_bytes(ours8) / 1e6}
         results["dlogprob_int8_next"], results["dlogprob_int8_vocab"] = logprob_drift(ours32, ours8, ids)
-        results["int8_kernels"] = chosen()
+        results["int8_kernels"] = int8act_chosen() if int8_activations else chosen()
+        results["int8_activations"] = int8_activations
     if memory:
         log("  peak memory (fresh processes) ...")
         results["peak_MiB"] = {
@@ -348,7 +354,8 @@ def measure_from_args(args: argparse.Namespace) -> int:
     config = GPT2Config.from_name(size)  # a name that is not a preset: ValueError listing them
     results = run(quick=args.quick, threads=args.threads, memory=not args.no_memory and size == "gpt2",
                   wait=args.wait, device=getattr(args, "device", "cpu"), quantize=getattr(args, "quantize", None),
-                  config=None if size == "gpt2" else config)
+                  config=None if size == "gpt2" else config,
+                  int8_activations=getattr(args, "int8_activations", False))
     print(format_table(results))
     if args.json:
         atomic_write_text(args.json, json.dumps(results, indent=2))

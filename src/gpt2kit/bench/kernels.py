@@ -1,6 +1,7 @@
 """`gpt2kit bench --kernels`: which kernel each product bucket runs on this machine, and why.
 
-For every rows bucket of the int8 products (float32 activations) and the bfloat16 few-row products,
+For every rows bucket of the int8 products (float32 activations; with int8_activations, also the
+int8-activation products of gpt2kit.decode.int8act) and the bfloat16 few-row products,
 the choice gpt2kit.decode makes at first use is made here and printed with where it came from
 (default: the CPU family's known-good kernel, kept where the measurement was disturbed or not clearly
 better; stored: measured earlier on this machine; measured: now; forced: GPT2KIT_INT8_KERNEL or
@@ -15,14 +16,23 @@ import os
 import torch
 
 from gpt2kit.bench.machine import describe_cpu
-from gpt2kit.decode import int8, kernel_choice, kernels
+from gpt2kit.decode import int8, int8act, kernel_choice, kernels
 
 ROWS = {"1": 1, "few": 8, "many": 64, "prefill": 256, "long": 1024}
 
 
-def kernel_choices(remeasure: bool = False, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> list[dict]:
+def kernel_choices(remeasure: bool = False, dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+                   int8_activations: bool = False) -> list[dict]:
     """One row per bucket: {"what", "bucket", "kernel", "source", "why", "medians_ms"}."""
     rows = []
+    if int8_activations:
+        forced_a8 = os.environ.get(int8act.ENV)
+        for bucket, n in ROWS.items():
+            if forced_a8:
+                c = kernel_choice.Choice(int8act.choose(torch.device("cpu"), n), "forced", f"{int8act.ENV} is set")
+            else:
+                c = int8act.decide_for(torch.device("cpu"), n, fresh=remeasure)
+            rows.append({"what": "int8 weights, int8 activations", "bucket": bucket, **c.as_json()})
     forced = os.environ.get(int8.ENV)
     for dtype in dtypes:
         for bucket, n in ROWS.items():

@@ -8,21 +8,25 @@ import os
 import platform
 
 MEM_ENV = "GPT2KIT_MEM_AVAILABLE"  # bytes: stands in for MemAvailable (tests, or a cgroup-limited container)
+FLAGS_ENV = "GPT2KIT_CPU_FLAGS"  # space-separated: stands in for the CPU's flags (tests: another CPU family)
 
 # The instruction sets that decide which kernels are fast here (docs/benchmarks.md).
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
 
 
 def cpu_info() -> dict[str, object]:
     """{"cpu": model name, "cores": logical CPUs, "isa": the ISA_FLAGS this CPU has} (Linux reads
     /proc/cpuinfo; elsewhere the name is platform's and isa is empty)."""
-    cpu, flags = _read_cpuinfo()
+    cpu, flags = _read_cpuinfo()[0], cpu_flags()
     return {"cpu": cpu, "cores": os.cpu_count(), "isa": [f for f in ISA_FLAGS if f in flags]}
 
 
 def cpu_flags() -> frozenset[str]:
-    """Every flag /proc/cpuinfo lists for the first CPU (empty where there is no /proc/cpuinfo)."""
-    return _read_cpuinfo()[1]
+    """Every flag /proc/cpuinfo lists for the first CPU (empty where there is no /proc/cpuinfo), or
+    those $GPT2KIT_CPU_FLAGS names where it is set (what kernel choices are made for: a seam to
+    decide as another CPU would; the kernels themselves still run on this one)."""
+    forced = os.environ.get(FLAGS_ENV)
+    return frozenset(forced.split()) if forced is not None else _read_cpuinfo()[1]
 
 
 def _read_cpuinfo() -> tuple[str, frozenset[str]]:

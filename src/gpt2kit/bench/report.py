@@ -27,7 +27,8 @@ def format_table(r: dict) -> str:
              "decode_b8": f"decode tok/s, batch 8 ({r['new_tokens']} new)"}
     i8 = "gpt2kit/int8" if "gpt2kit/int8" in r["tok_s"]["prefill"] else None
     if i8:  # the int8 column goes in before the quiet-trials one
-        lines[-2] = lines[-2].replace(" | quiet trials |", " | gpt2kit int8 | ratio | quiet trials |")
+        label = "gpt2kit int8 (int8 activations)" if r.get("int8_activations") else "gpt2kit int8"
+        lines[-2] = lines[-2].replace(" | quiet trials |", f" | {label} | ratio | quiet trials |")
         lines[-1] = lines[-1].replace("--:|---|", "--:|--:|--:|---|")
     for wl, label in names.items():
         v = r["tok_s"][wl]
@@ -67,7 +68,8 @@ def format_table(r: dict) -> str:
     if i8:
         w = r["weight_MB"]
         lines += [
-            f"int8 (weight-only, LM head included): physical limit {bpt['int8'] / 1e6:.0f} MB per token -> "
+            f"int8 ({'int8 activations, ungated: speed only' if r.get('int8_activations') else 'weight-only'}, "
+            f"LM head included): physical limit {bpt['int8'] / 1e6:.0f} MB per token -> "
             f"{lim['int8']:.1f} tok/s (gpt2kit int8 at {b1[i8] / lim['int8']:.0%}); weight memory "
             f"{w['int8'] / w['float32']:.0%} of float32 ({'<=' if w['int8'] <= 0.30 * w['float32'] else '>'} 30%); "
             f"kernels {r['int8_kernels']}",

@@ -1,7 +1,7 @@
-"""Loading for inference, in one place: the model and device flags, --quantize and --int8-kernel
-checked before anything loads, then load_model (an --adapter merged), quantize, load_tokenizer,
-the status line saying so. generate, score, trace and serve use it; torch is imported only here,
-when a command loads."""
+"""Loading for inference, in one place: the model and device flags, --quantize, --int8-kernel and
+--int8-activations checked before anything loads, then load_model (an --adapter merged), quantize,
+load_tokenizer, the int8-activation quality gate, the status line saying so. generate, score, trace
+and serve use it; torch is imported only here, when a command loads."""
 
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ def add_quantize_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--int8-kernel", default=None, metavar="KERNEL",
                    help="run int8 products with this kernel instead of the measured choice (as GPT2KIT_INT8_KERNEL): "
                         "native-avx2, i8pack-bf16, i8pack, dequant")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="run the int8 model with int8 activations too (per-row scales, int8 x int8 products, as "
+                        "CTranslate2 and ONNX Runtime do), if it passes its quality gate on --gate-data "
+                        "(docs/quantization.md); without this flag int8 is weight-only")
+    p.add_argument("--gate-data", default=None, metavar="PATH",
+                   help="held-out text for --int8-activations' quality gate: a text file, a .bin shard, or a "
+                        "directory of val_*.bin shards (gpt2kit data prepare)")
 
 
 def check_load_args(args: argparse.Namespace) -> None:
@@ -45,6 +52,25 @@ def check_load_args(args: argparse.Namespace) -> None:
 
         device = args.device if str(getattr(args, "device", None) or "").startswith("cuda") else "cpu"
         os.environ[ENV] = check_kernel(flag or env, device, "--int8-kernel " if flag else None)
+    check_activation_args(args)
+
+
+def check_activation_args(args: argparse.Namespace) -> None:
+    """--int8-activations needs --gate-data that exists (and --gate-data needs it); a kernel forced by
+    GPT2KIT_INT8ACT_KERNEL must be one that runs here."""
+    on, data = getattr(args, "int8_activations", False), getattr(args, "gate_data", None)
+    if on and data is None:
+        raise ValueError("--int8-activations needs --gate-data PATH: held-out text to measure its quality gate on "
+                         "(a text file, a .bin shard or a directory of val_*.bin shards; docs/quantization.md)")
+    if data is not None and not on:
+        raise ValueError("--gate-data is the held-out text of --int8-activations' quality gate; add "
+                         "--int8-activations, or drop --gate-data")
+    if data is not None and not os.path.exists(data):
+        raise ValueError(f"--gate-data {data}: no such file or directory")
+    if on and os.environ.get("GPT2KIT_INT8ACT_KERNEL"):
+        from gpt2kit.decode.int8act import ENV, check_kernel
+
+        check_kernel(os.environ[ENV])
 
 
 def check_adapter(args: argparse.Namespace) -> None:
@@ -76,4 +102,14 @@ def load_for(args: argparse.Namespace):
     args.status.show(f"loading {args.model}")
     model = quantize_loaded(load_model(path, dtype=args.dtype, device=args.device,
                                        adapter=getattr(args, "adapter", None)), args)
-    return model, load_tokenizer(path)
+    tokenizer = load_tokenizer(path)
+    if getattr(args, "int8_activations", False):
+        import sys
+
+        from gpt2kit.quant_gate import gate_activations
+
+        args.status.show("measuring the int8-activation quality gate")
+        line = gate_activations(model, tokenizer, args.gate_data)
+        args.status.hide()
+        print(f"gpt2kit: {line}", file=sys.stderr)
+    return model, tokenizer

@@ -40,7 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"gpt2kit serve: loading {args.model} as {opts.served_model_name!r} on http://{args.host}:{args.port}"
           f" (/health answers 503 until it is ready)", file=sys.stderr, flush=True)
     serve(args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device, opts=opts,
-          quantize=args.quantize, adapter=args.adapter)
+          quantize=args.quantize, adapter=args.adapter, gate_data=args.gate_data if args.int8_activations else None)
     return 0
 
 

@@ -1,6 +1,9 @@
-"""gpt2kit's own CPU kernel (C, in csrc/), built with the system's C compiler on first use and called
+"""gpt2kit's own CPU kernels (C, in csrc/), built with the system's C compiler on first use and called
 through ctypes: the int8 weight-only product of csrc/int8_linear.c, for x86-64 CPUs with AVX2 and
-FMA.
+FMA, and the int8-activation product of csrc/int8act_linear.c (gpt2kit/decode/int8act.py), for AVX2
+and, where the CPU has it, AVX-512 VNNI (one library holds both; `why_int8act_unavailable(isa)` says
+whether this CPU runs an instruction set, from its flags). Each library is built, cached and loaded
+on its own, as described below for the first.
 
 Why a kernel of our own: a batch-1 decode step reads every weight once, so an int8 model should run
 at the speed of streaming its int8 bytes from memory. PyTorch's `_weight_int8pack_mm` is compute
@@ -42,14 +45,21 @@ from pathlib import Path
 import torch
 
 import gpt2kit.decode.kernel_cache as kernel_cache
+from gpt2kit.bench.machine import cpu_flags
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 ABI = 1  # csrc/int8_linear.c's gpt2kit_int8_linear_abi(): the signature this module calls
-_STATE: dict[str, object] = {}  # "fn" -> the loaded function, or "why" -> the reason there is none
+ABI_INT8ACT = 1  # csrc/int8act_linear.c's gpt2kit_int8act_linear_abi()
+# The libraries, by their C source's stem: each is built, cached and loaded on its own, so one that
+# fails to build (an old compiler without the AVX-512 VNNI target) leaves the other in use.
+_LIBS = {"int8_linear": ABI, "int8act_linear": ABI_INT8ACT}
+_STATE: dict[str, dict[str, object]] = {}  # library -> {"fn": the loaded function} or {"why": the reason there is none}
+ISAS = {"avx2": 1, "avx512-vnni": 2}  # csrc/int8act_linear.c's isa argument
+_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
 
 
-def _source() -> bytes:
-    return resources.files("gpt2kit.decode").joinpath("csrc/int8_linear.c").read_bytes()
+def _source(lib: str = "int8_linear") -> bytes:
+    return resources.files("gpt2kit.decode").joinpath(f"csrc/{lib}.c").read_bytes()
 
 
 def cache_dir() -> Path:
@@ -77,88 +87,133 @@ def _cannot_run_here() -> str | None:
     return None
 
 
-def library_name(cc: str) -> str:
+def library_name(cc: str, lib: str = "int8_linear") -> str:
     """The cached library's file name for compiler `cc`: a hash of the source, the compiler (its path
     and version) and the flags, so a changed source, compiler or flag builds anew."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [b"gpt2kit-native-2", _source(), (shutil.which(cc) or cc).encode(), version.encode(),
+    parts = [b"gpt2kit-native-2", _source(lib), (shutil.which(cc) or cc).encode(), version.encode(),
              " ".join(FLAGS).encode()]
     key = hashlib.sha256(b"".join(p + b"\0" for p in parts)).hexdigest()[:16]
-    return f"int8_linear-{key}.so"
+    return f"{lib}-{key}.so"
 
 
-def _compile(cc: str) -> bytes:
+def _compile(cc: str, lib: str) -> bytes:
     """The library's bytes, compiled in a private temporary directory (0700, removed after)."""
     with tempfile.TemporaryDirectory(prefix="gpt2kit-build-") as tmp:
-        Path(tmp, "int8_linear.c").write_bytes(_source())
+        Path(tmp, f"{lib}.c").write_bytes(_source(lib))
         # relative names, run in tmp: the library does not depend on where it was built
-        done = subprocess.run([cc, *FLAGS, "int8_linear.c", "-o", "int8_linear.so"], cwd=tmp,
+        done = subprocess.run([cc, *FLAGS, f"{lib}.c", "-o", f"{lib}.so"], cwd=tmp,
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {(done.stderr.strip().splitlines() or ['no message'])[-1][:200]}")
-        return Path(tmp, "int8_linear.so").read_bytes()
+        return Path(tmp, f"{lib}.so").read_bytes()
 
 
-def load(directory: Path | None = None):
-    """Load gpt2kit's int8 kernel and return its C function: the library cached in `directory`
-    (default cache_dir()) if it passes kernel_cache's checks, else built with the C compiler and
-    stored there (where `directory` is not this user's alone, or cannot be written, it is built for
-    this process only). Raises RuntimeError, OSError or subprocess.SubprocessError with the reason."""
+def load(directory: Path | None = None, lib: str = "int8_linear"):
+    """Load one of gpt2kit's kernel libraries (`lib`: int8_linear, the weight-only product, or
+    int8act_linear, the int8-activation one) and return its C function: the library cached in
+    `directory` (default cache_dir()) if it passes kernel_cache's checks, else built with the C
+    compiler and stored there (where `directory` is not this user's alone, or cannot be written, it
+    is built for this process only). Raises RuntimeError, OSError or subprocess.SubprocessError with
+    the reason."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
-    name = library_name(cc)
+    name = library_name(cc, lib)
     cache = kernel_cache.open_cache(cache_dir() if directory is None else Path(directory))
     try:
         body = cache.read(name) if cache else None
         if body is None:
-            body = _compile(cc)
+            body = _compile(cc, lib)
             if cache:
                 cache.write(name, body)  # best effort: a cache that cannot be written builds each process
     finally:
         if cache:
             cache.close()
-    lib = kernel_cache.load(body, name)
-    if lib.gpt2kit_int8_linear_abi() != ABI:
+    dll = kernel_cache.load(body, name)
+    if getattr(dll, f"gpt2kit_{lib}_abi")() != _LIBS[lib]:
         raise RuntimeError("the library is of another version")
-    fn = lib.gpt2kit_int8_linear
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    fn.restype = None
+    fn = getattr(dll, f"gpt2kit_{lib}")
+    args = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    fn.argtypes = args + [ctypes.c_int] if lib == "int8act_linear" else args
+    fn.restype = ctypes.c_int if lib == "int8act_linear" else None
     return fn
 
 
-def _load() -> None:
+def _load(lib: str) -> dict[str, object]:
     why = _cannot_run_here()
     if why is None and _compiler() is None:
         why = "no C compiler (set CC, or install gcc)"
     if why is None:
         try:
-            _STATE["fn"] = load()
-            return
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            return {"fn": load(lib=lib)}
+        except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
             why = f"the build failed ({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]})"
-    _STATE["why"] = why
+    return {"why": why}
+
+
+def _function(lib: str, reload: bool):
+    if reload:
+        _STATE.clear()
+    if lib not in _STATE:
+        _STATE[lib] = {"why": "GPT2KIT_NO_NATIVE is set"} if os.environ.get("GPT2KIT_NO_NATIVE") else _load(lib)
+    return _STATE[lib].get("fn")
 
 
 def int8_linear(reload: bool = False):
-    """The C function (built and loaded on the first call), or None where it cannot run here.
-    reload: forget what this process found and look again (after CC, PATH, GPT2KIT_CACHE or
-    GPT2KIT_NO_NATIVE changed)."""
-    if reload:
-        _STATE.clear()
-    if not _STATE:
-        if os.environ.get("GPT2KIT_NO_NATIVE"):
-            _STATE["why"] = "GPT2KIT_NO_NATIVE is set"
-        else:
-            _load()
-    return _STATE.get("fn")
+    """The weight-only C function (built and loaded on the first call), or None where it cannot run
+    here. reload: forget what this process found (for every library) and look again (after CC, PATH,
+    GPT2KIT_CACHE or GPT2KIT_NO_NATIVE changed)."""
+    return _function("int8_linear", reload)
 
 
 def why_unavailable() -> str | None:
-    """One line on why the kernel is unavailable, or None when it is loaded (after int8_linear())."""
+    """One line on why the weight-only kernel is unavailable, or None when it is loaded (after int8_linear())."""
     int8_linear()
-    return _STATE.get("why")
+    return _STATE["int8_linear"].get("why")
+
+
+def int8act_linear(reload: bool = False):
+    """The int8-activation C function (csrc/int8act_linear.c), as int8_linear() gives the weight-only one."""
+    return _function("int8act_linear", reload)
+
+
+def why_int8act_unavailable(isa: str) -> str | None:
+    """Why the int8-activation kernel for `isa` (one of ISAS) cannot run here, or None: the library
+    (as why_unavailable), and for avx512-vnni the CPU's flags (avx512f, avx512bw, avx512_vnni, and
+    PyTorch seeing AVX-512, which it does only where the OS saves the AVX-512 registers)."""
+    if isa not in ISAS:
+        raise ValueError(f"unknown instruction set {isa!r}; valid choices: {', '.join(ISAS)}")
+    int8act_linear()
+    state = _STATE["int8act_linear"]
+    if state.get("why") is not None or isa == "avx2":
+        return state.get("why")
+    if "vnni" not in state:  # read once per load (a product must not read /proc/cpuinfo)
+        lacking = sorted(_VNNI_FLAGS - cpu_flags())
+        state["vnni"] = (f"this CPU lacks {', '.join(lacking)}" if lacking
+                         else None if torch.backends.cpu.get_cpu_capability() == "AVX512"
+                         else f"PyTorch reports {torch.backends.cpu.get_cpu_capability()}, not AVX512")
+    return state["vnni"]
+
+
+def run_int8act_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                       isa: str) -> torch.Tensor:
+    """x2 (R, K) float32, its rows quantized to int8 on the fly, @ (weight (N, K) int8 * scale (N,)
+    float32)^T [+ bias (N,) float32] -> (R, N) float32 (csrc/int8act_linear.c's arithmetic), by the
+    C kernel for `isa` on PyTorch's thread count. Inputs must be CPU, contiguous, these dtypes
+    (gpt2kit.decode.int8act checks before calling)."""
+    why = why_int8act_unavailable(isa)
+    if why is not None:
+        raise RuntimeError(f"gpt2kit's native int8-activation kernel ({isa}) is unavailable: {why}")
+    R, K = x2.shape
+    N = weight.shape[0]
+    y = torch.empty(R, N, dtype=torch.float32)  # (R, N)
+    if int8act_linear()(x2.data_ptr(), R, K, weight.data_ptr(), N, scale.data_ptr(),
+                        None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+                        ISAS[isa]) != 0:
+        raise MemoryError(f"the int8-activation kernel could not allocate {R} x {K} bytes of scratch")
+    return y
 
 
 def run_int8_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

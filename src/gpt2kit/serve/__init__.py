@@ -10,6 +10,7 @@ docs/serving.md.
 from __future__ import annotations
 
 import socket
+import sys
 from typing import TYPE_CHECKING, Any
 
 from gpt2kit.serve.options import ServeOptions
@@ -37,12 +38,15 @@ def __getattr__(name: str) -> Any:
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
           device: str | None = None, opts: ServeOptions | None = None, log_level: str = "info",
-          sock: socket.socket | None = None, quantize: str | None = None, adapter: str | None = None) -> None:
+          sock: socket.socket | None = None, quantize: str | None = None, adapter: str | None = None,
+          gate_data: str | None = None) -> None:
     """Load checkpoint `model` (in the background: /health answers 503 until it is ready) and serve
     it until interrupted (SIGTERM/SIGINT: a drain of opts.shutdown_grace seconds, docs/serving.md).
     A model that fails to load stops the server and raises here. quantize: "int8" quantizes the
     loaded weights (gpt2kit.quant, LM head included; docs/quantization.md); adapter: a LoRA adapter
-    directory (peft's format) merged into the weights first."""
+    directory (peft's format) merged into the weights first; gate_data: held-out text on which the
+    int8 model must pass the int8-activation quality gate (gpt2kit.quant_gate), then served with int8
+    activations (a model that fails it does not load)."""
     from gpt2kit.checkpoint import load_model, load_tokenizer
     from gpt2kit.serve.app import create_app
     from gpt2kit.serve.runner import make_server
@@ -58,7 +62,12 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str |
             from gpt2kit.quant import quantize_model
 
             m = quantize_model(m, quantize)
-        return m, load_tokenizer(model)
+        tokenizer = load_tokenizer(model)
+        if gate_data is not None:
+            from gpt2kit.quant_gate import gate_activations
+
+            print(f"gpt2kit serve: {gate_activations(m, tokenizer, gate_data)}", file=sys.stderr, flush=True)
+        return m, tokenizer
 
     app = create_app(loader, opts)
     server = make_server(app, host=host, port=port, log_level=log_level)
