@@ -87,3 +87,24 @@ def test_prefill_chunk_and_max_len_are_checked_and_reach_the_servers_engine():
         ServeOptions(prefill_chunk=0)
     assert ServeOptions().prefill_chunk == DEFAULT_PREFILL_CHUNK
     assert serve_engine(model, None, max_batch=2, pack_weights=None, prefill_chunk=7).prefill_chunk == 7
+
+
+def test_a_row_cancelled_mid_prefill_frees_its_slot_and_the_others_go_on():
+    model = varied_model(SMALL, seed=0)
+    engine = Engine(model, max_batch=2, prefill_chunk=4)
+    running = engine.new_row([464, 2068, 7586], RUN)
+    engine.submit([running])
+    engine.step()
+    long_row = engine.new_row(list(range(300, 330)), JOIN, seed=7)
+    waiting = engine.new_row([11, 12, 13], JOIN, seed=7)
+    engine.submit([long_row, waiting])
+    engine.step()
+    engine.step()
+    assert engine.n_prefilling == 1 and engine.n_running == 2 and engine.n_waiting == 1  # both slots held
+    engine.cancel(long_row)
+    engine.step()  # its slot is free at once: the waiting row takes it and joins in one chunk
+    assert not long_row.tokens and engine.pool.taken(1) and waiting.tokens
+    while engine.has_work:
+        engine.step()
+    assert running.tokens == generate(model, [running.prompt], RUN)[0].tokens
+    assert waiting.tokens == generate(model, [waiting.prompt], JOIN)[0].tokens
