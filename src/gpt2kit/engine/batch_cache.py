@@ -57,15 +57,14 @@ class StepCache:
         """Write kv (B, 2, nh, 1, hs) as described above; return views (B, nh, P + 1, hs)."""
         P = self.length
         assert kv.shape[3] == 1, "a StepCache takes one new token per row"
-        dst = self.kv[layer]  # (B, 2, nh, M, hs)
         if self._write is None:
-            dst[:, :, :, P:P + 1] = kv
+            self.kv[layer, :, :, :, P:P + 1] = kv
         else:
-            dst[self._write, :, :, P:P + 1] = kv[self._write]
+            self.kv[layer, :, :, :, P:P + 1][self._write] = kv[self._write]
         if self._home is not None:
             rows, cols = self._home
-            dst[rows, :, :, cols] = kv[rows, :, :, 0]  # (k, 2, nh, hs) at each row's own column
-        return dst[:, 0, :, :P + 1], dst[:, 1, :, :P + 1]
+            self.kv[layer][rows, :, :, cols] = kv[rows, :, :, 0]  # (k, 2, nh, hs) at each row's own column
+        return self.kv[layer, :, 0, :, :P + 1], self.kv[layer, :, 1, :, :P + 1]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.update_kv(layer, torch.stack((k, v), 1))  # (B, 2, nh, 1, hs)
@@ -139,34 +138,41 @@ class SlotPool:
     def step_cache(self, slots: list[int]) -> tuple[StepCache, torch.Tensor | None]:
         """The cache and mask (B, P + 1) (None: every slot of [0, hi) decodes at length P) of a
         decode step for the rows in `slots` (ascending); zeroes the masked columns not yet clean."""
-        hi, lens = slots[-1] + 1, [self.lengths[s] for s in slots]
+        hi, lengths, clean = slots[-1] + 1, self.lengths, self._clean
+        lens = [lengths[s] for s in slots]
         P = max(lens)
         for s in slots:
-            if self._clean[s] < P:
-                self.kv[:, s, :, :, self._clean[s]:P].zero_()
-                self._clean[s] = P
-        device = self.kv.device
-        decoding = set(slots)
-        prefilling = any(self._taken[s] and s not in decoding for s in range(hi))
-        write = torch.tensor(slots, device=device) if prefilling else None
+            if clean[s] < P:
+                self.kv[:, s, :, :, clean[s]:P].zero_()
+                clean[s] = P
+        kv = self.kv if hi == self.kv.shape[1] else self.kv[:, :hi]
+        dense = len(slots) == hi  # no slot rides along
+        if dense and lens.count(P) == hi:
+            return StepCache(kv, P, None, None), None
+        device = kv.device
+        write = None  # a prefilling row's slot inside [0, hi) is never written
+        if not dense:
+            decoding = set(slots)
+            if any(self._taken[s] and s not in decoding for s in range(hi)):
+                write = torch.tensor(slots, device=device)
         short = [(s, n) for s, n in zip(slots, lens, strict=True) if n < P]
         home = None
         if short:
             home = (torch.tensor([s for s, _ in short], device=device),
                     torch.tensor([n for _, n in short], device=device))
-        mask = None
-        if short or len(slots) < hi:
-            n = torch.zeros(hi, dtype=torch.long, device=device)  # (B,): riders own no column
-            n[torch.tensor(slots, device=device)] = torch.tensor(lens, device=device)
-            mask = torch.arange(P + 1, device=device)[None, :] < n[:, None]  # (B, P + 1)
-            mask[:, P] = True
-        return StepCache(self.kv[:, :hi], P, write, home), mask
+        n = torch.zeros(hi, dtype=torch.long, device=device)  # (B,): riders own no column
+        n[torch.tensor(slots, device=device)] = torch.tensor(lens, device=device)
+        mask = torch.arange(P + 1, device=device)[None, :] < n[:, None]  # (B, P + 1)
+        mask[:, P] = True
+        return StepCache(kv, P, write, home), mask
 
     def advance(self, slots: list[int], P: int) -> None:
         """Every row in `slots` took one token at the step of width P (column P is now clean too)."""
+        lengths, clean = self.lengths, self._clean
         for s in slots:
-            self.lengths[s] += 1
-            self._clean[s] = max(self._clean[s], P + 1)
+            lengths[s] += 1
+            if clean[s] <= P:
+                clean[s] = P + 1
 
     def grow(self, n_slots: int) -> None:
         """More slots: a new storage, the held slots' clean columns copied over (counted)."""

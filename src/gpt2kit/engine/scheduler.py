@@ -175,7 +175,7 @@ class Engine:
         self._unfed = None
         self._drop_cancelled()
         self._admit()
-        ready = self._joining.step(self.model, self.pool) if len(self._joining) else []
+        ready = self._joining.step(self.model, self.pool) if self._joining.rows else []
         if ready:
             self._add(ready)
         if not self.rows:
@@ -203,11 +203,13 @@ class Engine:
 
     def _drop_cancelled(self) -> None:
         self._keep([r for r, row in enumerate(self.rows) if not row.cancelled])
-        if self.pool is not None:
+        if self._joining.rows:
             self._joining.drop_cancelled(self.pool)
 
     def _admit(self) -> None:
         """Waiting rows into free slots (an engine without max_batch adds slots), oldest first."""
+        if not self._waiting:
+            return
         with self._lock:
             room = len(self._waiting) if self.max_batch is None else self.max_batch - self.n_running
             join = []
@@ -256,7 +258,7 @@ class Engine:
     def _feed(self, tok: torch.Tensor) -> None:
         """Feed each decoding row's newest token tok (B,); their next logits become pending."""
         cache, mask = self.pool.step_cache(self._slots)  # over slots [0, hi); mask (hi, P + 1) or None
-        B, P = cache.batch_size, cache.length
+        B, P = cache.kv.shape[1], cache.length
         sel = None
         if B > len(self.rows):  # slots without a decoding row ride along; their outputs are dropped
             sel = torch.tensor(self._slots, dtype=torch.long, device=tok.device)
