@@ -8,6 +8,7 @@ KVCache view, a decode step writes through StepCache.update_kv as decode_step do
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import SMALL, varied_model
 
@@ -170,3 +171,9 @@ def test_the_engine_copies_no_other_rows_keys_and_values_when_rows_join_and_leav
     assert first.tokens == generate(model, [first.prompt], s)[0].tokens
     for row in joiners:
         assert row.tokens == generate(model, [row.prompt], short)[0].tokens
+
+
+def test_a_pool_that_cannot_be_allocated_is_a_value_error_naming_max_batch():
+    engine = Engine(varied_model(SMALL, seed=0), max_batch=10**12)  # 30 PB of slots
+    with pytest.raises(ValueError, match=r"a cache of 1000000000000 slots x 64 columns .* lower max_batch"):
+        engine.reserve()

@@ -88,7 +88,12 @@ class SlotPool:
         if n_cols > cfg.n_ctx:
             raise ValueError(f"slot length {n_cols} exceeds the model's context n_ctx={cfg.n_ctx}")
         p = model.wpe.weight  # never quantized
-        return cls(cfg.n_layer, n_slots, cfg.n_head, n_cols, cfg.head_dim, device=p.device, dtype=p.dtype)
+        try:
+            return cls(cfg.n_layer, n_slots, cfg.n_head, n_cols, cfg.head_dim, device=p.device, dtype=p.dtype)
+        except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeError (OutOfMemoryError)
+            size = cfg.n_layer * n_slots * 2 * cfg.n_embd * n_cols * p.element_size()
+            raise ValueError(f"a cache of {n_slots} slots x {n_cols} columns ({size / 2**30:.1f} GiB) cannot be "
+                             f"allocated on {p.device}: lower max_batch (--max-batch) ({e})") from e
 
     @property
     def n_slots(self) -> int:

@@ -69,6 +69,8 @@ def serve_engine(model, tokenizer, *, max_batch: int | None, pack_weights: bool 
 
     plain = Engine(model, tokenizer, max_batch=max_batch, pack_weights=pack_weights,
                    prefill_chunk=prefill_chunk or DEFAULT_PREFILL_CHUNK)
+    if max_batch is not None:
+        plain.reserve()  # its slots now: a cache that cannot be had fails the start-up, not a request
     if draft_model is None and not prompt_lookup:
         return plain
     draft = None

@@ -149,6 +149,12 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.rows or self._joining or self._waiting)
 
+    def reserve(self) -> SlotPool:
+        """Make the max_batch slots now (the server does, so a pool that cannot be had fails at start-up)."""
+        if self.pool is None:
+            self.pool = SlotPool.for_model(self.model, self.max_batch or 1, self.max_len)
+        return self.pool
+
     def reset(self) -> list[Row]:
         """Drop every row, running and waiting; returns them (after an error, to fail them)."""
         with self._lock:
@@ -176,8 +182,10 @@ class Engine:
         self._drop_cancelled()
         self._admit()
         ready = self._joining.step(self.model, self.pool) if self._joining.rows else []
-        if ready:
-            self._add(ready)
+        if ready:  # prefilled rows join the decoding ones, with the logits of their first token
+            self.rows, self._slots, self._logits = in_slot_order(
+                self.rows + [j.row for j, _ in ready], self._slots + [j.slot for j, _ in ready],
+                torch.cat(([self._logits] if self.rows else []) + [lg for _, lg in ready]))  # (B, V)
         if not self.rows:
             return []
         n_rows = len(self.rows)
@@ -221,24 +229,13 @@ class Engine:
             return
         if self.pool is None:
             self.pool = SlotPool.for_model(self.model, self.max_batch or len(join), self.max_len)
-        elif self.pool.n_free < len(join):  # no max_batch: more slots (the one copy: SlotPool.grow)
+        if self.pool.n_free < len(join):  # no max_batch: more slots (the one copy: SlotPool.grow)
             self.pool.grow(max(2 * self.pool.n_slots, self.n_running + len(join)))
         n_ctx = self.model.config.n_ctx
         self._joining.add([Joining(row, self.pool.take(), row.context(n_ctx, self._window(row))) for row in join])
 
     def _window(self, row: Row) -> int:
         return row.settings.window or max(self.model.config.n_ctx // 2, 1)
-
-    def _add(self, ready: list[tuple[Joining, torch.Tensor]]) -> None:
-        """Prefilled rows join the decoding rows (kept in slot order) with their next-token logits."""
-        rows = self.rows + [j.row for j, _ in ready]
-        slots = self._slots + [j.slot for j, _ in ready]
-        logits = torch.cat(([self._logits] if self.rows else []) + [lg for _, lg in ready])  # (B, V)
-        order = sorted(range(len(slots)), key=slots.__getitem__)
-        if order != list(range(len(slots))):
-            rows, slots = [rows[i] for i in order], [slots[i] for i in order]
-            logits = logits[torch.tensor(order, device=logits.device)]
-        self.rows, self._slots, self._logits = rows, slots, logits
 
     def _keep(self, keep: list[int], *, release: bool = True) -> None:
         """Keep only decoding rows `keep`; the others' slots are freed (release) or kept (re-prefill)."""
@@ -292,6 +289,15 @@ def sample_rows(rows: list[Row], logits: torch.Tensor) -> tuple[torch.Tensor, li
         if reason is None:
             keep.append(r)
     return tok, events, keep
+
+
+def in_slot_order(rows: list[Row], slots: list[int], logits: torch.Tensor
+                  ) -> tuple[list[Row], list[int], torch.Tensor]:
+    """Rows, their slots and their logits (B, V), sorted by slot."""
+    order = sorted(range(len(slots)), key=slots.__getitem__)
+    if order == list(range(len(slots))):
+        return rows, slots, logits
+    return [rows[i] for i in order], [slots[i] for i in order], logits[torch.tensor(order, device=logits.device)]
 
 
 def columns_needed(prompt_len: int, max_new_tokens: int, n_ctx: int) -> int:
