@@ -1,23 +1,34 @@
 """Decoding methods side by side: prompt lookup vs plain greedy, beam search vs transformers, and
 (with --draft-model) draft-model speculation vs the target's plain greedy.
 
-    python benchmarks/bench_decoding.py [--model gpt2] [--draft-model D --target T] [--threads N]
+    python benchmarks/bench_decoding.py [--model gpt2 | --model DIR] [--draft-model D --target T]
+                                        [--edit textwrap:indent:prefix:margin] [--threads N] [--quick]
 
-1. prompt lookup (issue 22's target: >= 2x plain greedy): a code-editing task — a function, then
-   "the same function with `total` renamed to `acc`" — where the output repeats most of the input;
-   gpt2kit greedy vs gpt2kit greedy with prompt_lookup=10 (the tokens are checked equal).
+--model is a published name or a trained model directory (an HF directory, as `gpt2kit train` and
+`save_model` write it; transformers reads the same directory for its side of the beam row).
+
+1. prompt lookup (issue 22's target: >= 2x plain greedy) on a code-editing task, where the output
+   repeats most of the input: a function from the standard library (--edit MODULE:FUNCTION:OLD:NEW,
+   its source read from this Python's own library, docstring left out so it fits a small context),
+   then "# The same function with `OLD` renamed to `NEW`:" and its def line renamed; the model
+   writes the rest. gpt2kit greedy vs gpt2kit greedy with prompt_lookup=10 (the tokens are checked
+   equal); as many new tokens as the function's body, within the context.
 2. beam search (target: >= 1.5x transformers): 4 beams, 2 prompts, 48 new tokens, gpt2kit vs
    transformers' generate(num_beams=4) on the same weights (the sequences are checked equal).
 3. with --draft-model D (and --target T, default --model): T's greedy vs T with D drafting
    (draft_tokens 4), at batch 1 and batch 8, with the acceptance rate (target: >= 1.5x where the
    acceptance is >= 60%).
 
+--quick: one trial of each and a few tokens (checks the script runs; not figures).
 Each row: the peer's tokens/s, ours, the ratio (ours / peer), best of alternating quiet trials.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
+import inspect
 
 import torch
 
@@ -27,49 +38,67 @@ from gpt2kit.checkpoint import load_model, load_tokenizer
 from gpt2kit.generate import generate
 from gpt2kit.sampling import SamplingSettings
 
-CODE = '''def summarize(orders, tax_rate):
-    """Total, average and largest order of a list of (name, price, quantity) tuples."""
-    total = 0.0
-    largest = None
-    for name, price, quantity in orders:
-        cost = price * quantity * (1 + tax_rate)
-        total += cost
-        if largest is None or cost > largest[1]:
-            largest = (name, cost)
-    average = total / len(orders) if orders else 0.0
-    print(f"total: {total:.2f}, average: {average:.2f}")
-    return total, average, largest
+EDIT = "textwrap:indent:prefix:margin"
+LOOKUP = 10  # prompt_lookup's draft tokens
 
 
-# The same function with `total` renamed to `acc`:
-def summarize(orders, tax_rate):
-'''
+def stdlib_function(module: str, name: str) -> str:
+    """The source of module's top-level function `name` as this Python's library has it (read
+    from the module's file, so a C accelerator of the same name does not hide it), without its
+    docstring."""
+    src = inspect.getsource(importlib.import_module(module))
+    node = next((n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if node is None:
+        raise SystemExit(f"--edit: {module} has no top-level function {name}")
+    lines = src.splitlines()[node.lineno - 1:node.end_lineno]
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        lines = lines[:first.lineno - node.lineno] + lines[first.end_lineno - node.lineno + 1:]
+    return "\n".join(lines)
+
+
+def edit_task(spec: str) -> tuple[str, str]:
+    """(prompt, the function's source) of the code-editing task --edit MODULE:FUNCTION:OLD:NEW."""
+    try:
+        module, name, old, new = spec.split(":")
+    except ValueError:
+        raise SystemExit(f"--edit takes MODULE:FUNCTION:OLD:NEW, got {spec!r}") from None
+    source = stdlib_function(module, name)
+    def_line = source.splitlines()[0]
+    if old not in source:
+        raise SystemExit(f"--edit: {old!r} does not occur in {module}.{name}")
+    return f"{source}\n\n\n# The same function with `{old}` renamed to `{new}`:\n{def_line.replace(old, new)}\n", source
 
 
 def _row(name: str, peer: float, ours: float, note: str = "") -> str:
     return f"| {name} | {peer:.1f} | {ours:.1f} | {ours / peer:.2f}x | {note} |"
 
 
-def bench_prompt_lookup(model, tok, trials: int) -> str:
-    ids = [tok.encode(CODE)]
-    n = 120
+def bench_prompt_lookup(model, tok, spec: str, trials: int, cap: int | None) -> str:
+    prompt, source = edit_task(spec)
+    ids = [tok.encode(prompt)]
+    room = model.config.n_ctx - len(ids[0]) - LOOKUP  # prompt lookup keeps the whole sequence in the context
+    n = min(len(tok.encode(source)) - len(tok.encode(source.splitlines()[0])), room, cap or room)
+    if n < 1:
+        raise SystemExit(f"--edit {spec}: the prompt ({len(ids[0])} tokens) leaves no room in n_ctx="
+                         f"{model.config.n_ctx}; choose a shorter function")
     plain = SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=())
-    looked = SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=(), prompt_lookup=10)
+    looked = SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=(), prompt_lookup=LOOKUP)
     a, b = generate(model, ids, plain), generate(model, ids, looked)
     same = a[0].tokens == b[0].tokens
     t = time_alternating({"plain": lambda: generate(model, ids, plain),
                           "lookup": lambda: generate(model, ids, looked)}, trials, 4 * trials)
-    note = f"acceptance {100 * b[0].acceptance_rate:.0f}%, tokens equal: {same}"
-    return _row("prompt lookup 10 vs plain greedy (code edit, 120 tokens)", n / t["plain"].seconds,
+    note = f"acceptance {100 * (b[0].acceptance_rate or 0):.0f}%, tokens equal: {same}"
+    return _row(f"prompt lookup {LOOKUP} vs plain greedy (code edit: {spec}, {n} tokens)", n / t["plain"].seconds,
                 n / t["lookup"].seconds, note)
 
 
-def bench_beams(model, model_name: str, trials: int) -> str:
+def bench_beams(model, model_name: str, trials: int, n: int = 48) -> str:
     from transformers import GPT2LMHeadModel
 
     hf = GPT2LMHeadModel.from_pretrained(model_name).eval()
     prompts = [[464, 3290, 286, 1204, 318], [7454, 2402, 257, 640, 11, 612, 373]]
-    n, nb = 48, 4
+    nb = 4
     T = max(map(len, prompts))
     ids = torch.tensor([[50256] * (T - len(p)) + p for p in prompts])
     mask = (torch.arange(T)[None] >= torch.tensor([T - len(p) for p in prompts])[:, None]).long()
@@ -88,11 +117,10 @@ def bench_beams(model, model_name: str, trials: int) -> str:
                 total / t["hf"].seconds, total / t["ours"].seconds, f"sequences equal: {same}")
 
 
-def bench_draft(target, draft, tok, trials: int) -> list[str]:
+def bench_draft(target, draft, tok, trials: int, n: int = 96) -> list[str]:
     rows = []
     for batch in (1, 8):
         prompts = [tok.encode("The history of the city begins")] * batch
-        n = 96
         plain = SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=())
         spec = SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=(), draft_tokens=4)
         out = generate(target, prompts, spec, draft_model=draft)
@@ -107,19 +135,24 @@ def bench_draft(target, draft, tok, trials: int) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="gpt2")
+    ap.add_argument("--model", default="gpt2", help="a published name or a trained model directory")
     ap.add_argument("--target", default=None, help="the target of --draft-model (default --model)")
     ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--edit", default=EDIT, metavar="MODULE:FUNCTION:OLD:NEW",
+                    help=f"the code-editing task of the prompt-lookup row (default {EDIT})")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="one trial, a few tokens: check that it runs")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    trials = 1 if args.quick else args.trials
     model, tok = load_model(args.model), load_tokenizer(args.model)
-    rows = [bench_prompt_lookup(model, tok, args.trials), bench_beams(model, args.model, args.trials)]
+    rows = [bench_prompt_lookup(model, tok, args.edit, trials, 16 if args.quick else None),
+            bench_beams(model, args.model, trials, 8 if args.quick else 48)]
     if args.draft_model:
         target = load_model(args.target) if args.target else model
-        rows += bench_draft(target, load_model(args.draft_model), tok, args.trials)
+        rows += bench_draft(target, load_model(args.draft_model), tok, trials, 8 if args.quick else 96)
     print(f"machine: {describe_cpu()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| case | peer tokens/s | gpt2kit tokens/s | ratio | notes |")
     print("|---|---|---|---|---|")

@@ -173,6 +173,43 @@ def test_the_engine_copies_no_other_rows_keys_and_values_when_rows_join_and_leav
         assert row.tokens == generate(model, [row.prompt], short)[0].tokens
 
 
+def test_a_beam_groups_copy_moves_only_its_own_slots_and_counts_them_apart():
+    """SlotPool.copy (a beam group's reorder): each destination slot takes its source's columns and
+    length, sources read before any is overwritten (a swap), the other slots untouched; the bytes
+    go to beam_bytes, never copied_bytes."""
+    pool = _pool()
+    rows = dict([_join(pool, n) for n in (4, 3, 3, 3)])  # slot 0 another row's; slots 1-3 a group's
+    other = pool.kv[:, 0].clone()
+    pool.copy([1, 2, 3], [2, 1, 1])  # slot 1 takes 2's, slots 2 and 3 take 1's
+    moved = {0: rows[0], 1: rows[2], 2: rows[1], 3: rows[1]}
+    _check(pool, moved)
+    assert torch.equal(pool.kv[:, 0], other)
+    assert pool.beam_bytes == 3 * L * 2 * NH * 3 * HS * 4 and pool.copied_bytes == 0
+    _step(pool, moved)  # the moved slots decode on from what they took
+    _check(pool, moved)
+
+
+def test_beam_rows_beside_a_row_copy_only_among_their_own_slots():
+    """A beam group running beside a greedy row: the row's slot never changes under the group's
+    reorders; the group's copies are counted in beam_bytes, copied_bytes stays 0."""
+    model = varied_model(SMALL, seed=0)
+    s = SamplingSettings(temperature=0, max_new_tokens=16, stop_token_ids=())
+    beams = SamplingSettings(max_new_tokens=8, num_beams=3, stop_token_ids=())
+    engine = Engine(model, max_batch=4)
+    first = engine.new_row([464, 2068, 7586], s)
+    engine.submit([first])
+    engine.step()
+    pool = engine.pool
+    engine.submit(engine.new_beam_rows([15496, 11], beams))
+    while engine.has_work:
+        n = pool.lengths[0]
+        mine = pool.kv[:, 0, :, :, :n].clone()
+        engine.step()
+        assert torch.equal(pool.kv[:, 0, :, :, :n], mine)
+    assert pool.beam_bytes > 0 and pool.copied_bytes == 0
+    assert first.tokens == generate(model, [first.prompt], s)[0].tokens
+
+
 def test_a_pool_that_cannot_be_allocated_is_a_value_error_naming_max_batch():
     engine = Engine(varied_model(SMALL, seed=0), max_batch=10**12)  # 30 PB of slots
     with pytest.raises(ValueError, match=r"a cache of 1000000000000 slots x 64 columns .* lower max_batch"):

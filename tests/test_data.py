@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 import json
 import os
@@ -388,27 +389,88 @@ def test_prepare_fails_fast_when_a_worker_dies(tmp_path):
 
 
 def test_ctrl_c_during_prepare_exits_at_once_without_worker_tracebacks(tmp_path):
+    """Ctrl-C as a terminal sends it (to the whole process group), with the workers unable to finish.
+
+    The workers are stopped (SIGSTOP) first: prepare cannot end before the Ctrl-C whatever the
+    machine's speed, and must not wait for them. concurrent.futures' pool hung here now and then (a
+    worker ended while writing its result held the result queue's lock for ever)."""
     corpus = _big_corpus(tmp_path, n_docs=400, size=50_000)
     out = tmp_path / "out"
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "gpt2kit", "prepare", str(corpus), "--out", str(out),
-                             "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                             "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not _children(proc.pid):
-            time.sleep(0.05)
-        time.sleep(1.0)  # the workers are busy tokenizing
+        while time.monotonic() < deadline and len(_workers(proc.pid)) < 2 and proc.poll() is None:
+            time.sleep(0.01)
+        stopped = _workers(proc.pid)
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)  # busy for ever, as far as prepare can tell
         assert proc.poll() is None, proc.communicate()
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
         t0 = time.monotonic()
         _, err = proc.communicate(timeout=60)
         took = time.monotonic() - t0
     finally:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert took < 30, f"took {took:.1f}s to stop"
     assert not list(out.glob("*.bin")) and not list(out.glob(".*.tmp"))
+    assert not [pid for pid in stopped if os.path.exists(f"/proc/{pid}")], "workers left running"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
+def test_prepare_fails_fast_when_workers_die_while_sending_results(tmp_path):
+    """Workers killed half-way through writing a result: concurrent.futures' pool read the half
+    message for ever (its result queue's write end is also held by the parent, so no end of file)."""
+    corpus = _big_corpus(tmp_path, n_docs=64, size=400_000)  # a chunk's result is far over a pipe's buffer
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2kit", "prepare", str(corpus), "--out", str(out),
+                             "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(_workers(proc.pid)) < 2 and proc.poll() is None:
+            time.sleep(0.01)
+        workers = _workers(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)  # nothing reads the results now: the workers block in their send
+        _wait_until_idle(workers, deadline)
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGCONT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode not in (0, None), err
+    assert "a tokenizer process died" in err, err
+    assert not list(out.glob("*.bin"))
+
+
+def _wait_until_idle(pids: list[int], deadline: float) -> None:
+    """Until the processes' CPU time stops growing (blocked: here, in a send nobody reads)."""
+    def cpu() -> list[int]:
+        return [sum(map(int, Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[11:13])) for p in pids]
+
+    last, same = cpu(), 0
+    while same < 3 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = cpu()
+        same, last = (same + 1 if now == last else 0), now
+
+
+def _workers(pid: int) -> list[int]:
+    """prepare's tokenizer processes: its spawned children other than multiprocessing's resource tracker."""
+    found = []
+    for child in _children(pid):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            found.append(child)
+    return found
 
 
 def _children(pid: int) -> list[int]:

@@ -17,7 +17,6 @@ from gpt2kit import sampler
 from gpt2kit.checkpoint import save_model
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import decode_step, prefill
-from gpt2kit.engine import scheduler
 from gpt2kit.generate import generate, generate_stream, stream_text
 from gpt2kit.kv_cache import KVCache
 from gpt2kit.sampler import top_k_filter, top_p_filter, warp
@@ -352,7 +351,7 @@ def test_stop_strings(model, tok):
 def _scripted(monkeypatch, script: list[int]):
     """Make the sampler emit `script` (one row), to test the text layer on chosen tokens."""
     calls = iter(script)
-    monkeypatch.setattr(scheduler, "next_tokens", lambda logits, *a: torch.tensor([next(calls)] * logits.shape[0]))
+    monkeypatch.setattr(sampler, "next_tokens", lambda logits, *a: torch.tensor([next(calls)] * logits.shape[0]))
 
 
 @pytest.mark.parametrize("text", ["héllo 😀 世界 naïve café 🎉🎉", "plain ascii, nothing split"])

@@ -4,6 +4,7 @@ log-probs it reports are the model's (full forward, float32, within 1e-5)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import SMALL, random_model, varied_model
 
@@ -198,3 +199,47 @@ def test_a_greedy_row_with_non_finite_logits_fails_alone_too():
         engine.step()
     assert bad.finish_reason == "error" and len(bad.tokens) == 5 and "not finite" in str(bad.error)
     assert good.finish_reason == "length" and good.tokens == _alone(model, PROMPTS[1], s)
+
+
+def test_engine_loop_steps_a_generator_between_steps_and_closes_it_when_cancelled():
+    """EngineLoop.call_steps (the server's contrastive search): one next() per loop iteration, the
+    return value as the Future's result; a cancelled Future's generator is closed, not run on."""
+    import threading
+
+    from gpt2kit.engine import EngineLoop
+
+    model = varied_model(SMALL, seed=0)
+    engine = Engine(model)
+    loop = EngineLoop(engine, lambda events: None, lambda rows, exc: None).start()
+    closed, started = threading.Event(), threading.Event()
+
+    def count(n):
+        for _ in range(n):
+            yield
+        return n
+
+    def fails():
+        yield
+        return 1 // 0
+
+    def forever():
+        try:
+            while True:
+                started.set()
+                yield
+        finally:
+            closed.set()
+
+    try:
+        row = engine.new_row(PROMPTS[1], SETTINGS[0])
+        loop.submit([row])
+        assert loop.call_steps(count(7)).result(60) == 7
+        fut = loop.call_steps(forever())
+        assert started.wait(60)
+        fut.cancel()
+        assert closed.wait(60)
+        with pytest.raises(ZeroDivisionError):
+            loop.call_steps(fails()).result(60)
+    finally:
+        loop.stop()
+    assert row.tokens == _alone(model, PROMPTS[1], SETTINGS[0])

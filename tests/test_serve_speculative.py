@@ -53,6 +53,11 @@ def test_speculating_server_answers_what_the_plain_engine_gives(dirs, opts):
         long = "word " * 100  # 101 tokens + 25 fit in n_ctx, + the drafts do not: the plain engine
         want = generate(model, [long], SamplingSettings(max_new_tokens=25, temperature=0), tokenizer=tok)[0]
         assert _complete(url, long, max_tokens=25, temperature=0)["text"] == want.text
+        beams = generate(model, [PROMPTS[0]], SamplingSettings(max_new_tokens=10, num_beams=2, num_return_sequences=2),
+                         tokenizer=tok)  # beams (greedy or not) run on the plain engine: the Python API's
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 10, "n": 2,
+                                                      "use_beam_search": True, "temperature": 0}, timeout=120)
+        assert [c["text"] for c in r.json()["choices"]] == [b.text for b in beams]
         spec = app.state.server.engine_loop.engine.spec
         assert spec.n_running == 0 and not spec.has_work and spec.drafted > 0 and 0 <= spec.accepted <= spec.drafted
 

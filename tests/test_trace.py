@@ -151,6 +151,69 @@ def test_residual_norms_and_attention_summary(tiny_model):
     t = 9
     assert ids[t] == ids[1]
     assert summ["induction"][0] is not None
+    for i in range(TINY.n_layer):  # against the definition, one (query, key) pair at a time
+        P = tr[f"h.{i}.attn.probs"]
+        per_query = [[float(sum(P[h, q, j] for j in range(1, q + 1) if ids[j - 1] == ids[q]))
+                      for q in range(16) if any(ids[j - 1] == ids[q] for j in range(1, q + 1))]
+                     for h in range(TINY.n_head)]
+        assert summ["induction"][i] == pytest.approx([sum(r) / len(r) for r in per_query], abs=1e-6)
+
+
+def test_one_token_has_a_lens_and_stats_with_no_next_token(tiny_model):
+    tr = trace(tiny_model, None, [5])
+    lens, stats = tr.logit_lens(k=3), tr.next_token_stats()
+    assert lens["next_prob"] == [[]] * (TINY.n_layer + 1) and len(lens["top_ids"][0]) == 1
+    assert stats["next_rank"] == [] and stats["top_ids"][0] == tr.logits[0].topk(10).indices.tolist()
+    assert "lens" in tr.to_json()
+
+
+def test_ranks_count_only_strictly_higher_tokens():
+    model = random_model()
+    ids = _ids(TINY.n_vocab, 16)
+    with torch.no_grad():  # a token whose embedding is another's scores exactly as high: a tie, not ranked above
+        model.wte.weight[7] = model.wte.weight[ids[5]]
+    tr = trace(model, None, ids)
+    ranks, lens = tr.next_token_stats()["next_rank"], tr.logit_lens()
+    with torch.no_grad():
+        for layer in range(TINY.n_layer + 1):
+            logits = lens_logits(tr, layer)[:-1]  # (T - 1, V)
+            target = logits.gather(-1, torch.tensor(ids[1:])[:, None])
+            assert lens["next_rank"][layer] == ((logits > target).sum(-1) + 1).tolist()
+            assert (logits[4, 7] == target[4, 0]) and lens["next_rank"][layer][4] < TINY.n_vocab
+    assert ranks == lens["next_rank"][-1]
+
+
+def test_report_unembeds_each_layer_and_position_once():
+    """Counted through GPT2.lm_head's seam (a wte with its own lm_head is asked for the product): the
+    lens unembeds each (block output, position) once, the last layer not at all (it is the logits);
+    with an intervention, the clean run's lens unembeds only the layers the intervention reached."""
+    from gpt2kit.trace import ablate
+
+    model = random_model()
+    ids = _ids(TINY.n_vocab, 12)
+    rows: list[int] = []
+
+    def counting_head(x):
+        rows.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return torch.nn.functional.linear(x, model.wte.weight)
+
+    model.wte.lm_head = counting_head
+    tr = trace(model, None, ids)
+    rows.clear()
+    tr.to_json()
+    assert sum(rows) == TINY.n_layer * 12
+    tr = trace(model, None, ids, interventions=[ablate("h.1.attn.head.2")])  # block 1: resid.2 = logits changes
+    rows.clear()
+    data = tr.to_json()
+    assert sum(rows) == TINY.n_layer * 12  # resid.0 and resid.1 are the intervened run's, bit for bit
+    alone = trace(model, None, ids).logit_lens()
+    assert data["intervention"]["clean_lens"]["top_ids"] == alone["top_ids"]
+    assert np.allclose(data["intervention"]["clean_lens"]["next_prob"], alone["next_prob"], atol=1e-7)
+    tr = trace(model, None, ids, interventions=[ablate("h.0.mlp")])  # block 0: resid.1 onwards change
+    rows.clear()
+    data = tr.to_json()
+    assert sum(rows) == TINY.n_layer * 12 + 12
+    assert data["intervention"]["clean_lens"]["top_ids"] == alone["top_ids"]
 
 
 def strong_model():

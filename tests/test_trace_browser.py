@@ -137,6 +137,24 @@ def test_the_docs_screenshot_command_works(tmp_path):
     assert (tmp_path / "screenshot.png").stat().st_size > 1000
 
 
+def test_the_docs_picture_script_renders_a_small_png(tmp_path):
+    """scripts/trace_picture.py (docs/trace_report.png's maker): Playwright on the installed Chromium,
+    the page at the given width, cut above the walk-through, a palette PNG."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("playwright")
+    PIL = pytest.importorskip("PIL.Image")
+    page, png = tmp_path / "r.html", tmp_path / "r.png"
+    trace(random_model(), None, list(range(12))).save_html(page)
+    script = Path(__file__).parents[1] / "scripts" / "trace_picture.py"
+    subprocess.run([sys.executable, str(script), str(page), str(png), "--width", "1400", "--chromium", CHROMIUM],
+                   check=True, capture_output=True, timeout=180)
+    with PIL.open(png) as im:
+        assert im.size[0] == 1400 and 1000 < im.size[1] and im.mode == "P"
+    assert png.stat().st_size < 300 * 1024
+
+
 def test_an_intervened_report_shows_both_runs(tmp_path):
     from gpt2kit.trace import ablate
 

@@ -91,19 +91,12 @@ def _start(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSett
            batch_size: int | None, draft_model: GPT2 | None = None) -> tuple[Engine, list[list[int]]]:
     """Check every argument, then an Engine holding all the rows; also the prompts as id lists."""
     cfg = model.config
-    prompts = _check_prompts(prompts, cfg.n_vocab)
-    window = settings.window or max(cfg.n_ctx // 2, 1)
+    prompts = _check_call(prompts, settings, cfg.n_vocab, batch_size)
+    window = settings.window_for(cfg.n_ctx)
     if window >= cfg.n_ctx:
         raise ValueError(f"window must be below the context n_ctx={cfg.n_ctx}, got {window}")
-    bad_stop = [t for t in settings.stop_token_ids if t >= cfg.n_vocab]
-    if bad_stop:
-        raise ValueError(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {cfg.n_vocab})")
-    if settings.stop_strings and tokenizer is None:
-        raise ValueError("stop_strings need a tokenizer: pass tokenizer=...")
     if settings.strict:
         _check_fits(prompts, settings.max_new_tokens, cfg.n_ctx)
-    if batch_size is not None:
-        check_int("batch_size", batch_size, ">= 1", lambda v: v >= 1)
 
     n = settings.num_samples
     if len(prompts) * n > MAX_ROWS:
@@ -121,6 +114,18 @@ def _start(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSett
     engine.submit([engine.new_row(p, settings, seed=seed, sample_index=j, key=RowKey(i * n + j, i, j))
                    for i, p in enumerate(prompts) for j in range(n)])
     return engine, prompts
+
+
+def _check_call(prompts: Sequence[Sequence[int]], settings: SamplingSettings, n_vocab: int,
+                batch_size: int | None) -> list[list[int]]:
+    """What every generate call checks first: the prompts (returned as id lists), the stop ids, batch_size."""
+    prompts = _check_prompts(prompts, n_vocab)
+    bad_stop = [t for t in settings.stop_token_ids if t >= n_vocab]
+    if bad_stop:
+        raise ValueError(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {n_vocab})")
+    if batch_size is not None:
+        check_int("batch_size", batch_size, ">= 1", lambda v: v >= 1)
+    return prompts
 
 
 def _stream(model: GPT2, engine: Engine) -> Iterator[Step]:
@@ -249,12 +254,7 @@ def _beam_completions(model: GPT2, prompts: Sequence[Sequence[int]], settings: S
 
     cfg = model.config
     method = "contrastive search" if settings.contrastive else "beam search"
-    prompts = _check_prompts(prompts, cfg.n_vocab)
-    bad_stop = [t for t in settings.stop_token_ids if t >= cfg.n_vocab]
-    if bad_stop:
-        raise ValueError(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {cfg.n_vocab})")
-    if batch_size is not None:
-        check_int("batch_size", batch_size, ">= 1", lambda v: v >= 1)
+    prompts = _check_call(prompts, settings, cfg.n_vocab, batch_size)
     for i, p in enumerate(prompts):
         if len(p) + settings.max_new_tokens > cfg.n_ctx:
             raise ValueError(f"prompt {i} has {len(p)} tokens; {method} keeps the whole sequence in the context, "
@@ -274,8 +274,7 @@ def _beam_completions(model: GPT2, prompts: Sequence[Sequence[int]], settings: S
                 found = beam_search(model, chunk, settings)
             for i, beams in enumerate(found, start=start):
                 for j, b in enumerate(beams):
-                    text = tokenizer.decode(b.tokens[:-1] if b.finish_reason == "stop" else b.tokens) \
-                        if tokenizer is not None else None
+                    text = b.text(tokenizer) if tokenizer is not None else None
                     out.append(Completion(i * n + j, i, j, list(prompts[i]), list(b.tokens), text, b.finish_reason,
                                           score=b.score))
     finally:

@@ -1,4 +1,5 @@
-"""The sampler: the warpers applied in order, the draw, and :class:`RowSampler` (one row's state).
+"""The sampler: the warpers applied in order, the draw, :class:`RowSampler` (one row's state) and
+:func:`next_tokens` (a batch's rows, each with its own sampler).
 
 What the settings mean and in which order they apply is gpt2kit.sampling's docstring; this module
 holds the torch half (gpt2kit.sampling stays torch-free so `gpt2kit generate --help` builds its flags
@@ -263,3 +264,23 @@ class RowSampler:
             self.sequence.append(token)
             if self.ngrams is not None:
                 self.ngrams.observe(self.sequence)
+
+
+def next_tokens(logits: torch.Tensor, samplers: Sequence[RowSampler],
+                failed: dict[int, Exception] | None = None) -> torch.Tensor:
+    """Each row's next token (B,): row r chooses from logits[r] (B, V) with samplers[r].
+
+    With failed (a dict), a row whose choice raises is recorded there (row -> exception) and given
+    token 0, so one row's failure never costs its neighbours their tokens; without, it raises."""
+    if all(s.plain_greedy for s in samplers) and torch.isfinite(logits.amax(dim=-1)).all():
+        return logits.argmax(dim=-1)  # one batched argmax: the same as row by row
+    out = []  # row by row (RowSampler.choose checks each row's distribution)
+    for r, s in enumerate(samplers):
+        try:
+            out.append(s.choose(logits[r:r + 1]))
+        except Exception as e:
+            if failed is None:
+                raise
+            failed[r] = e
+            out.append(torch.zeros(1, dtype=torch.long, device=logits.device))
+    return torch.cat(out)

@@ -153,10 +153,14 @@ class SamplingSettings:
         _check_beams(self)
         check_number("penalty_alpha", self.penalty_alpha, "in [0, 1] (0 = off)", lambda v: 0 <= v <= 1)
         if self.contrastive:
-            _check_deterministic_method(self, f"contrastive search (penalty_alpha={self.penalty_alpha})")
+            check_deterministic(self, f"contrastive search (penalty_alpha={self.penalty_alpha})")
             if self.num_beams > 1:
                 raise ValueError("contrastive search (penalty_alpha > 0) and beam search (num_beams > 1) are "
                                  "two methods: choose one")
+
+    def window_for(self, n_ctx: int) -> int:
+        """Tokens kept when re-encoding past the context n_ctx: window, or n_ctx // 2 (at least 1)."""
+        return self.window or max(n_ctx // 2, 1)
 
     @property
     def contrastive(self) -> bool:
@@ -237,10 +241,10 @@ def _check_beams(s: SamplingSettings) -> None:
     check_int("num_return_sequences", s.num_return_sequences, f"in [1, num_beams={s.num_beams}]",
               lambda v: 1 <= v <= s.num_beams)
     if s.num_beams > 1:
-        _check_deterministic_method(s, f"beam search (num_beams={s.num_beams})")
+        check_deterministic(s, f"beam search (num_beams={s.num_beams})")
 
 
-def _check_deterministic_method(s: SamplingSettings, method: str) -> None:
+def check_deterministic(s: SamplingSettings, method: str) -> None:
     """Beam and contrastive search: one sequence per prompt row and none of the logit warpers."""
     if s.num_samples != 1:
         raise ValueError(f"{method} is deterministic; num_samples must be 1, got {s.num_samples}")

@@ -9,6 +9,7 @@ the row, its typed routing key and its one event shape. The generator API over i
 from gpt2kit.engine.batch_cache import SlotPool
 from gpt2kit.engine.loop import EngineLoop
 from gpt2kit.engine.rows import Row, RowEvent, RowKey
-from gpt2kit.engine.scheduler import Engine, next_tokens
+from gpt2kit.engine.scheduler import Engine
+from gpt2kit.sampler import next_tokens
 
 __all__ = ["Engine", "EngineLoop", "Row", "RowEvent", "RowKey", "SlotPool", "next_tokens"]

@@ -6,7 +6,9 @@ slot: nothing copied); each decode step writes every row's new key and value at 
 column; a row that leaves frees its slot; a row whose context fills is prefilled again in its own
 slot. No join, leave or step copies, moves or reads another row's keys and values: only
 :meth:`SlotPool.grow` (an engine without max_batch that runs out of slots) copies, and counts what
-it copied in ``copied_bytes``.
+it copied in ``copied_bytes``. A beam group's slots (gpt2kit.engine.beam_rows) copy only among
+themselves: :meth:`SlotPool.copy` gives each the beam it continues (and, at the group's join, the
+one prefill of its prompt), one gather of that group's slots, counted in ``beam_bytes``.
 
 A decode step runs over the slots [0, hi), a view of the pool (hi: one past the highest slot a
 decoding row holds). Rows have their own lengths n; P, the step's width, is the longest. A row's
@@ -79,6 +81,7 @@ class SlotPool:
         self.kv = torch.empty(shape, device=device, dtype=dtype)  # never zeroed whole (module doc)
         self.lengths = [0] * n_slots
         self.copied_bytes = 0  # keys and values copied from one storage to another (grow only)
+        self.beam_bytes = 0  # keys and values copied among a beam group's own slots (copy)
         self._taken = [False] * n_slots
         self._clean = [0] * n_slots  # columns [0, clean) of a slot hold its row's values or zeros
 
@@ -178,6 +181,24 @@ class SlotPool:
             lengths[s] += 1
             if clean[s] <= P:
                 clean[s] = P + 1
+
+    def copy(self, dst: list[int], src: list[int]) -> None:
+        """Slot dst[i] takes slot src[i]'s keys, values and length (a beam group's slots, moving
+        to the beams they continue): one gather of the sources' columns [0, longest), written to
+        the destinations; no other slot is read or written. Sources overwritten here are read first."""
+        moves = [(d, s) for d, s in zip(dst, src, strict=True) if d != s]
+        if not moves:
+            return
+        lengths, clean = self.lengths, self._clean
+        W = max(lengths[s] for _, s in moves)
+        frm = [s for _, s in moves]
+        to = torch.tensor([d for d, _ in moves], device=self.kv.device)
+        part = self.kv[:, torch.tensor(frm, device=self.kv.device), :, :, :W]  # a copy: (L, k, 2, nh, W, hs)
+        self.kv[:, to, :, :, :W] = part
+        self.beam_bytes += part.numel() * part.element_size()
+        new = [(lengths[s], min(clean[s], W)) for s in frm]  # clean >= length still holds
+        for (d, _), (n, c) in zip(moves, new, strict=True):
+            lengths[d], clean[d] = n, c
 
     def grow(self, n_slots: int) -> None:
         """More slots: a new storage, the held slots' clean columns copied over (counted)."""

@@ -3,9 +3,14 @@
 length penalty and early-stopping rules, so the returned sequences, their order and their scores
 are transformers'.
 
-Beams are rows: a batch of prompts with nb beams each is one left-padded KVCache of B * nb rows
-(positions from the mask, as everywhere in the engine); each step the rows are reordered to the
-surviving beams by one index_select of the cache, then fed their new tokens in one decode step.
+:class:`BeamState` is the search itself (no model): given the beams' next-token log-probs it picks
+each beam's next token and the beam it continues. Two callers feed it: :func:`beam_search` (the
+Python API, a batch of prompts with their own KVCache) and the engine (gpt2kit.engine.beam_rows:
+one prompt's beams as rows of the shared batch, beside other requests' rows).
+
+Beams are rows: B prompts with nb beams each are B * nb cache rows (positions from the mask, as
+everywhere in the engine); each step the rows are reordered to the surviving beams by one
+index_select of the cache, then fed their new tokens in one decode step.
 
 Per step, with the running beams' summed log-probs s (B, nb) and the new log-probs (B, nb, V):
 the best K = max(2, 1 + n_stop) * nb continuations over all beams; those ending in a stop token
@@ -32,6 +37,7 @@ from gpt2kit.kv_cache import KVCache
 if TYPE_CHECKING:
     from gpt2kit.model import GPT2
     from gpt2kit.sampling import SamplingSettings
+    from gpt2kit.tokenizer import Tokenizer
 
 NEG = -1.0e9  # transformers' "never chosen" score
 
@@ -44,6 +50,10 @@ class Beam:
     score: float | None  # sum of the tokens' log-probs / len(tokens) ** length_penalty (None: contrastive)
     finish_reason: str  # "stop" | "length"
 
+    def text(self, tokenizer: Tokenizer) -> str:
+        """Its text, up to (not including) a stop token."""
+        return tokenizer.decode(self.tokens[:-1] if self.finish_reason == "stop" else self.tokens)
+
 
 def _gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """t (B, n, ...) at beams idx (B, k) -> (B, k, ...)."""
@@ -52,16 +62,96 @@ def _gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.take_along_dim(t, idx, dim=1)
 
 
+class BeamState:
+    """The search of B prompts with settings.num_beams beams each (tensors on device), one
+    :meth:`step` per generated token; :meth:`results` once a step returns None."""
+
+    def __init__(self, B: int, settings: SamplingSettings, device: torch.device) -> None:
+        s, nb, N = settings, settings.num_beams, settings.max_new_tokens
+        self.s, self.B, self.nb, self.N, self.cur = s, B, nb, N, 0
+        self.stop = torch.tensor(s.stop_token_ids, dtype=torch.long, device=device)
+        self.K = max(2, 1 + len(s.stop_token_ids)) * nb
+        self.top_nb = torch.arange(self.K, device=device) < nb  # (K,): only these may finish a step
+        self.running_seq = torch.full((B, nb, N), -1, dtype=torch.long, device=device)
+        self.running_src = torch.full((B, nb, N), -1, dtype=torch.long, device=device)  # flat source beam per step
+        self.running_scores = torch.zeros(B, nb, device=device)
+        self.running_scores[:, 1:] = NEG  # only the first beam's tokens at the first step
+        self.seqs, self.srcs = self.running_seq.clone(), self.running_src.clone()
+        self.scores = torch.full((B, nb), NEG, device=device)
+        self.finished = torch.zeros(B, nb, dtype=torch.bool, device=device)
+        self.open_ = torch.ones(B, 1, dtype=torch.bool, device=device)  # the finished set can still improve
+        self.offset = torch.arange(B, device=device)[:, None] * nb  # (B, 1)
+
+    def step(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The beams' next-token logits (B * nb, V), prompt-major -> the tokens to feed (B * nb,)
+        and each new beam's source row (B * nb,: the row whose cache it continues), or None when
+        every prompt's search has ended."""
+        s, B, nb, K, cur = self.s, self.B, self.nb, self.K, self.cur
+        V = logits.shape[-1]
+        logp = torch.log_softmax(logits.float(), dim=-1).view(B, nb, V) + self.running_scores[:, :, None]
+        top_lp, top_i = torch.topk(logp.view(B, nb * V), K)  # (B, K)
+        src = top_i // V
+        top_seq, top_src = _gather(self.running_seq, src), _gather(self.running_src, src)  # (B, K, N)
+        ids = top_i % V
+        top_seq[:, :, cur] = ids
+        top_src[:, :, cur] = src + self.offset
+        hits = torch.isin(ids, self.stop) | (cur + 1 >= self.N)  # (B, K): ends at a stop token or the length
+
+        # the best nb that go on
+        go_on = top_lp + hits.float() * NEG
+        keep = torch.topk(go_on, nb)[1]  # (B, nb)
+        self.running_seq, self.running_scores = _gather(top_seq, keep), _gather(go_on, keep)
+        self.running_src = _gather(top_src, keep)
+
+        # the finished set: merge the top nb that just ended, keep the best nb
+        just = hits & self.top_nb[None, :]
+        fin_lp = top_lp / ((cur + 1) ** s.length_penalty)
+        fin_lp = fin_lp + (self.finished.all(-1, keepdim=True) & (s.early_stopping is True)).float() * NEG
+        fin_lp = fin_lp + (~self.open_).float() * NEG
+        fin_lp = fin_lp + (~just).float() * NEG
+        m_scores = torch.cat([self.scores, fin_lp], dim=1)
+        best = torch.topk(m_scores, nb)[1]
+        self.seqs = _gather(torch.cat([self.seqs, top_seq], dim=1), best)
+        self.srcs = _gather(torch.cat([self.srcs, top_src], dim=1), best)
+        self.scores = _gather(m_scores, best)
+        self.finished = _gather(torch.cat([self.finished, just], dim=1), best)
+
+        # can the running beams still beat the worst finished one?
+        length = self.N if (s.early_stopping == "never" and s.length_penalty > 0) else cur + 1
+        best_running = self.running_scores[:, :1] / (length ** s.length_penalty)
+        worst = torch.where(self.finished, self.scores.min(dim=1, keepdim=True)[0], NEG)
+        self.open_ = self.open_ & (best_running > worst).any(dim=-1, keepdim=True)
+        self.cur = cur + 1
+        if not (self.open_.any() and not (self.finished.all() and s.early_stopping is True) and not hits.all()):
+            return None
+        return self.running_seq[:, :, cur].reshape(-1), self.running_src[:, :, cur].reshape(-1)
+
+    def running(self) -> list[list[int]]:
+        """Each running beam's tokens so far (B * nb lists, prompt-major)."""
+        return self.running_seq[:, :, :self.cur].reshape(self.B * self.nb, -1).tolist()
+
+    def results(self) -> list[list[Beam]]:
+        """For each prompt, its settings.num_return_sequences best beams, best first."""
+        s, n = self.s, self.s.num_return_sequences
+        lengths = (self.srcs[:, :n] >= 0).sum(-1).tolist()  # (B, n): tokens each returned beam generated
+        seqs, scores = self.seqs[:, :n].tolist(), self.scores[:, :n].tolist()
+        out = []
+        for b in range(len(seqs)):
+            beams = []
+            for k in range(n):
+                toks = seqs[b][k][:lengths[b][k]]
+                reason = "stop" if toks and toks[-1] in s.stop_token_ids else "length"
+                beams.append(Beam(toks, scores[b][k], reason))
+            out.append(beams)
+        return out
+
+
 @torch.inference_mode()
 def beam_search(model: GPT2, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Beam]]:
     """For each prompt (valid token ids), its settings.num_return_sequences best beams, best first."""
     s, nb, N = settings, settings.num_beams, settings.max_new_tokens
     B, T = len(prompts), max(map(len, prompts))
     device = model.wpe.weight.device
-    stop = torch.tensor(s.stop_token_ids, dtype=torch.long, device=device)
-    K = max(2, 1 + len(s.stop_token_ids)) * nb
-    top_nb = torch.arange(K, device=device) < nb  # (K,): only these may finish a step
-
     idx = torch.full((B, T), EOT_ID % model.config.n_vocab, dtype=torch.long)  # (B, T)
     mask = torch.zeros(B, T + N, dtype=torch.long)  # (B, T + N): new columns preset to 1 below
     for b, p in enumerate(prompts):
@@ -75,70 +165,10 @@ def beam_search(model: GPT2, prompts: list[list[int]], settings: SamplingSetting
     cache.select(rows)
     mask, logits = mask[rows], logits[rows]  # (B * nb, T + N), (B * nb, V)
     kernels = kernels_for(model, B * nb, s.pack_weights)
-
-    running_seq = torch.full((B, nb, N), -1, dtype=torch.long, device=device)
-    running_src = torch.full((B, nb, N), -1, dtype=torch.long, device=device)  # flat source beam per step
-    running_scores = torch.zeros(B, nb, device=device)
-    running_scores[:, 1:] = NEG  # only the first beam's tokens at the first step
-    seqs, srcs = running_seq.clone(), running_src.clone()
-    scores = torch.full((B, nb), NEG, device=device)
-    finished = torch.zeros(B, nb, dtype=torch.bool, device=device)
-    open_ = torch.ones(B, 1, dtype=torch.bool, device=device)  # the finished set can still improve
-    offset = torch.arange(B, device=device)[:, None] * nb  # (B, 1)
-    for cur in range(N):
-        V = logits.shape[-1]
-        logp = torch.log_softmax(logits.float(), dim=-1).view(B, nb, V) + running_scores[:, :, None]
-        top_lp, top_i = torch.topk(logp.view(B, nb * V), K)  # (B, K)
-        src = top_i // V
-        top_seq, top_src = _gather(running_seq, src), _gather(running_src, src)  # (B, K, N)
-        ids = top_i % V
-        top_seq[:, :, cur] = ids
-        top_src[:, :, cur] = src + offset
-        hits = torch.isin(ids, stop) | (cur + 1 >= N)  # (B, K): ends at a stop token or the length
-
-        # the best nb that go on
-        go_on = top_lp + hits.float() * NEG
-        keep = torch.topk(go_on, nb)[1]  # (B, nb)
-        running_seq, running_scores, running_src = _gather(top_seq, keep), _gather(go_on, keep), _gather(top_src, keep)
-
-        # the finished set: merge the top nb that just ended, keep the best nb
-        just = hits & top_nb[None, :]
-        fin_lp = top_lp / ((cur + 1) ** s.length_penalty)
-        fin_lp = fin_lp + (finished.all(-1, keepdim=True) & (s.early_stopping is True)).float() * NEG
-        fin_lp = fin_lp + (~open_).float() * NEG
-        fin_lp = fin_lp + (~just).float() * NEG
-        m_scores = torch.cat([scores, fin_lp], dim=1)
-        best = torch.topk(m_scores, nb)[1]
-        seqs = _gather(torch.cat([seqs, top_seq], dim=1), best)
-        srcs = _gather(torch.cat([srcs, top_src], dim=1), best)
-        scores = _gather(m_scores, best)
-        finished = _gather(torch.cat([finished, just], dim=1), best)
-
-        # can the running beams still beat the worst finished one?
-        length = N if (s.early_stopping == "never" and s.length_penalty > 0) else cur + 1
-        best_running = running_scores[:, :1] / (length ** s.length_penalty)
-        worst = torch.where(finished, scores.min(dim=1, keepdim=True)[0], NEG)
-        open_ = open_ & (best_running > worst).any(dim=-1, keepdim=True)
-        if not (open_.any() and not (finished.all() and s.early_stopping is True) and not hits.all()):
-            break
-        beam_rows = running_src[:, :, cur].reshape(-1)  # (B * nb,): each new beam's source row
+    state = BeamState(B, s, device)
+    while (moves := state.step(logits)) is not None:
+        tok, beam_rows = moves  # (B * nb,) each
         cache.select(beam_rows)  # the one reorder of the step; a prompt's beams share its mask
-        tok = running_seq[:, :, cur].reshape(-1, 1)  # (B * nb, 1)
         P = cache.length
-        logits = decode_step(model, tok, cache, mask[:, :P + 1] if padded else None, kernels)
-    return _results(seqs, srcs, scores, s)
-
-
-def _results(seqs: torch.Tensor, srcs: torch.Tensor, scores: torch.Tensor, s: SamplingSettings) -> list[list[Beam]]:
-    n = s.num_return_sequences
-    lengths = (srcs[:, :n] >= 0).sum(-1).tolist()  # (B, n): tokens each returned beam generated
-    seqs, scores = seqs[:, :n].tolist(), scores[:, :n].tolist()
-    out = []
-    for b in range(len(seqs)):
-        beams = []
-        for k in range(n):
-            toks = seqs[b][k][:lengths[b][k]]
-            reason = "stop" if toks and toks[-1] in s.stop_token_ids else "length"
-            beams.append(Beam(toks, scores[b][k], reason))
-        out.append(beams)
-    return out
+        logits = decode_step(model, tok[:, None], cache, mask[:, :P + 1] if padded else None, kernels)
+    return state.results()

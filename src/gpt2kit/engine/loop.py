@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -19,13 +19,17 @@ class EngineLoop:
     called from the worker after every step; on_error(rows, exc) when a step raises (every row is
     dropped, the loop goes on) and, with just that row, for a row whose own sampling raised (its
     neighbours go on). :meth:`call` runs a function in the worker between steps (e.g. scoring a
-    prompt) and returns a concurrent Future."""
+    prompt) and returns a concurrent Future; :meth:`call_steps` runs a generator there one step
+    per engine step (a search with its own forwards, e.g. contrastive search), so it goes on beside
+    the rows instead of holding them up for its whole length."""
 
     def __init__(self, engine: Engine, on_events: Callable[[list[RowEvent]], None],
                  on_error: Callable[[list[Row], BaseException], None]) -> None:
         self.engine, self.on_events, self.on_error = engine, on_events, on_error
         self._cond = threading.Condition()
         self._jobs: deque = deque()
+        self._new_steps: deque = deque()  # (future, generator) handed in, not yet stepping
+        self._stepping: list = []  # the worker's own: generators advanced once per engine step
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="gpt2kit-engine", daemon=True)
 
@@ -44,6 +48,11 @@ class EngineLoop:
         """Engine.new_row (any thread: it only reads the model's config and device)."""
         return self.engine.new_row(prompt, settings, seed=seed, sample_index=sample_index, logprobs=logprobs,
                                    key=key)
+
+    def new_beam_rows(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None
+                      ) -> list[Row]:
+        """Engine.new_beam_rows (any thread, as new_row)."""
+        return self.engine.new_beam_rows(prompt, settings, key=key)
 
     def submit(self, rows: Sequence[Row]) -> None:
         self.engine.submit(rows)
@@ -68,20 +77,33 @@ class EngineLoop:
             self._cond.notify()
         return fut
 
+    def call_steps(self, steps: Iterator) -> concurrent.futures.Future:
+        """Advance the generator `steps` in the worker, one next() per loop iteration (between the
+        engine's steps); its return value is the Future's result, what it raises its exception.
+        Cancelling the Future closes the generator before its next step."""
+        fut = concurrent.futures.Future()
+        with self._cond:
+            self._new_steps.append((fut, steps))
+            self._cond.notify()
+        return fut
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._stop or self._jobs or self.engine.has_work):
+                while not (self._stop or self._jobs or self._new_steps or self._stepping or self.engine.has_work):
                     self._cond.wait()
                 if self._stop:
                     return
                 jobs, self._jobs = list(self._jobs), deque()
+                self._stepping.extend(self._new_steps)
+                self._new_steps.clear()
             for fut, fn, args, kwargs in jobs:
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn(*args, **kwargs))
                     except BaseException as e:  # handed to the caller
                         fut.set_exception(e)
+            self._stepping = [job for job in self._stepping if _advance(*job)]
             if self.engine.has_work:
                 try:
                     events = self.engine.step()
@@ -92,3 +114,26 @@ class EngineLoop:
                     if ev.error is not None:
                         self.on_error([ev.row], ev.error)
                 self.on_events([ev for ev in events if ev.error is None])
+
+
+def _advance(fut: concurrent.futures.Future, steps: Iterator) -> bool:
+    """One step of a call_steps generator; False once it is done (result or exception handed to
+    fut) or fut was cancelled (the generator closed)."""
+    if fut.cancelled():
+        steps.close()
+        return False
+    try:
+        next(steps)
+        return True
+    except StopIteration as done:
+        _settle(fut, fut.set_result, done.value)
+    except BaseException as e:  # handed to the caller
+        _settle(fut, fut.set_exception, e)
+    return False
+
+
+def _settle(fut: concurrent.futures.Future, how: Callable, value) -> None:
+    try:
+        how(value)
+    except concurrent.futures.InvalidStateError:  # cancelled meanwhile: no one waits for it
+        pass

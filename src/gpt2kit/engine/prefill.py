@@ -14,7 +14,7 @@ Legend: T a chunk's tokens, V vocab.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,12 +29,22 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False)
 class Joining:
-    """A row being prefilled into its slot: context[:done] is in the cache."""
+    """A row being prefilled into its slot: context[:done] is in the cache. beams: a beam group's
+    other rows and their slots, given this row's prefill when it is done (SlotPool.copy)."""
 
     row: Row
     slot: int
     context: list[int]
+    beams: list[tuple[Row, int]] = field(default_factory=list)
     done: int = 0
+
+    @property
+    def rows(self) -> list[Row]:
+        return [self.row] + [r for r, _ in self.beams]
+
+    @property
+    def slots(self) -> list[int]:
+        return [self.slot] + [s for _, s in self.beams]
 
 
 class ChunkedPrefill:
@@ -45,7 +55,8 @@ class ChunkedPrefill:
         self.rows: deque[Joining] = deque()
 
     def __len__(self) -> int:
-        return len(self.rows)
+        """The rows holding a slot here (a beam group's every row)."""
+        return sum(1 + len(j.beams) for j in self.rows)
 
     def add(self, joining: list[Joining], *, first: bool = False) -> None:
         if first:
@@ -54,21 +65,22 @@ class ChunkedPrefill:
             self.rows.extend(joining)
 
     def clear(self) -> list[Row]:
-        rows = [j.row for j in self.rows]
+        rows = [r for j in self.rows for r in j.rows]
         self.rows.clear()
         return rows
 
     def drop_cancelled(self, pool: SlotPool) -> None:
-        """Cancelled rows leave; their slots are freed."""
-        if any(j.row.cancelled for j in self.rows):
+        """Cancelled rows (a beam group with any row cancelled) leave; their slots are freed."""
+        if any(j.row.dropped for j in self.rows):
             for j in self.rows:
-                if j.row.cancelled:
-                    pool.release(j.slot)
-            self.rows = deque(j for j in self.rows if not j.row.cancelled)
+                if j.row.dropped:
+                    for s in j.slots:
+                        pool.release(s)
+            self.rows = deque(j for j in self.rows if not j.row.dropped)
 
     def step(self, model: GPT2, pool: SlotPool) -> list[tuple[Joining, torch.Tensor]]:
         """One step's chunks (module doc); returns the rows now wholly prefilled, each with the
-        logits (1, V) of its next token."""
+        logits (1, V) of its next token (a beam group's every row has them)."""
         used, ready = 0, []
         device = pool.kv.device
         while self.rows:
@@ -85,5 +97,7 @@ class ChunkedPrefill:
             if j.done < len(j.context):
                 break  # a whole chunk: this step's budget is spent
             self.rows.popleft()
+            if j.beams:  # every slot of a beam group starts from its prompt
+                pool.copy([s for _, s in j.beams], [j.slot] * len(j.beams))
             ready.append((j, logits))
         return ready

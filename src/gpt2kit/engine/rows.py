@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from gpt2kit.engine.beam import Beam
+    from gpt2kit.engine.beam_rows import BeamGroup
     from gpt2kit.engine.outputs import RowText
     from gpt2kit.sampler import RowSampler
     from gpt2kit.sampling import SamplingSettings
@@ -25,11 +27,13 @@ class RowKey:
 
 @dataclass(eq=False)
 class Row:
-    """One sequence being generated (one sample of one prompt). Made by Engine.new_row."""
+    """One sequence being generated (one sample of one prompt), or one beam slot of a prompt's beam
+    search (beam: its group, gpt2kit.engine.beam_rows; no sampler). Made by Engine.new_row or
+    Engine.new_beam_rows."""
 
     prompt: list[int]
     settings: SamplingSettings
-    sampler: RowSampler
+    sampler: RowSampler | None
     text: RowText | None = None  # with a tokenizer
     logprobs: int | None = None  # report each token's log-prob and the top N alternatives; None: no
     key: RowKey = field(default_factory=RowKey)  # the caller's label
@@ -40,6 +44,12 @@ class Row:
     start: int = 0  # the context is (prompt + tokens)[start:]
     drafted: int = 0  # speculative decoding: draft tokens proposed for this row, and those kept
     accepted: int = 0
+    beam: BeamGroup | None = None  # beam search: the group this slot belongs to
+
+    @property
+    def dropped(self) -> bool:
+        """Cancelled, or one of its beam group's rows is (a group runs whole or not at all)."""
+        return self.cancelled or (self.beam is not None and self.beam.cancelled)
 
     def context(self, n_ctx: int, window: int) -> list[int]:
         """The tokens the model sees: the whole sequence, or once it passes n_ctx its most recent
@@ -57,7 +67,9 @@ class RowEvent:
     alternatives, all under the model's raw distribution (log_softmax of the logits, before any
     warper). finish_reason is set on the row's last event. A failed row's event (RowEvent.failed:
     its own sampling raised, or the whole step did) has finish_reason "error", token -1 and the
-    exception in error; the one event shape for every outcome."""
+    exception in error. A beam group ends with one event, on its lead row: token -1, beams its
+    returned sequences, best first (its rows give no event before); the one event shape for every
+    outcome."""
 
     row: Row
     token: int
@@ -66,6 +78,7 @@ class RowEvent:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
     error: BaseException | None = None
+    beams: tuple[Beam, ...] | None = None
 
     @classmethod
     def failed(cls, row: Row, error: BaseException) -> RowEvent:

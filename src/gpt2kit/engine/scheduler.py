@@ -4,9 +4,10 @@ finish (Orca's and vLLM's scheduling, with vLLM's chunked prefill).
 
 Each row computes what it would alone: its keys and values live in a slot of its own
 (gpt2kit.engine.batch_cache: a pool of per-row slots; joining, leaving and growing never copy
-another row's); its prompt is prefilled in chunks of ``prefill_chunk`` tokens, at most that many
-prompt tokens per step over all joining rows, so the running rows get a token every step while a
-long prompt joins (a row's chunk boundaries depend only on its own prompt, so its prefill is the
+another row's; a beam group, gpt2kit.engine.beam_rows, copies among its own slots only); its
+prompt is prefilled in chunks of ``prefill_chunk`` tokens, at most that many prompt tokens per
+step over all joining rows, so the running rows get a token every step while a long prompt joins
+(a row's chunk boundaries depend only on its own prompt, so its prefill is the
 same alone or beside others); it samples with its own gpt2kit.sampler.RowSampler (its settings,
 its generator seeded from (seed, sample index), its penalties' token sets), so what it draws does
 not depend on its neighbours; its text, finish and log-probs come from gpt2kit.engine.outputs.
@@ -36,6 +37,7 @@ import torch
 from gpt2kit.config import EOT_ID
 from gpt2kit.decode import Kernels, decode_step, kernels_for
 from gpt2kit.engine.batch_cache import SlotPool
+from gpt2kit.engine.beam_rows import BeamGroup, admit, choose_tokens, prefill_index
 from gpt2kit.engine.outputs import RowText, advance, token_logprobs
 from gpt2kit.engine.prefill import ChunkedPrefill, Joining
 from gpt2kit.engine.rows import Row, RowEvent, RowKey
@@ -46,26 +48,6 @@ from gpt2kit.validate import check_int
 if TYPE_CHECKING:
     from gpt2kit.model import GPT2
     from gpt2kit.tokenizer import Tokenizer
-
-
-def next_tokens(logits: torch.Tensor, samplers: Sequence[RowSampler],
-                failed: dict[int, Exception] | None = None) -> torch.Tensor:
-    """Each row's next token (B,): row r chooses from logits[r] (B, V) with samplers[r].
-
-    With failed (a dict), a row whose choice raises is recorded there (row -> exception) and given
-    token 0, so one row's failure never costs its neighbours their tokens; without, it raises."""
-    if all(s.plain_greedy for s in samplers) and torch.isfinite(logits.amax(dim=-1)).all():
-        return logits.argmax(dim=-1)  # one batched argmax: the same as row by row
-    out = []  # row by row (RowSampler.choose checks each row's distribution)
-    for r, s in enumerate(samplers):
-        try:
-            out.append(s.choose(logits[r:r + 1]))
-        except Exception as e:
-            if failed is None:
-                raise
-            failed[r] = e
-            out.append(torch.zeros(1, dtype=torch.long, device=logits.device))
-    return torch.cat(out)
 
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens prefilled per step at most (Engine's prefill_chunk)
@@ -115,13 +97,17 @@ class Engine:
             raise ValueError("stop_strings need a tokenizer: pass tokenizer=...")
         if not settings.greedy and seed is None:
             raise ValueError("a sampled row needs a seed (gpt2kit.sampler.resolve_seed)")
-        need = columns_needed(len(prompt), settings.max_new_tokens, self.model.config.n_ctx)
-        if need > self.max_len:
-            raise ValueError(f"a row of {len(prompt)} prompt tokens and max_new_tokens={settings.max_new_tokens} "
-                             f"needs {need} cache columns; this engine's slots hold max_len={self.max_len}")
+        check_columns(len(prompt), settings.max_new_tokens, self.model.config.n_ctx, self.max_len)
         sampler = RowSampler(settings, prompt, self.model.config.n_vocab, seed, sample_index, self.device)
         text = RowText(self.tokenizer, settings.stop_strings) if self.tokenizer is not None else None
         return Row(list(prompt), settings, sampler, text, logprobs, key or RowKey(sample_index=sample_index))
+
+    def new_beam_rows(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None
+                      ) -> list[Row]:
+        """One prompt's beam search (settings.num_beams rows, gpt2kit.engine.beam_rows), to submit
+        together; the first row (key) gets the group's one event."""
+        check_columns(len(prompt), settings.max_new_tokens, self.model.config.n_ctx, self.max_len)
+        return BeamGroup(prompt, settings, self.device, key or RowKey(), self.model.config.n_ctx, self.max_batch).rows
 
     def submit(self, rows: Sequence[Row]) -> None:
         """Queue rows; they join the batch, in order, as slots allow."""
@@ -184,13 +170,15 @@ class Engine:
         ready = self._joining.step(self.model, self.pool) if self._joining.rows else []
         if ready:  # prefilled rows join the decoding ones, with the logits of their first token
             self.rows, self._slots, self._logits = in_slot_order(
-                self.rows + [j.row for j, _ in ready], self._slots + [j.slot for j, _ in ready],
-                torch.cat(([self._logits] if self.rows else []) + [lg for _, lg in ready]))  # (B, V)
+                self.rows + [r for j, _ in ready for r in j.rows], self._slots + [s for j, _ in ready for s in j.slots],
+                torch.cat(([self._logits] if self.rows else []) + [lg.expand(len(j.rows), -1) for j, lg in ready]))
         if not self.rows:
             return []
         n_rows = len(self.rows)
-        tok, events, keep = sample_rows(self.rows, self._logits)
+        tok, events, keep, src = sample_rows(self.rows, self._logits)
         self._logits = None
+        if src is not None:  # beams move to the slots of the beams they continue (their group's own)
+            self.pool.copy(self._slots, [self._slots[s] for s in src])
         self._keep(keep)
         tok = tok[keep] if len(keep) < n_rows else tok
         # A row whose context is full is prefilled again, in its slot, with a window of its sequence.
@@ -210,7 +198,7 @@ class Engine:
         return events
 
     def _drop_cancelled(self) -> None:
-        self._keep([r for r, row in enumerate(self.rows) if not row.cancelled])
+        self._keep([r for r, row in enumerate(self.rows) if not row.dropped])
         if self._joining.rows:
             self._joining.drop_cancelled(self.pool)
 
@@ -220,11 +208,7 @@ class Engine:
             return
         with self._lock:
             room = len(self._waiting) if self.max_batch is None else self.max_batch - self.n_running
-            join = []
-            while self._waiting and len(join) < room:
-                row = self._waiting.popleft()
-                if not row.cancelled:
-                    join.append(row)
+            join = admit(self._waiting, room)  # in order; a beam group whole
         if not join:
             return
         if self.pool is None:
@@ -232,10 +216,11 @@ class Engine:
         if self.pool.n_free < len(join):  # no max_batch: more slots (the one copy: SlotPool.grow)
             self.pool.grow(max(2 * self.pool.n_slots, self.n_running + len(join)))
         n_ctx = self.model.config.n_ctx
-        self._joining.add([Joining(row, self.pool.take(), row.context(n_ctx, self._window(row))) for row in join])
+        contexts = [row.context(n_ctx, self._window(row)) for row in join]
+        self._joining.add(joinings(join, [self.pool.take() for _ in join], contexts))
 
     def _window(self, row: Row) -> int:
-        return row.settings.window or max(self.model.config.n_ctx // 2, 1)
+        return row.settings.window_for(self.model.config.n_ctx)
 
     def _keep(self, keep: list[int], *, release: bool = True) -> None:
         """Keep only decoding rows `keep`; the others' slots are freed (release) or kept (re-prefill)."""
@@ -268,17 +253,25 @@ class Engine:
         self._logits = logits if sel is None else logits[sel]
 
 
-def sample_rows(rows: list[Row], logits: torch.Tensor) -> tuple[torch.Tensor, list[RowEvent], list[int]]:
-    """Each row's next token from logits (B, V): the tokens (B,), one event per row, and the rows
-    that go on (a row whose own sampling fails ends alone: its neighbours go on, issue 18)."""
+def sample_rows(rows: list[Row], logits: torch.Tensor
+                ) -> tuple[torch.Tensor, list[RowEvent], list[int], list[int] | None]:
+    """Each row's next token from logits (B, V): the tokens (B,), one event per row (a beam group's
+    one event on its lead row, when it ends), the rows that go on (a row whose own sampling fails
+    ends alone: its neighbours go on, issue 18), and the beam groups' cache sources (None: none move)."""
     failed = {}
-    tok = next_tokens(logits, [row.sampler for row in rows], failed)  # (B,)
+    tok, src = choose_tokens(logits, rows, failed)  # (B,)
     scores = token_logprobs(logits, tok, rows)
     events, keep = [], []
     for r, (row, t) in enumerate(zip(rows, tok.tolist(), strict=True)):
         if r in failed:
             row.finish_reason, row.error = "error", failed[r]
             events.append(RowEvent.failed(row, failed[r]))
+            continue
+        if row.beam is not None:  # its group set its tokens; it ends with the group
+            if row.finish_reason is None:
+                keep.append(r)
+            elif row is row.beam.lead:
+                events.append(row.beam.event())
             continue
         row.tokens.append(t)
         row.sampler.observe(t)
@@ -288,7 +281,7 @@ def sample_rows(rows: list[Row], logits: torch.Tensor) -> tuple[torch.Tensor, li
         events.append(RowEvent(row, t, piece, reason, lp, top))
         if reason is None:
             keep.append(r)
-    return tok, events, keep
+    return tok, events, keep, src
 
 
 def in_slot_order(rows: list[Row], slots: list[int], logits: torch.Tensor
@@ -298,6 +291,22 @@ def in_slot_order(rows: list[Row], slots: list[int], logits: torch.Tensor
     if order == list(range(len(slots))):
         return rows, slots, logits
     return [rows[i] for i in order], [slots[i] for i in order], logits[torch.tensor(order, device=logits.device)]
+
+
+def joinings(rows: list[Row], slots: list[int], contexts: list[list[int]]) -> list[Joining]:
+    """The joining rows' prefills: a beam group's prompt once, in its first slot, its other slots
+    given it when it is done."""
+    first, of = prefill_index(rows)
+    return [Joining(rows[r], slots[r], contexts[r], [(rows[b], slots[b]) for b in range(len(rows)) if of[b] == i
+                                                      and b != r]) for i, r in enumerate(first)]
+
+
+def check_columns(n_prompt: int, max_new_tokens: int, n_ctx: int, max_len: int) -> None:
+    """A ValueError when a row of this prompt and max_new_tokens needs more than max_len columns."""
+    need = columns_needed(n_prompt, max_new_tokens, n_ctx)
+    if need > max_len:
+        raise ValueError(f"a row of {n_prompt} prompt tokens and max_new_tokens={max_new_tokens} "
+                         f"needs {need} cache columns; this engine's slots hold max_len={max_len}")
 
 
 def columns_needed(prompt_len: int, max_new_tokens: int, n_ctx: int) -> int:

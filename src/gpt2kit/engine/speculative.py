@@ -32,9 +32,9 @@ from gpt2kit.config import EOT_ID
 from gpt2kit.decode import decode_step, kernels_for, prefill
 from gpt2kit.engine.outputs import advance, token_logprobs
 from gpt2kit.engine.rows import Row, RowEvent
-from gpt2kit.engine.scheduler import Engine, next_tokens
+from gpt2kit.engine.scheduler import Engine
 from gpt2kit.kv_cache import KVCache
-from gpt2kit.sampler import check_finite, warp
+from gpt2kit.sampler import check_finite, next_tokens, warp
 from gpt2kit.sampling import SamplingSettings
 from gpt2kit.speculate import accept_drafts, greedy_accept, lookup_drafts
 

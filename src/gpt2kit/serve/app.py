@@ -98,7 +98,9 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
     app.state.server = server
     install(app)
 
-    @app.post("/v1/completions", response_model=S.Completion, responses={**_STREAM_200, **_ERRORS})
+    # exclude_unset: a choice's score (beam search) is in the response only where it was set
+    @app.post("/v1/completions", response_model=S.Completion, response_model_exclude_unset=True,
+              responses={**_STREAM_200, **_ERRORS})
     async def completions(body: S.CompletionRequest, request: Request):
         server.require_ready()
         job = plan(server, body)

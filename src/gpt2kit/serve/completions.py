@@ -19,15 +19,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import gpt2kit.serve.schemas as S
+import gpt2kit.serve.search as search
 from gpt2kit.serve.errors import APIError, error_body
 from gpt2kit.serve.lifecycle import DISCONNECTED, SHUTDOWN
 from gpt2kit.serve.limits import check_work, logit_bias_ids, work_tokens
 from gpt2kit.serve.logprobs import Offsets, logprobs_obj, prompt_logprobs
 
 if TYPE_CHECKING:
+    import concurrent.futures
+
     from fastapi import Request
 
     from gpt2kit.engine import Row, RowEvent
+    from gpt2kit.engine.beam import Beam
     from gpt2kit.serve.server import Server
     from gpt2kit.tokenizer import Tokenizer
 
@@ -69,6 +73,10 @@ class Job:
     watcher: asyncio.Task | None = None  # waits for the client to disconnect (serve/lifecycle.py)
     work: int = 0  # tokens of work it holds against the server's limit (gpt2kit.serve.limits)
     scoring: int = 0  # of which prompt tokens still to score for echo log-probs
+    # beam or contrastive search (serve/search.py): each prompt's result, and a contrastive job
+    found: dict[int, list[Beam]] = field(default_factory=dict)
+    side: concurrent.futures.Future | None = None
+    side_rows: int = 0  # rows the contrastive job holds against the server's limit
 
 
 # --- planning ---------------------------------------------------------------------------------
@@ -90,7 +98,9 @@ def plan(server: Server, body: S.CompletionRequest) -> Job:
     best_of = body.best_of or n
     if best_of < n:
         raise APIError(400, f"best_of ({best_of}) must be >= n ({n})", param="best_of")
-    if body.stream and best_of > n:
+    kind = search.method(body)  # beam or contrastive search, or None
+    per_prompt = search.check(server, body, kind, n, best_of) if kind else best_of  # rows per prompt
+    if not kind and body.stream and best_of > n:
         raise APIError(400, "best_of cannot be streamed: drop stream or best_of", param="best_of")
     longest = max(map(len, prompts))
     max_tokens = body.max_tokens if body.max_tokens is not None else max(cfg.n_ctx - longest, 0)
@@ -104,14 +114,15 @@ def plan(server: Server, body: S.CompletionRequest) -> Job:
                             f"{longest + max_tokens} tokens ({longest} in your prompt; {max_tokens} for the "
                             f"completion). Please reduce your prompt or completion length.",
                        param="max_tokens", code="context_length_exceeded")
-    settings = _settings(body, max_tokens, cfg.n_vocab, server.tokenizer)
-    rows = len(prompts) * best_of if max_tokens > 0 else 0
+    settings = _settings(body, max_tokens, cfg.n_vocab, server.tokenizer, kind, n, best_of)
+    rows = len(prompts) * per_prompt if max_tokens > 0 else 0
     limit = server.opts.max_batch + server.opts.max_queue
     if rows > limit:
-        raise APIError(400, f"this request needs {rows} rows (prompts x best_of/n); this server runs at most "
-                            f"{limit} (--max-batch + --max-queue)", param="n")
+        how, param = ("top_k for contrastive search", "top_k") if kind == search.CONTRASTIVE else ("best_of/n", "n")
+        raise APIError(400, f"this request needs {rows} rows (prompts x {how}); this server runs at most "
+                            f"{limit} (--max-batch + --max-queue)", param=param)
     scored = sum(map(len, prompts)) if echo and body.logprobs is not None else 0
-    work = work_tokens(prompts, max_tokens, best_of, bool(scored))
+    work = work_tokens(prompts, max_tokens, per_prompt, bool(scored))
     check_work(work, server.work_tokens, limit * cfg.n_ctx)  # scoring counts as generation does
     if rows and server.outstanding + rows > limit:
         raise APIError(429, f"the server is at capacity ({server.outstanding} rows running or queued, limit "
@@ -121,7 +132,9 @@ def plan(server: Server, body: S.CompletionRequest) -> Job:
     server.work_tokens += work
     server.metrics.scoring_tokens.inc(scored)
     server.metrics.prompt_tokens.inc(sum(map(len, prompts)))
-    if rows:
+    if rows and kind:
+        search.submit(server, job, kind, settings, rows)
+    elif rows:
         seed = resolve_seed(settings)
         want = body.logprobs if body.logprobs is not None else (0 if best_of > n else None)
         loop = server.engine_loop
@@ -137,8 +150,9 @@ def plan(server: Server, body: S.CompletionRequest) -> Job:
     return job
 
 
-def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int, tokenizer):
-    """The request's SamplingSettings; a value they refuse is a 400."""
+def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int, tokenizer, kind: str | None, n: int,
+              best_of: int):
+    """The request's SamplingSettings (with kind: its search's); a value they refuse is a 400."""
     from gpt2kit.sampling import EOT_ID, SamplingSettings
 
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -147,7 +161,7 @@ def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int, tokenize
     bias = logit_bias_ids(body.logit_bias, n_vocab)
     temperature = 1.0 if body.temperature is None else body.temperature
     try:
-        return SamplingSettings(
+        settings = SamplingSettings(
             max_new_tokens=max(max_tokens, 1), temperature=temperature,
             top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
             top_p_mode=body.top_p_mode or "openai",
@@ -155,7 +169,9 @@ def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int, tokenize
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             logit_bias=bias, seed=None if body.seed is None else body.seed % 2**63,
             stop_token_ids=(EOT_ID,) if EOT_ID < n_vocab else (), stop_strings=tuple(stops), strict=True,
-            **body.warper_settings(tokenizer, n_vocab, max_tokens))
+            **body.warper_settings(tokenizer, n_vocab, max_tokens), **search.settings_fields(body, kind, n, best_of))
+        search.check_settings(kind, settings)
+        return settings
     except ValueError as e:
         raise APIError(400, str(e)) from None
 
@@ -198,6 +214,7 @@ def cancel(server: Server, job: Job, why: str | None = None) -> None:
         server.engine_loop.cancel(row)
     server.outstanding -= len(job.pending)
     job.pending = set()
+    search.release(server, job)
     server.work_tokens -= job.work
     server.metrics.scoring_tokens.dec(job.scoring)
     job.work = job.scoring = 0
@@ -217,6 +234,13 @@ async def next_event(server: Server, job: Job, request: Request) -> RowEvent:
         cancel(server, job, "the server's shutdown grace ran out")
         raise APIError(503, "the server shut down before this request finished (its --shutdown-grace ran "
                             "out); retry", code="server_shutting_down")
+    if isinstance(ev, search.SearchDone) or (ev.error is None and ev.beams is not None):
+        try:
+            search.record(server, job, ev)
+        except APIError:
+            cancel(server, job)
+            raise
+        return ev
     if ev.error is not None:  # a failed step (RowEvent.failed)
         cancel(server, job)
         raise APIError(500, "generation failed", code="internal_error")
@@ -269,6 +293,7 @@ async def echo_logprobs(server: Server, job: Job, request: Request) -> list[tupl
 def usage(job: Job) -> dict:
     prompt = sum(map(len, job.prompts))
     done = sum(len(c.tokens) for c in job.choices.values())
+    done += sum(len(b.tokens) for beams in job.found.values() for b in beams)
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
@@ -316,11 +341,19 @@ def _choice(text: str, index: int, lp: dict | None, finish_reason: str | None) -
 async def complete(server: Server, job: Job, request: Request) -> dict:
     try:
         prompt_lp = await echo_logprobs(server, job, request)
-        while job.pending:
+        while job.pending or job.side is not None:
             await next_event(server, job, request)
     finally:
         cancel(server, job)
-    out, choices = Response(server.tokenizer, job, prompt_lp), []
+    out = Response(server.tokenizer, job, prompt_lp)
+    choices = search.choices(job, out, server.tokenizer) if job.found else _choices(job, out)
+    # system_fingerprint named, so that the route's exclude_unset drops only the choices' unset score
+    return {**out.envelope(choices), "usage": usage(job), "system_fingerprint": None}
+
+
+def _choices(job: Job, out: Response) -> list[dict]:
+    """Each prompt's n choices: its rows, or with best_of the n of highest mean log-prob."""
+    choices = []
     for i in range(len(job.prompts)):
         mine = [c for c in job.choices.values() if c.prompt_index == i]
         if job.best_of > job.n:
@@ -331,7 +364,7 @@ async def complete(server: Server, job: Job, request: Request) -> dict:
             text, lp = out.begin(c, i)
             lp = out.tokens(c, c.tokens, c.logprobs, c.tops, lp)
             choices.append(_choice(text + c.text, i * job.n + rank, lp, c.finish_reason))
-    return {**out.envelope(choices), "usage": usage(job)}
+    return choices
 
 
 async def stream(server: Server, job: Job, request: Request) -> AsyncIterator[str]:

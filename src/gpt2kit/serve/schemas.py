@@ -4,7 +4,9 @@ app's OpenAPI document is generated from them, and schemathesis fuzzes the serve
 Extensions beyond OpenAI's spec are named in their descriptions: top_k, repetition_penalty,
 top_p_mode on completions, and transformers' warpers and constraints under vLLM's names where vLLM
 has the field (min_p, min_tokens, bad_words), transformers' otherwise (typical_p, epsilon_cutoff,
-eta_cutoff, no_repeat_ngram_size, suppress_tokens); the `pieces` of /tokenize and /detokenize.
+eta_cutoff, no_repeat_ngram_size, suppress_tokens); beam search under vLLM's names
+(use_beam_search, length_penalty, early_stopping; a choice's score) and contrastive search under
+transformers' (penalty_alpha); the `pieces` of /tokenize and /detokenize.
 """
 
 from __future__ import annotations
@@ -72,6 +74,19 @@ class CompletionRequest(_SamplingRequest):
     min_tokens: int | None = Field(None, ge=0, description="extension (vLLM's): no stop before this many tokens")
     suppress_tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_SUPPRESS)] | None = Field(
         None, description="extension: token ids never generated")
+    # extensions: beam search (vLLM's names; serve/search.py) and contrastive search (transformers')
+    use_beam_search: bool | None = Field(
+        None, description="extension (vLLM's): beam search with best_of beams per prompt (default n; at most 64 and "
+                          "the server's --max-batch); the n best are the choices, in beam order, each with its score; "
+                          "deterministic (temperature, top_p, top_k and seed do not apply); not streamed")
+    length_penalty: float | None = Field(None, ge=-100, le=100, description="extension (vLLM's): beam search: a "
+                                         "finished beam's score is its log-prob sum / its length ** length_penalty "
+                                         "(default 1)")
+    early_stopping: bool | Literal["never"] | None = Field(
+        None, description="extension (vLLM's): beam search: true (stop once best_of beams finished), false (once "
+                          "none can improve) or \"never\", transformers' meanings (default false)")
+    penalty_alpha: float | None = Field(None, ge=0, le=1, description="extension (transformers'): contrastive search "
+                                        "over top_k > 1 candidates (0 = off); deterministic, n 1, not streamed")
 
     def warper_settings(self, tokenizer, n_vocab: int, max_tokens: int) -> dict:
         """The SamplingSettings fields of the warper and constraint extensions; ValueError (a 400)
@@ -102,6 +117,8 @@ class CompletionChoice(BaseModel):
     index: int
     logprobs: Logprobs | None
     finish_reason: Literal["stop", "length"] | None
+    score: float | None = Field(None, description="extension: beam search: the beam's score (log-prob sum / "
+                                                  "length ** length_penalty); absent otherwise")
 
 
 class Usage(BaseModel):

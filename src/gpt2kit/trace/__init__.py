@@ -118,6 +118,11 @@ class Trace:
     def logit_lens(self, k: int = 5) -> dict:
         return self._view(views.logit_lens, k)
 
+    def clean_logit_lens(self, k: int = 5) -> dict | None:
+        """With interventions: the logit lens of the unchanged run (layers the interventions did not
+        reach share this trace's rows); None without."""
+        return None if self.clean is None else self._view(views.clean_lens, k)
+
     def direct_logit_attribution(self, position: int | None = None, token: int | None = None) -> dict:
         return self._view(views.direct_logit_attribution, position, token)
 

@@ -41,28 +41,33 @@ _BLOCK_STEPS = [
 ]
 
 
-def _round(x: float, digits: int = 5) -> float | None:
+def _round(x: float, spec: str = ".5g") -> float | None:
     if x is None or not math.isfinite(x):
         return None if x is None or math.isnan(x) else (1e30 if x > 0 else -1e30)
-    return float(f"{x:.{digits}g}")
+    return float(format(x, spec))
 
 
 def _round_tree(obj, digits: int = 5):
-    if isinstance(obj, float):
-        return _round(obj, digits)
-    if isinstance(obj, list):
-        return [_round_tree(v, digits) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _round_tree(v, digits) for k, v in obj.items()}
-    return obj
+    spec = f".{digits}g"
+
+    def walk(o):
+        if type(o) is float:
+            return _round(o, spec)
+        if isinstance(o, list):  # most leaves are floats in long lists: no call per element to find that out
+            return [_round(v, spec) if type(v) is float else walk(v) for v in o]
+        if isinstance(o, dict):
+            return {k: walk(v) for k, v in o.items()}
+        return _round(o, spec) if isinstance(o, float) else o
+
+    return walk(obj)
 
 
 def _row(t: torch.Tensor, n: int = 6) -> dict:
     """A few numbers of one row (the first n) and the row's norm; -inf (masked) becomes None."""
     t = t.float()
-    vals = [float(v) if math.isfinite(float(v)) else None for v in t[:n]]
-    finite = t[torch.isfinite(t)]
-    return {"first": vals, "norm": float(finite.norm()), "n": t.numel()}
+    finite = torch.isfinite(t)
+    vals = [v if ok else None for v, ok in zip(t[:n].tolist(), finite[:n].tolist(), strict=True)]
+    return {"first": vals, "norm": float(t.where(finite, 0.0).norm()), "n": t.numel()}
 
 
 def walkthrough(tr, position: int) -> list[dict]:
@@ -152,7 +157,7 @@ def report_data(tr, *, attention_encoding: str | None = "list", position: int = 
     data["sae"] = tr.sae_features()
     used = set(tr.ids)
     if tr.clean is not None:
-        data["intervention"] = {**tr.intervention_effect(), "clean_lens": tr.clean.logit_lens(k=5)}
+        data["intervention"] = {**tr.intervention_effect(), "clean_lens": tr.clean_logit_lens(k=5)}
         used.update(i for i, _, _ in data["intervention"]["last"])
         for layer in data["intervention"]["clean_lens"]["top_ids"]:
             for rows in layer:

@@ -27,14 +27,28 @@ def _matrix(module) -> torch.Tensor:
     return dequantize() if dequantize is not None else module.weight
 
 
-def _rank(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """1 + how many tokens score strictly higher than the target: (T, V), (T,) -> (T,)."""
-    tl = logits.gather(-1, target[:, None])  # (T, 1)
-    return (logits > tl).sum(-1) + 1
-
-
 def _next_ids(tr) -> torch.Tensor:
-    return torch.tensor(tr.ids[1:], device=tr.logits.device)  # (T - 1,)
+    return torch.tensor(tr.ids[1:], dtype=torch.long, device=tr.logits.device)  # (T - 1,): ids even when empty
+
+
+def _scan(logits: torch.Tensor, targets: torch.Tensor, k: int, scratch: torch.Tensor) -> tuple:
+    """What the report reads from each row of (R, V) logits without keeping a (R, V) result: the
+    top-k ids and log-probs, the target's log-prob and rank (1 + how many tokens score strictly
+    higher). The logits are read, never written; the one (R, V) write is into scratch (reused across
+    calls, so no fresh pages are faulted in per block). Log-probs as log_softmax forms them:
+    (x - max) - log(sum(exp(x - max))); the max is the top-1. Counting in float32 is exact (< 2^24)."""
+    top_l, top_i = logits.topk(k, dim=-1)  # (R, K)
+    m = top_l[:, :1]  # (R, 1): the row's max
+    tl = logits.gather(-1, targets[:, None])  # (R, 1)
+    torch.gt(logits, tl, out=scratch)  # 1.0 where a token scores strictly higher than the target
+    rank = scratch.sum(-1).long() + 1  # (R,)
+    torch.sub(logits, m, out=scratch).exp_()
+    log_z = scratch.sum(-1, keepdim=True).log_()  # (R, 1)
+    return top_i, top_l - m - log_z, (tl - m - log_z)[:, 0], rank
+
+
+def _scratch(rows: int, V: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(rows, V, dtype=torch.float32, device=like.device)
 
 
 @torch.no_grad()
@@ -42,13 +56,12 @@ def next_token_stats(tr, k: int = 10) -> dict:
     """Per position t: the top-k next tokens and, for t < T-1, the actual next token's log-prob
     (nats), surprisal (bits) and rank. Index t predicts token t + 1."""
     logits = tr.logits.float()  # (T, V)
-    logp = torch.log_softmax(logits, dim=-1)
     k = min(k, logits.shape[-1])
-    top_p, top_i = logp.exp().topk(k, dim=-1)  # (T, K)
-    nxt = _next_ids(tr)
-    lp = logp[:-1].gather(-1, nxt[:, None])[:, 0]  # (T - 1,)
-    return {"top_ids": top_i.tolist(), "top_probs": top_p.tolist(), "next_logprob": lp.tolist(),
-            "surprisal_bits": (-lp / LN2).tolist(), "next_rank": _rank(logits[:-1], nxt).tolist()}
+    targets = torch.cat([_next_ids(tr), _next_ids(tr).new_zeros(1)])  # (T,): a stand-in at the end
+    top_i, top_lp, lp, rank = _scan(logits, targets, k, _scratch(*logits.shape, logits))
+    lp = lp[:-1]  # (T - 1,)
+    return {"top_ids": top_i.tolist(), "top_probs": top_lp.exp().tolist(), "next_logprob": lp.tolist(),
+            "surprisal_bits": (-lp / LN2).tolist(), "next_rank": rank[:-1].tolist()}
 
 
 def lens_layers(tr) -> list[int]:
@@ -62,50 +75,77 @@ def lens_logits(tr, layer: int) -> torch.Tensor:
     return unembed(tr.model, tr.model.ln_f(tr[f"resid.{layer}"]))
 
 
-def _lens_rows(logits: torch.Tensor, nxt: torch.Tensor, k: int) -> tuple[list, list, list, list]:
-    """Top-k ids and probabilities of every row of (g, T, V) logits, and the next token's probability
-    and rank (positions 0..T-2). Reads the logits a few times and writes nothing their size (the
-    probabilities are exp(logit - logsumexp), never a full log_softmax), so the lens holds one
-    (g, T, V) block at a time instead of three."""
-    g, T, V = logits.shape
-    lse = torch.logsumexp(logits, dim=-1)  # (g, T)
-    top_l, top_i = logits.topk(k, dim=-1)  # (g, T, K)
-    top_p = (top_l - lse[..., None]).exp()
-    target = nxt[None, :, None].expand(g, T - 1, 1)
-    tl = logits[:, :-1].gather(-1, target)  # (g, T - 1, 1)
-    next_p = (tl[..., 0] - lse[:, :-1]).exp()  # (g, T - 1)
-    rank = torch.empty(g, T - 1, dtype=torch.long)
-    for s in range(0, T - 1, 64):  # in row blocks: the comparison's mask stays small
-        e = min(s + 64, T - 1)
-        rank[:, s:e] = (logits[:, s:e] > tl[:, s:e]).sum(-1, dtype=torch.int32) + 1
-    return top_i.tolist(), top_p.tolist(), next_p.tolist(), rank.tolist()
+# Rows of lens logits per product: a (rows, V) float32 block and its scratch, at most ~256 MB each,
+# so the products stay large (fewer passes over wte) while memory stays bounded for long inputs.
+_LENS_BLOCK_BYTES = 2**28
+
+
+def _blocks(start: int, stop: int, most: int) -> list[tuple[int, int]]:
+    """[start, stop) in the fewest blocks of at most `most` rows, of near-equal size."""
+    n = -(-(stop - start) // most)
+    size = -(-(stop - start) // n) if n else 0
+    return [(s, min(s + size, stop)) for s in range(start, stop, size)] if n else []
+
+
+def _lens_rows(tr, layers: list[int], k: int) -> dict[int, tuple[list, list, list, list]]:
+    """The lens of these layers: {layer: (top ids, top probs, next prob, next rank)}, each a list per position.
+
+    Every (layer, position) row is one row of a single stack, so the unembedding runs as a few large
+    products over all layers at once; each product's (rows, V) logits are scanned once (_scan) and
+    dropped. At the last layer the lens is the model's own output (tested equal): its rows are the
+    recorded logits, not a product."""
+    T, V, L = len(tr.ids), tr.config.n_vocab, tr.config.n_layer
+    layers = [layer for layer in layers if layer != L] + [layer for layer in layers if layer == L]
+    computed = layers[:-1] if layers and layers[-1] == L else layers
+    h = torch.cat([tr.model.ln_f(tr[f"resid.{layer}"]) for layer in computed]) if computed else None  # (g T, C)
+    nxt = _next_ids(tr)
+    targets = torch.cat([nxt, nxt.new_zeros(1)]).repeat(len(layers))  # (n T,): a stand-in at each end
+    rows, nc = len(layers) * T, len(computed) * T  # rows of the products first, then the last layer's
+    per = max(1, min(rows, _LENS_BLOCK_BYTES // (4 * V)))
+    scratch = _scratch(per, V, tr.logits)
+    parts = []
+    for s, e in _blocks(0, nc, per) + _blocks(nc, rows, per):
+        block = unembed(tr.model, h[s:e]).float() if s < nc else tr.logits[s - nc:e - nc].float()  # (rows, V)
+        parts.append(_scan(block, targets[s:e], k, scratch[:e - s]))
+        del block
+    if not parts:
+        return {}
+    n = len(layers)
+    top_i, top_lp, next_lp, rank = (torch.cat(c).view(n, T, *c[0].shape[1:]) for c in zip(*parts, strict=True))
+    cols = (top_i.tolist(), top_lp.exp().tolist(), next_lp[:, :-1].exp().tolist(), rank[:, :-1].tolist())
+    return {layer: tuple(c[j] for c in cols) for j, layer in enumerate(layers)}
+
+
+def _unchanged(tr, like, layer: int) -> bool:
+    """Whether the residual at this layer (the logits at the last) is bit for bit the same in both traces."""
+    name = "logits" if layer == tr.config.n_layer else f"resid.{layer}"
+    return name in like.tensors and torch.equal(tr[name], like[name])
 
 
 @torch.no_grad()
-def logit_lens(tr, k: int = 5) -> dict:
+def logit_lens(tr, k: int = 5, like=None) -> dict:
     """Per recorded residual layer x position: top-k tokens and probabilities; the probability and
-    rank of the actual next token (positions 0..T-2)."""
+    rank of the actual next token (positions 0..T-2).
+
+    like: another trace of the same ids and model (the intervened run, for the clean one): every
+    layer whose residual is bit for bit like's takes its rows from like's lens (computed once and
+    cached there) instead of another product — an intervention leaves the layers before it alone."""
     layers = lens_layers(tr)
-    T, V, L = len(tr.ids), tr.config.n_vocab, tr.config.n_layer
-    nxt = _next_ids(tr)
-    k = min(k, V)
+    k = min(k, tr.config.n_vocab)
     out: dict[int, tuple] = {}
-    # At the last layer the lens is the model's own output (tested equal): reuse it.
-    computed = [layer for layer in layers if layer != L]
-    # Several layers per product (fewer, larger GEMMs), at most ~256 MB of (rows, V) logits at a time.
-    per = max(1, (2**28 // 4) // max(1, T * V))
-    for s in range(0, len(computed), per):
-        group = computed[s:s + per]
-        h = torch.cat([tr.model.ln_f(tr[f"resid.{layer}"]) for layer in group])  # (g T, C)
-        logits = unembed(tr.model, h).float().reshape(len(group), T, V)  # (g, T, V)
-        for layer, *rows in zip(group, *_lens_rows(logits, nxt, k), strict=True):
-            out[layer] = rows
-        del logits
-    if L in layers:
-        out[L] = [r[0] for r in _lens_rows(tr.logits.float()[None], nxt, k)]
-    cols = list(zip(*(out[layer] for layer in layers), strict=True)) if layers else [(), (), (), ()]
-    return {"layers": layers, "top_ids": list(cols[0]), "top_probs": list(cols[1]), "next_prob": list(cols[2]),
-            "next_rank": list(cols[3])}
+    if like is not None and like.ids == tr.ids and like.model is tr.model:
+        theirs = like.logit_lens(k)
+        for j, layer in enumerate(theirs["layers"]):
+            if layer in layers and _unchanged(tr, like, layer):
+                out[layer] = tuple(theirs[key][j] for key in ("top_ids", "top_probs", "next_prob", "next_rank"))
+    out.update(_lens_rows(tr, [layer for layer in layers if layer not in out], k))
+    return {"layers": layers, **{key: [out[layer][c] for layer in layers]
+                                 for c, key in enumerate(("top_ids", "top_probs", "next_prob", "next_rank"))}}
+
+
+def clean_lens(tr, k: int = 5) -> dict:
+    """The logit lens of tr.clean (the run without interventions), reusing tr's rows where they agree."""
+    return logit_lens(tr.clean, k, like=tr)
 
 
 def dla_targets(tr) -> list[int]:
@@ -182,12 +222,10 @@ def residual_norms(tr) -> torch.Tensor:
 def _induction_mask(ids: list[int]) -> torch.Tensor:
     """(T, T) True at (t, j) when j follows an earlier occurrence of token t: ids[j - 1] == ids[t], j <= t."""
     T = len(ids)
+    x = torch.tensor(ids)
     m = torch.zeros(T, T, dtype=torch.bool)
-    for t in range(T):
-        for j in range(1, t + 1):
-            if ids[j - 1] == ids[t]:
-                m[t, j] = True
-    return m
+    m[:, 1:] = x[None, :-1] == x[:, None]  # (T, T - 1): column j - 1 holds ids[j - 1] == ids[t]
+    return m.tril_()  # j <= t
 
 
 @torch.no_grad()
@@ -198,14 +236,16 @@ def attention_summary(tr) -> dict:
     T = len(tr.ids)
     ind = _induction_mask(tr.ids)
     rows = ind.any(-1)  # queries that have an induction target
+    qi, ki = ind.nonzero(as_tuple=True)  # the (query, key) pairs of the mask
     out = {"layers": layers, "prev": [], "first": [], "induction": []}
     for i in layers:
         P = tr[f"h.{i}.attn.probs"].float().cpu()  # (nh, T, T)
         prev = P.diagonal(offset=-1, dim1=1, dim2=2).mean(-1) if T > 1 else torch.zeros(P.shape[0])
         out["prev"].append(prev.tolist())
         out["first"].append(P[:, :, 0].mean(-1).tolist())
-        if rows.any():
-            out["induction"].append((P * ind).sum(-1)[:, rows].mean(-1).tolist())
+        if rows.any():  # each query's attention summed over its induction targets, over the queries that have one
+            per_query = P.new_zeros(P.shape[0], T).index_add_(1, qi, P[:, qi, ki])  # (nh, T)
+            out["induction"].append(per_query[:, rows].mean(-1).tolist())
         else:
             out["induction"].append(None)
     return out
