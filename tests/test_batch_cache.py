@@ -1,138 +1,216 @@
-"""The batch cache's geometry (gpt2kit.engine.BatchCache): rows that join, leave, and are trimmed
-keep every cached key and value and every position exactly, right-aligned over left padding.
+"""The slot pool (gpt2kit.engine.SlotPool): every row's keys and values in a slot of its own; rows
+join, decode at their own lengths and leave without another row's storage moving or any of its
+columns changing; a step's view, mask and positions are each row's own; the engine on it copies
+nothing at a join, a leave or a step.
 
-Each row's history is random keys/values, one column per token; a decode step is simulated by
-writing one column at the cache's length, as decode_step does."""
+The geometry tests simulate the writes: a prefill writes a row's history through the slot's
+KVCache view, a decode step writes through StepCache.update_kv as decode_step does."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from helpers import SMALL, varied_model
 
-from gpt2kit.engine import BatchCache
+from gpt2kit.engine import Engine, SlotPool
+from gpt2kit.generate import generate
+from gpt2kit.sampling import SamplingSettings
 
 L, NH, HS = 2, 2, 3  # layers, heads, head size
 GEN = torch.Generator().manual_seed(0)
 
 
-def _history(n: int) -> torch.Tensor:
-    return torch.randn(L, 2, NH, n, HS, generator=GEN)  # one row's keys and values (L, 2, nh, n, hs)
+def _pool(slots: int = 4, cols: int = 16) -> SlotPool:
+    return SlotPool(L, slots, NH, cols, HS)
 
 
-def _prefill(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """What a prefill of these rows leaves: kv (L, b, 2, nh, w, hs) left-padded (the padding
-    columns hold whatever the padding tokens computed: here random), mask (b, w), lengths."""
-    w = max(h.shape[3] for h in rows)
-    kv = torch.randn(L, len(rows), 2, NH, w, HS, generator=GEN)
-    mask = torch.ones(len(rows), w, dtype=torch.long)
-    for b, h in enumerate(rows):
-        n = h.shape[3]
-        kv[:, b, :, :, w - n:] = h
-        mask[b, : w - n] = 0
-    return kv, mask, [h.shape[3] for h in rows]
+def _join(pool: SlotPool, n: int) -> tuple[int, torch.Tensor]:
+    """A row of n tokens prefilled into a free slot (through its KVCache view); (slot, history)."""
+    slot = pool.take()
+    cache = pool.row_cache(slot)
+    history = torch.randn(L, 2, NH, n, HS, generator=GEN)  # (L, 2, nh, n, hs)
+    for layer in range(L):
+        cache.update_kv(layer, history[layer][None])
+    cache.length = n
+    pool.prefilled(slot, n)
+    return slot, history
 
 
-def _check(bc: BatchCache, history: list[torch.Tensor]) -> None:
-    """Every row's keys and values are its history, in its last columns of [0, P), at positions
-    0..n-1 (cumsum of the mask - 1); the columns before them are masked."""
-    P = bc.cache.length
-    assert bc.lengths == [h.shape[3] for h in history] and bc.batch_size == len(history)
-    assert bc.cache.batch_size == len(history) and bc.mask.shape[0] == len(history)
-    for b, h in enumerate(history):
-        n = h.shape[3]
-        m = bc.mask[b, :P]
-        assert m[: P - n].eq(0).all() and m[P - n:].eq(1).all()
-        assert (m.cumsum(0) - 1)[P - n:].tolist() == list(range(n))
-        assert torch.equal(bc.cache.kv[:, b, :, :, P - n:P], h)
+def _step(pool: SlotPool, rows: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """One decode step of the rows {slot: history}: new keys/values written as decode_step writes
+    them; checks what each row's attention sees; returns the step's mask."""
+    slots = sorted(rows)
+    cache, mask = pool.step_cache(slots)
+    P, B = cache.length, cache.batch_size
+    assert B == slots[-1] + 1 and P == max(pool.lengths[s] for s in slots)
+    new = torch.randn(B, L, 2, NH, 1, HS, generator=GEN)
+    for layer in range(L):
+        k, v = cache.update_kv(layer, new[:, layer])  # (B, nh, P + 1, hs)
+        for s in slots:
+            n = pool.lengths[s]
+            seen = torch.arange(P + 1) if mask is None else mask[s].nonzero()[:, 0]
+            assert seen.tolist() == list(range(n)) + [P]  # its own columns, then itself at P
+            assert torch.equal(k[s, :, seen], torch.cat([rows[s][layer, 0], new[s, layer, 0]], dim=1))
+            assert torch.equal(v[s, :, seen], torch.cat([rows[s][layer, 1], new[s, layer, 1]], dim=1))
+            if mask is not None:
+                assert torch.isfinite(k[s]).all() and torch.isfinite(v[s]).all()  # masked columns too
+    if mask is not None:
+        assert (mask.sum(-1) - 1)[slots].tolist() == [pool.lengths[s] for s in slots]  # positions
+    cache.length = P + 1
+    pool.advance(slots, P)
+    for s in slots:
+        rows[s] = torch.cat([rows[s], new[s]], dim=3)
+    return mask
 
 
-def _step(bc: BatchCache, history: list[torch.Tensor], room: int = 4) -> None:
-    """One decode step: trim if full, then each row's new key/value written at column P."""
-    if bc.full:
-        bc.trim(room)
-    P, B = bc.cache.length, bc.batch_size
-    mask = bc.step_mask()
-    if any(h.shape[3] < P for h in history):
-        assert mask.shape == (B, P + 1) and mask[:, P].eq(1).all() and torch.equal(mask[:, :P], bc.mask[:, :P])
-    else:
-        assert mask is None
-    new = torch.randn(L, B, 2, NH, 1, HS, generator=GEN)
-    bc.cache.kv[:, :, :, :, P:P + 1] = new
-    bc.cache.length = P + 1
-    bc.advance()
-    for b in range(B):
-        history[b] = torch.cat([history[b], new[:, b]], dim=3)
+def _check(pool: SlotPool, rows: dict[int, torch.Tensor]) -> None:
+    """Each row's columns [0, n) of its own slot are its history, exactly."""
+    for s, h in rows.items():
+        assert pool.lengths[s] == h.shape[3]
+        assert torch.equal(pool.kv[:, s, :, :, :h.shape[3]], h)
 
 
-def test_join_leave_and_trim_keep_each_rows_keys_values_and_positions():
-    bc = BatchCache(n_ctx=64)
-    history = [_history(3)]
-    bc.join(*_prefill(history), room=5)
-    _check(bc, history)
-    assert bc.cache.max_len == 3 + 5
+def test_rows_join_decode_and_leave_in_their_own_slots_and_nothing_else_moves():
+    pool = _pool()
+    ptr = pool.kv.data_ptr()
+    rows = dict([_join(pool, 3)])
     for _ in range(2):
-        _step(bc, history)
-        _check(bc, history)
-    joining = [_history(6), _history(1)]  # left-padded among themselves, then beside the running row
-    bc.join(*_prefill(joining), room=4)
-    history += joining
-    _check(bc, history)
-    # The running row (5 tokens) right-aligned to width 6: its new padding column is zeros (finite:
-    # a masked key's weight 0 never meets 0 * NaN).
-    assert bc.cache.kv[:, 0, :, :, 0].eq(0).all()
-    assert bc.cache.length == 6  # the widest row: no column that every row pads
+        assert _step(pool, rows) is None  # one row at its own length: no mask
+    _check(pool, rows)
+    before = {s: pool.kv[:, s, :, :, :h.shape[3]].clone() for s, h in rows.items()}
+    for n in (6, 1):  # longer and shorter than the running row
+        s, h = _join(pool, n)
+        rows[s] = h
+    assert sorted(rows) == [0, 1, 2]
+    for s, old in before.items():  # the running row's columns untouched by the joins
+        assert torch.equal(pool.kv[:, s, :, :, :old.shape[3]], old)
     for _ in range(3):
-        _step(bc, history)
-        _check(bc, history)
-    sel = bc.keep([0, 2])  # the 6-token row leaves
-    assert sel.tolist() == [0, 2]
-    history = [history[0], history[2]]
-    _check(bc, history)
-    bc.trim(room=2)  # its leading columns were padding in every row that is left
-    _check(bc, history)
-    assert bc.cache.length == max(h.shape[3] for h in history) and bc.cache.max_len == bc.cache.length + 2
-    assert bc.keep([0, 1]) is None  # all kept: nothing to select
-    assert bc.keep([1]).tolist() == [1]
-    history = [history[1]]
-    _check(bc, history)
-    assert bc.step_mask() is not None  # the row that left held columns this one pads
-    bc.trim(room=1)
-    _check(bc, history)
-    assert bc.step_mask() is None  # one row, unpadded
+        assert _step(pool, rows) is not None  # rows of three lengths: each sees its own
+    _check(pool, rows)
+    pool.release(1)  # the 9-token row leaves; slots 0 and 2 stay where they are
+    left = rows.pop(1)
+    before = {s: pool.kv[:, s, :, :, :h.shape[3]].clone() for s, h in rows.items()}
+    _step(pool, rows)  # slot 1 rides along, free (its output would be dropped)
+    for s, old in before.items():
+        assert torch.equal(pool.kv[:, s, :, :, :old.shape[3]], old)
+    _check(pool, rows)
+    s, h = _join(pool, 2)  # the lowest free slot is taken again
+    assert s == 1 and left.shape[3] == 9
+    rows[s] = h
+    _step(pool, rows)
+    _check(pool, rows)
+    assert pool.kv.data_ptr() == ptr and pool.copied_bytes == 0
 
 
-def test_a_full_cache_is_rebuilt_with_room_and_rows_unchanged():
-    bc = BatchCache(n_ctx=64)
-    history = [_history(2), _history(5)]
-    bc.join(*_prefill(history), room=1)
-    assert bc.cache.max_len == 6
-    sizes = []
-    for _ in range(7):  # full after the first step, then every third (room 3)
-        _step(bc, history, room=3)
-        _check(bc, history)
-        sizes.append(bc.cache.max_len)
-    assert sizes == [6, 9, 9, 9, 12, 12, 12]
+def test_a_prefilling_row_inside_the_step_range_is_never_written():
+    """Slot 1 holds a row still being prefilled (8 tokens, more than the step's width) between two
+    decoding rows: the steps over slots [0, 3) never write any of its columns."""
+    pool = _pool()
+    rows = dict([_join(pool, 2)])
+    prefilling, _ = _join(pool, 8)
+    rows.update([_join(pool, 1)])
+    assert sorted(rows) == [0, 2] and prefilling == 1
+    snapshot = pool.kv[:, prefilling].clone()
+    for _ in range(3):
+        assert _step(pool, rows) is not None
+    assert torch.equal(pool.kv[:, prefilling], snapshot)
+    _check(pool, rows)
 
 
-def test_the_padded_width_is_trimmed_at_n_ctx_though_every_row_fits():
-    bc = BatchCache(n_ctx=10)
-    long, short = _history(9), _history(1)
-    bc.join(*_prefill([long, short]), room=256)
-    history = [long, short]
-    _step(bc, history)  # width 10 = n_ctx
-    assert bc.full and bc.cache.length == 10
-    bc.keep([1])  # the long row leaves; the short one holds 2 tokens under 8 columns of padding
-    history = [history[1]]
-    _step(bc, history)  # trimmed before it is fed: the width stays within n_ctx
-    _check(bc, history)
-    assert bc.cache.length == 3
+def test_the_masked_columns_a_new_row_reads_are_finite_though_its_slot_held_nan():
+    pool = _pool(slots=2)
+    s, _ = _join(pool, 5)
+    pool.kv[:, s].fill_(float("nan"))  # a row whose model gave NaN held this slot
+    pool.release(s)
+    rows = dict([_join(pool, 2)])  # slot 0 again, 2 tokens, NaN beyond them
+    rows.update([_join(pool, 6)])
+    assert _step(pool, rows) is not None  # _step checks every column it reads is finite
+    _check(pool, rows)
 
 
-def test_every_row_leaving_empties_it_and_it_takes_new_rows():
-    bc = BatchCache(n_ctx=64)
-    bc.join(*_prefill([_history(4)]), room=3)
-    assert bc.keep([]) is None and bc.batch_size == 0 and bc.cache is None
-    history = [_history(2)]
-    bc.join(*_prefill(history), room=3)
-    _check(bc, history)
-    bc.clear()
-    assert bc.batch_size == 0 and bc.cache is None and bc.mask is None
+def test_growing_copies_the_held_rows_and_counts_the_bytes():
+    pool = _pool(slots=1)
+    rows = dict([_join(pool, 4)])
+    _step(pool, rows)
+    pool.grow(3)
+    assert pool.n_slots == 3 and pool.copied_bytes == L * 2 * NH * 5 * HS * 4
+    _check(pool, rows)
+    rows.update([_join(pool, 2)])
+    _step(pool, rows)
+    _check(pool, rows)
+
+
+def test_the_engine_copies_no_other_rows_keys_and_values_when_rows_join_and_leave():
+    """A running row's slot: the pool's storage never moves and the row's columns never change
+    while rows join (prefilled into their own slots), decode beside it and leave; and every row
+    gets the tokens it gets alone."""
+    model = varied_model(SMALL, seed=0)
+    s = SamplingSettings(temperature=0, max_new_tokens=24, stop_token_ids=())
+    short = SamplingSettings(temperature=0, max_new_tokens=3, stop_token_ids=())
+    engine = Engine(model, max_batch=3)
+    first = engine.new_row([464, 2068, 7586], s)
+    engine.submit([first])
+    for _ in range(3):
+        engine.step()
+    pool = engine.pool
+    ptr, slot = pool.kv.data_ptr(), 0
+    joiners = [engine.new_row(list(range(300, 300 + n)), short) for n in (9, 2, 5)]
+    seen = []
+    for k in range(12):
+        n = pool.lengths[slot]
+        mine = pool.kv[:, slot, :, :, :n].clone()
+        if k in (1, 2, 6):
+            engine.submit([joiners[(1, 2, 6).index(k)]])
+        engine.step()
+        assert torch.equal(pool.kv[:, slot, :, :, :n], mine)  # nothing of the running row moved
+        seen.append(engine.n_running)
+    assert engine.pool is pool and pool.kv.data_ptr() == ptr and pool.copied_bytes == 0
+    assert max(seen) == 3  # the joiners ran beside it
+    while engine.has_work:
+        engine.step()
+    assert first.tokens == generate(model, [first.prompt], s)[0].tokens
+    for row in joiners:
+        assert row.tokens == generate(model, [row.prompt], short)[0].tokens
+
+
+def test_a_beam_groups_copy_moves_only_its_own_slots_and_counts_them_apart():
+    """SlotPool.copy (a beam group's reorder): each destination slot takes its source's columns and
+    length, sources read before any is overwritten (a swap), the other slots untouched; the bytes
+    go to beam_bytes, never copied_bytes."""
+    pool = _pool()
+    rows = dict([_join(pool, n) for n in (4, 3, 3, 3)])  # slot 0 another row's; slots 1-3 a group's
+    other = pool.kv[:, 0].clone()
+    pool.copy([1, 2, 3], [2, 1, 1])  # slot 1 takes 2's, slots 2 and 3 take 1's
+    moved = {0: rows[0], 1: rows[2], 2: rows[1], 3: rows[1]}
+    _check(pool, moved)
+    assert torch.equal(pool.kv[:, 0], other)
+    assert pool.beam_bytes == 3 * L * 2 * NH * 3 * HS * 4 and pool.copied_bytes == 0
+    _step(pool, moved)  # the moved slots decode on from what they took
+    _check(pool, moved)
+
+
+def test_beam_rows_beside_a_row_copy_only_among_their_own_slots():
+    """A beam group running beside a greedy row: the row's slot never changes under the group's
+    reorders; the group's copies are counted in beam_bytes, copied_bytes stays 0."""
+    model = varied_model(SMALL, seed=0)
+    s = SamplingSettings(temperature=0, max_new_tokens=16, stop_token_ids=())
+    beams = SamplingSettings(max_new_tokens=8, num_beams=3, stop_token_ids=())
+    engine = Engine(model, max_batch=4)
+    first = engine.new_row([464, 2068, 7586], s)
+    engine.submit([first])
+    engine.step()
+    pool = engine.pool
+    engine.submit(engine.new_beam_rows([15496, 11], beams))
+    while engine.has_work:
+        n = pool.lengths[0]
+        mine = pool.kv[:, 0, :, :, :n].clone()
+        engine.step()
+        assert torch.equal(pool.kv[:, 0, :, :, :n], mine)
+    assert pool.beam_bytes > 0 and pool.copied_bytes == 0
+    assert first.tokens == generate(model, [first.prompt], s)[0].tokens
+
+
+def test_a_pool_that_cannot_be_allocated_is_a_value_error_naming_max_batch():
+    engine = Engine(varied_model(SMALL, seed=0), max_batch=10**12)  # 30 PB of slots
+    with pytest.raises(ValueError, match=r"a cache of 1000000000000 slots x 64 columns .* lower max_batch"):
+        engine.reserve()

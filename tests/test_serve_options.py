@@ -13,6 +13,7 @@ from gpt2kit.serve.options import ServeOptions
 @pytest.mark.parametrize("field,value,needle", [
     ("max_batch", 0, "max_batch must be an integer >= 1, got 0"),
     ("max_queue", -1, "max_queue must be an integer >= 0, got -1"),
+    ("prefill_chunk", 0, "prefill_chunk must be an integer >= 1, got 0"),
     ("max_tokens_per_request", 0, "max_tokens_per_request must be an integer >= 1"),
     ("max_body_bytes", 0, "max_body_bytes must be an integer >= 1, got 0"),
     ("prefix_cache_tokens", -1, "prefix_cache_tokens must be an integer >= 0"),

@@ -19,6 +19,7 @@ import torch
 
 from gpt2kit.config import EOT_ID
 from gpt2kit.engine import Engine, RowKey
+from gpt2kit.engine.scheduler import columns_needed
 from gpt2kit.sampler import resolve_seed
 from gpt2kit.sampling import SamplingSettings
 from gpt2kit.validate import check_int
@@ -104,7 +105,11 @@ def _start(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSett
     if draft_model is not None or settings.prompt_lookup:
         engine = _speculative_engine(model, prompts, settings, tokenizer, batch_size, draft_model)
     else:
-        engine = Engine(model, tokenizer, max_batch=batch_size, pack_weights=settings.pack_weights)
+        # slots: as many as run at once, each as long as the longest row gets (engine.batch_cache)
+        rows = len(prompts) * n
+        max_len = max(columns_needed(len(p), settings.max_new_tokens, cfg.n_ctx) for p in prompts)
+        engine = Engine(model, tokenizer, max_batch=min(batch_size or rows, rows), pack_weights=settings.pack_weights,
+                        max_len=max_len)
     seed = resolve_seed(settings)
     engine.submit([engine.new_row(p, settings, seed=seed, sample_index=j, key=RowKey(i * n + j, i, j))
                    for i, p in enumerate(prompts) for j in range(n)])

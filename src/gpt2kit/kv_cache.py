@@ -32,6 +32,14 @@ class KVCache:
         return cls(cfg.n_layer, batch_size, cfg.n_head, max_len, cfg.head_dim, device=p.device, dtype=p.dtype)
 
     @classmethod
+    def on(cls, kv: torch.Tensor, length: int = 0) -> KVCache:
+        """A cache over existing storage kv (L, B, 2, nh, M, hs), holding `length` positions: written
+        in place, nothing allocated or copied (gpt2kit.engine's slot pool hands out its slots so)."""
+        cache = cls.__new__(cls)
+        cache.kv, cache.length = kv, length
+        return cache
+
+    @classmethod
     def from_present(cls, present: torch.Tensor, max_len: int) -> KVCache:
         """A cache of max_len positions holding the official-layout present (B, L, 2, nh, P, hs)."""
         B, L, _, nh, P, hs = present.shape

@@ -31,8 +31,8 @@ Kernels = PlainKernels | PackedWeights
 
 @torch.inference_mode()
 def prefill(model: GPT2, idx: torch.Tensor, attention_mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
-    """Encode idx (B, T) into an empty cache; logits of the last position (B, V)."""
-    assert cache.length == 0
+    """Encode idx (B, T) into the cache after the tokens it holds (a prompt in chunks: the engine's
+    chunked prefill); logits of the last position (B, V)."""
     return model(idx, attention_mask=attention_mask, cache=cache, last_logits_only=True).logits[:, -1]
 
 

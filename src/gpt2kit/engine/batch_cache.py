@@ -1,17 +1,31 @@
-"""The batch's cache geometry: rows of different lengths right-aligned in one left-padded KVCache.
+"""The batch's cache: a pool of per-row slots, each row's keys and values in its own slot, in place.
 
-Row b's cached tokens are the last lengths[b] columns of [0, P) (P the cache's length); the columns
-before them are padding (mask 0, keys and values zeros: finite, so a masked key's weight 0 never
-meets 0 * NaN). Positions come from the mask (cumsum - 1), so padding shifts nothing and each row
-computes what it would alone. Rows join (their prefilled keys and values added beside the running
-ones), leave (dropped from the batch), move (a beam group's slots take the beams they continue:
-reorder), and the cache is rebuilt (rows concatenated, columns that are
-padding in every row trimmed, room for the next tokens added) when rows join or it fills, or when
-its padded width reaches n_ctx (every row fits, but rows that left held the leading columns: the
-trim keeps a model's own forward, which checks the width against n_ctx, from refusing them).
+The pool is one tensor (L, S, 2, nh, M, hs): S slots of M columns, made once. A row that joins
+takes the lowest free slot and is prefilled into it (columns [0, n), through a KVCache view of that
+slot: nothing copied); each decode step writes every row's new key and value at that row's own
+column; a row that leaves frees its slot; a row whose context fills is prefilled again in its own
+slot. No join, leave or step copies, moves or reads another row's keys and values: only
+:meth:`SlotPool.grow` (an engine without max_batch that runs out of slots) copies, and counts what
+it copied in ``copied_bytes``. A beam group's slots (gpt2kit.engine.beam_rows) copy only among
+themselves: :meth:`SlotPool.copy` gives each the beam it continues (and, at the group's join, the
+one prefill of its prompt), one gather of that group's slots, counted in ``beam_bytes``.
 
-Legend: L layers, B rows, b rows of one part, nh heads, P cached length, M cache size, w a part's
-width, hs head size.
+A decode step runs over the slots [0, hi), a view of the pool (hi: one past the highest slot a
+decoding row holds). Rows have their own lengths n; P, the step's width, is the longest. A row's
+mask is 1 over its own columns [0, n) and at column P, where its new key and value are written for
+this step's attention (the spec's forward and decode_step let each query see column P, and count
+its position as sum(mask) - 1 = n), and also at its own column n, where the next steps find them.
+A row of length P writes once. Slots in [0, hi) without a decoding row (free, or a row still being
+prefilled) ride along: their outputs are dropped, and a prefilling row's columns are never written.
+
+The columns a row reads masked ([n, P)) must be finite (a masked key's weight 0 times NaN is NaN):
+the pool keeps, per slot, how far its columns are known clean (written for this row, or zeroed),
+and zeroes the rest of [0, P) before a step. The storage is torch.empty, never zeroed whole, so on
+CPU its pages are committed as columns are first written: memory follows the columns rows use,
+not S x M.
+
+Legend: L layers, S slots, B rows of a step (hi), nh heads, M columns per slot, P the step's width,
+hs head size, T new tokens.
 """
 
 from __future__ import annotations
@@ -20,105 +34,183 @@ import torch
 
 from gpt2kit.kv_cache import KVCache
 
-MAX_ROOM = 256  # columns added past the widest row at a rebuild; rebuilt again if it fills
 
+class StepCache:
+    """KVCache's interface (update, update_kv, length, batch_size, max_len, kv) for one decode step
+    over the pool's slots [0, hi): the new column goes to P for every row (but prefilling ones) and
+    to each shorter row's own column; the views returned are columns [0, P + 1) of every slot."""
 
-class BatchCache:
-    """One left-padded KVCache for the running rows, and each row's cached length."""
-
-    def __init__(self, n_ctx: int) -> None:
-        self.n_ctx = n_ctx
-        self.cache: KVCache | None = None
-        self.mask: torch.Tensor | None = None  # (B, M) long: 1 real, 0 padding; columns >= P preset to 1
-        self.lengths: list[int] = []  # tokens of each row in the cache (its real, unpadded columns)
+    def __init__(self, kv: torch.Tensor, P: int, write: torch.Tensor | None,
+                 home: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.kv = kv  # (L, B, 2, nh, M, hs): a view of the pool
+        self.length = P
+        self._write = write  # (b,) the rows written at column P; None: all
+        self._home = home  # (rows (k,), their columns (k,)): rows shorter than P; None: none
 
     @property
     def batch_size(self) -> int:
-        return len(self.lengths)
-
-    def clear(self) -> None:
-        self.cache = self.mask = None
-        self.lengths = []
-
-    def join(self, kv: torch.Tensor, mask: torch.Tensor, lengths: list[int], room: int) -> None:
-        """Add rows after the running ones: kv (L, b, 2, nh, w, hs) and mask (b, w) as a prefill
-        left them (left-padded among themselves), lengths their real tokens; room: the most tokens
-        a row may still feed (the rebuilt cache has min(room, MAX_ROOM) columns to spare, at least 1)."""
-        parts = [(kv, mask)]
-        if self.lengths:
-            parts.insert(0, self._used())
-        self.lengths = self.lengths + list(lengths)
-        self._rebuild(parts, room)
-
-    def keep(self, keep: list[int]) -> torch.Tensor | None:
-        """Keep only batch rows `keep` (in that order); returns their index tensor for the caller's
-        own per-row tensors (None: all kept, nothing to select)."""
-        if len(keep) == len(self.lengths):
-            return None
-        self.lengths = [self.lengths[r] for r in keep]
-        if not keep:
-            self.cache = self.mask = None
-            return None
-        sel = torch.tensor(keep, device=self.mask.device)
-        self.cache.select(sel)
-        self.mask = self.mask[sel]
-        return sel
-
-    def reorder(self, src: list[int]) -> None:
-        """Row r's cached keys, values, mask and length become row src[r]'s (a beam group's slots
-        moving to the beams they continue, gpt2kit.engine.beam_rows): one gather and scatter of the
-        rows that change; the others are not touched."""
-        moved = [r for r, s in enumerate(src) if s != r]
-        if not moved:
-            return
-        dst = torch.tensor(moved, device=self.mask.device)
-        frm = torch.tensor([src[r] for r in moved], device=self.mask.device)
-        kv = self.cache.kv
-        kv[:, dst] = kv[:, frm]  # the right side is a copy, so sources overwritten here are read first
-        self.mask[dst] = self.mask[frm]
-        self.lengths = [self.lengths[s] for s in src]
+        return self.kv.shape[1]
 
     @property
-    def full(self) -> bool:
-        """No column left for the next token, or the padded width at n_ctx: :meth:`trim` first."""
-        return self.cache.length == self.cache.max_len or self.cache.length >= self.n_ctx
+    def max_len(self) -> int:
+        return self.kv.shape[4]
 
-    def trim(self, room: int) -> None:
-        """Rebuild: the columns some row uses, right-aligned, with room (as in :meth:`join`)."""
-        self._rebuild([self._used()], room)
+    def update_kv(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write kv (B, 2, nh, 1, hs) as described above; return views (B, nh, P + 1, hs)."""
+        P = self.length
+        assert kv.shape[3] == 1, "a StepCache takes one new token per row"
+        if self._write is None:
+            self.kv[layer, :, :, :, P:P + 1] = kv
+        else:
+            self.kv[layer, :, :, :, P:P + 1][self._write] = kv[self._write]
+        if self._home is not None:
+            rows, cols = self._home
+            self.kv[layer][rows, :, :, cols] = kv[rows, :, :, 0]  # (k, 2, nh, hs) at each row's own column
+        return self.kv[layer, :, 0, :, :P + 1], self.kv[layer, :, 1, :, :P + 1]
 
-    def step_mask(self) -> torch.Tensor | None:
-        """The attention mask of the next one-token step (B, P + 1), or None when no row is padded."""
-        P = self.cache.length
-        padded = any(n < P for n in self.lengths)
-        return self.mask[:, : P + 1] if padded else None
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.update_kv(layer, torch.stack((k, v), 1))  # (B, 2, nh, 1, hs)
 
-    def advance(self) -> None:
-        """Every row's newest token was written at column P (the step moved the cache's length)."""
-        self.lengths = [n + 1 for n in self.lengths]
 
-    def _used(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache and mask columns some row still uses: [c0, P), leading all-padding cut off."""
-        P = self.cache.length
-        c0 = P - max(self.lengths)
-        return self.cache.kv[:, :, :, :, c0:P], self.mask[:, c0:P]
+class SlotPool:
+    """S slots of M columns, one per row; lengths[s] tokens cached in slot s (0 when free)."""
 
-    def _rebuild(self, parts: list[tuple[torch.Tensor, torch.Tensor]], room: int) -> None:
-        """One cache from parts (kv (L, b, 2, nh, w, hs), mask (b, w)), right-aligned, with room
-        for the next tokens; padding is zeros."""
-        W = max(m.shape[1] for _, m in parts)
-        M = W + max(1, min(room, MAX_ROOM))
-        L, _, _, nh, _, hs = parts[0][0].shape
-        device, B = parts[0][0].device, len(self.lengths)
-        cache = KVCache(L, B, nh, M, hs, device=device, dtype=parts[0][0].dtype)
-        cache.kv.zero_()
-        mask = torch.ones(B, M, dtype=torch.long, device=device)  # (B, M)
-        b = 0
-        for kv, m in parts:
-            n, w = m.shape
-            cache.kv[:, b:b + n, :, :, W - w:W] = kv
-            mask[b:b + n, : W - w] = 0
-            mask[b:b + n, W - w:W] = m
-            b += n
-        cache.length = W
-        self.cache, self.mask = cache, mask
+    def __init__(self, n_layer: int, n_slots: int, n_head: int, n_cols: int, head_dim: int, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
+        shape = (n_layer, n_slots, 2, n_head, n_cols, head_dim)  # (L, S, 2, nh, M, hs)
+        self.kv = torch.empty(shape, device=device, dtype=dtype)  # never zeroed whole (module doc)
+        self.lengths = [0] * n_slots
+        self.copied_bytes = 0  # keys and values copied from one storage to another (grow only)
+        self.beam_bytes = 0  # keys and values copied among a beam group's own slots (copy)
+        self._taken = [False] * n_slots
+        self._clean = [0] * n_slots  # columns [0, clean) of a slot hold its row's values or zeros
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, n_slots: int, n_cols: int) -> SlotPool:
+        cfg = model.config
+        if n_cols > cfg.n_ctx:
+            raise ValueError(f"slot length {n_cols} exceeds the model's context n_ctx={cfg.n_ctx}")
+        p = model.wpe.weight  # never quantized
+        try:
+            return cls(cfg.n_layer, n_slots, cfg.n_head, n_cols, cfg.head_dim, device=p.device, dtype=p.dtype)
+        except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeError (OutOfMemoryError)
+            size = cfg.n_layer * n_slots * 2 * cfg.n_embd * n_cols * p.element_size()
+            raise ValueError(f"a cache of {n_slots} slots x {n_cols} columns ({size / 2**30:.1f} GiB) cannot be "
+                             f"allocated on {p.device}: lower max_batch (--max-batch) ({e})") from e
+
+    @property
+    def n_slots(self) -> int:
+        return self.kv.shape[1]
+
+    @property
+    def n_cols(self) -> int:
+        return self.kv.shape[4]
+
+    @property
+    def n_free(self) -> int:
+        return self._taken.count(False)
+
+    def taken(self, slot: int) -> bool:
+        return self._taken[slot]
+
+    def take(self) -> int:
+        """The lowest free slot, now held (length 0)."""
+        if all(self._taken):
+            raise ValueError(f"every one of the {self.n_slots} slots is held")
+        slot = self._taken.index(False)
+        self._taken[slot] = True
+        self.restart(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Free a slot in place (its columns are left as they are; nothing else moves)."""
+        self._taken[slot] = False
+        self.lengths[slot] = 0
+
+    def release_all(self) -> None:
+        for s in range(self.n_slots):
+            self.release(s)
+
+    def restart(self, slot: int) -> None:
+        """Empty a held slot, to prefill its row again from column 0."""
+        self.lengths[slot] = self._clean[slot] = 0
+
+    def row_cache(self, slot: int) -> KVCache:
+        """A KVCache over one slot (a view: a forward through it writes the slot in place) at its length."""
+        return KVCache.on(self.kv[:, slot:slot + 1], self.lengths[slot])
+
+    def prefilled(self, slot: int, length: int) -> None:
+        """The slot's row now holds `length` tokens (a forward through :meth:`row_cache` wrote them)."""
+        self.lengths[slot] = self._clean[slot] = length
+
+    def step_cache(self, slots: list[int]) -> tuple[StepCache, torch.Tensor | None]:
+        """The cache and mask (B, P + 1) (None: every slot of [0, hi) decodes at length P) of a
+        decode step for the rows in `slots` (ascending); zeroes the masked columns not yet clean."""
+        hi, lengths, clean = slots[-1] + 1, self.lengths, self._clean
+        lens = [lengths[s] for s in slots]
+        P = max(lens)
+        for s in slots:
+            if clean[s] < P:
+                self.kv[:, s, :, :, clean[s]:P].zero_()
+                clean[s] = P
+        kv = self.kv if hi == self.kv.shape[1] else self.kv[:, :hi]
+        dense = len(slots) == hi  # no slot rides along
+        if dense and lens.count(P) == hi:
+            return StepCache(kv, P, None, None), None
+        device = kv.device
+        write = None  # a prefilling row's slot inside [0, hi) is never written
+        if not dense:
+            decoding = set(slots)
+            if any(self._taken[s] and s not in decoding for s in range(hi)):
+                write = torch.tensor(slots, device=device)
+        short = [(s, n) for s, n in zip(slots, lens, strict=True) if n < P]
+        home = None
+        if short:
+            home = (torch.tensor([s for s, _ in short], device=device),
+                    torch.tensor([n for _, n in short], device=device))
+        n = torch.zeros(hi, dtype=torch.long, device=device)  # (B,): riders own no column
+        n[torch.tensor(slots, device=device)] = torch.tensor(lens, device=device)
+        mask = torch.arange(P + 1, device=device)[None, :] < n[:, None]  # (B, P + 1)
+        mask[:, P] = True
+        return StepCache(kv, P, write, home), mask
+
+    def advance(self, slots: list[int], P: int) -> None:
+        """Every row in `slots` took one token at the step of width P (column P is now clean too)."""
+        lengths, clean = self.lengths, self._clean
+        for s in slots:
+            lengths[s] += 1
+            if clean[s] <= P:
+                clean[s] = P + 1
+
+    def copy(self, dst: list[int], src: list[int]) -> None:
+        """Slot dst[i] takes slot src[i]'s keys, values and length (a beam group's slots, moving
+        to the beams they continue): one gather of the sources' columns [0, longest), written to
+        the destinations; no other slot is read or written. Sources overwritten here are read first."""
+        moves = [(d, s) for d, s in zip(dst, src, strict=True) if d != s]
+        if not moves:
+            return
+        lengths, clean = self.lengths, self._clean
+        W = max(lengths[s] for _, s in moves)
+        frm = [s for _, s in moves]
+        to = torch.tensor([d for d, _ in moves], device=self.kv.device)
+        part = self.kv[:, torch.tensor(frm, device=self.kv.device), :, :, :W]  # a copy: (L, k, 2, nh, W, hs)
+        self.kv[:, to, :, :, :W] = part
+        self.beam_bytes += part.numel() * part.element_size()
+        new = [(lengths[s], min(clean[s], W)) for s in frm]  # clean >= length still holds
+        for (d, _), (n, c) in zip(moves, new, strict=True):
+            lengths[d], clean[d] = n, c
+
+    def grow(self, n_slots: int) -> None:
+        """More slots: a new storage, the held slots' clean columns copied over (counted)."""
+        L, S, _, nh, M, hs = self.kv.shape
+        kv = torch.empty((L, n_slots, 2, nh, M, hs), device=self.kv.device, dtype=self.kv.dtype)
+        for s in range(S):
+            if self._taken[s] and self._clean[s]:
+                part = self.kv[:, s, :, :, :self._clean[s]]
+                kv[:, s, :, :, :self._clean[s]] = part
+                self.copied_bytes += part.numel() * part.element_size()
+        self.kv = kv
+        extra = n_slots - S
+        self.lengths += [0] * extra
+        self._taken += [False] * extra
+        self._clean += [0] * extra

@@ -1,12 +1,13 @@
 """Beam search as rows of the shared engine (gpt2kit.engine.scheduler), beside other requests' rows.
 
 One prompt's beam search is a :class:`BeamGroup`: num_beams rows (slots) that join the running
-batch together (admitted whole, one prefill of the prompt copied to every slot), are stepped by the
-group's :class:`~gpt2kit.engine.beam.BeamState` (the same search as the Python API's beam_search)
-instead of a sampler, and leave together. Each step the slots' cache rows are reordered to the
-surviving beams: one gather and scatter of the moved rows, for every group of the batch at once
-(BatchCache.reorder); other rows are not touched, so their tokens are what they are alone. The
-group gives one event at the end, on its lead row, with its returned beams (RowEvent.beams).
+batch together (admitted whole, one prefill of the prompt in the group's first slot, copied to its
+others), are stepped by the group's :class:`~gpt2kit.engine.beam.BeamState` (the same search as
+the Python API's beam_search) instead of a sampler, and leave together. Each step the slots take
+the surviving beams' keys and values: one gather among the groups' own slots, for every group of
+the batch at once (SlotPool.copy, counted in its beam_bytes); other rows' slots are not read or
+written, so their tokens are what they are alone. The group gives one event at the end, on its
+lead row, with its returned beams (RowEvent.beams).
 
 Legend: B rows in the batch, nb beams of a group, V vocab.
 """

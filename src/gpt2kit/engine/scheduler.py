@@ -1,16 +1,26 @@
-"""The iteration-level scheduler: rows wait, join the running batch at the next step after a
-prefill of their own, and leave it the step they finish (Orca's and vLLM's scheduling).
+"""The iteration-level scheduler: rows wait, take a slot of the cache when one is free, are
+prefilled into it in chunks while the running rows decode, and leave the batch the step they
+finish (Orca's and vLLM's scheduling, with vLLM's chunked prefill).
 
-Each row computes what it would alone: its cache columns are laid out by
-gpt2kit.engine.batch_cache (right-aligned, left-padded, positions from the mask); it samples with
-its own gpt2kit.sampler.RowSampler (its settings, its generator seeded from (seed, sample index),
-its penalties' token sets), so what it draws does not depend on its neighbours; its text, finish
-and log-probs come from gpt2kit.engine.outputs.
+Each row computes what it would alone: its keys and values live in a slot of its own
+(gpt2kit.engine.batch_cache: a pool of per-row slots; joining, leaving and growing never copy
+another row's; a beam group, gpt2kit.engine.beam_rows, copies among its own slots only); its
+prompt is prefilled in chunks of ``prefill_chunk`` tokens, at most that many prompt tokens per
+step over all joining rows, so the running rows get a token every step while a long prompt joins
+(a row's chunk boundaries depend only on its own prompt, so its prefill is the
+same alone or beside others); it samples with its own gpt2kit.sampler.RowSampler (its settings,
+its generator seeded from (seed, sample index), its penalties' token sets), so what it draws does
+not depend on its neighbours; its text, finish and log-probs come from gpt2kit.engine.outputs.
+
+Slots: max_batch of them (an engine without max_batch starts with as many as rows are waiting at
+its first step and adds slots as rows join: the one case that copies, SlotPool.grow), each of
+max_len columns (default n_ctx: the longest context a row reaches); a row holds its slot from its
+first prefill chunk until it ends.
 
 Past the context (GPT-2 has learned positions 0..n_ctx-1, so the cache cannot simply slide): the
 model sees at most n_ctx tokens of a row. When a row's sequence (a prompt, or prompt + generated
 tokens) would exceed n_ctx, its context is cut to its most recent ``window`` tokens (default
-n_ctx // 2) and the row re-joins the batch with one prefill of that window.
+n_ctx // 2) and the row is prefilled again with that window, in its own slot.
 
 Legend: B rows in the batch, T (padded) context length, V vocab.
 """
@@ -25,12 +35,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpt2kit.config import EOT_ID
-from gpt2kit.decode import Kernels, decode_step, kernels_for, prefill
-from gpt2kit.engine.batch_cache import BatchCache
+from gpt2kit.decode import Kernels, decode_step, kernels_for
+from gpt2kit.engine.batch_cache import SlotPool
 from gpt2kit.engine.beam_rows import BeamGroup, admit, choose_tokens, prefill_index
 from gpt2kit.engine.outputs import RowText, advance, token_logprobs
+from gpt2kit.engine.prefill import ChunkedPrefill, Joining
 from gpt2kit.engine.rows import Row, RowEvent, RowKey
-from gpt2kit.kv_cache import KVCache
 from gpt2kit.sampler import RowSampler
 from gpt2kit.sampling import SamplingSettings
 from gpt2kit.validate import check_int
@@ -40,27 +50,39 @@ if TYPE_CHECKING:
     from gpt2kit.tokenizer import Tokenizer
 
 
+DEFAULT_PREFILL_CHUNK = 128  # prompt tokens prefilled per step at most (Engine's prefill_chunk)
+
+
 class Engine:
-    """The iteration-level scheduler: rows wait, join the running batch at the next :meth:`step`
-    (at most max_batch run at once), and leave it when they finish or are cancelled.
+    """The iteration-level scheduler: rows wait, join the running batch through a chunked prefill
+    into a slot of their own (at most max_batch hold a slot at once), and leave it when they finish
+    or are cancelled. prefill_chunk: prompt tokens prefilled per step at most; max_len: columns per
+    slot (default n_ctx), a row needing more is refused by :meth:`new_row`.
 
     Not thread-safe except :meth:`submit` and :meth:`cancel`; gpt2kit.engine.EngineLoop runs one
     in a worker thread.
     """
 
     def __init__(self, model: GPT2, tokenizer: Tokenizer | None = None, *, max_batch: int | None = None,
-                 pack_weights: bool | None = None) -> None:
+                 pack_weights: bool | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 max_len: int | None = None) -> None:
+        n_ctx = model.config.n_ctx
         if max_batch is not None:
             check_int("max_batch", max_batch, ">= 1", lambda v: v >= 1)
+        check_int("prefill_chunk", prefill_chunk, ">= 1", lambda v: v >= 1)
+        if max_len is not None:
+            check_int("max_len", max_len, f"in [1, n_ctx={n_ctx}]", lambda v: 1 <= v <= n_ctx)
         self.model, self.tokenizer = model, tokenizer
-        self.max_batch = max_batch
-        self.pack_weights = pack_weights
+        self.max_batch, self.pack_weights, self.prefill_chunk = max_batch, pack_weights, prefill_chunk
+        self.max_len = max_len or n_ctx
         self.device = model.wte.weight.device
-        self.rows: list[Row] = []  # running, in cache order
+        self.pool: SlotPool | None = None  # the slots, made at the first join
+        self.rows: list[Row] = []  # decoding, in slot order
+        self._slots: list[int] = []  # the slot of each of self.rows
+        self._joining = ChunkedPrefill(prefill_chunk)  # rows being prefilled, oldest first
         self._waiting: deque[Row] = deque()
         self._lock = threading.Lock()
-        self._batch = BatchCache(model.config.n_ctx)
-        self._logits: torch.Tensor | None = None  # (B, V): each running row's next-token logits
+        self._logits: torch.Tensor | None = None  # (B, V): each decoding row's next-token logits
         self._unfed: torch.Tensor | None = None  # (B,): tokens sampled last step, fed at the next
         self._kernels: Kernels | None = None  # the decode kernel set (gpt2kit.decode.kernels_for)
         self._kernels_for: int | None = None  # the batch size _kernels was chosen for
@@ -75,6 +97,7 @@ class Engine:
             raise ValueError("stop_strings need a tokenizer: pass tokenizer=...")
         if not settings.greedy and seed is None:
             raise ValueError("a sampled row needs a seed (gpt2kit.sampler.resolve_seed)")
+        check_columns(len(prompt), settings.max_new_tokens, self.model.config.n_ctx, self.max_len)
         sampler = RowSampler(settings, prompt, self.model.config.n_vocab, seed, sample_index, self.device)
         text = RowText(self.tokenizer, settings.stop_strings) if self.tokenizer is not None else None
         return Row(list(prompt), settings, sampler, text, logprobs, key or RowKey(sample_index=sample_index))
@@ -83,10 +106,11 @@ class Engine:
                       ) -> list[Row]:
         """One prompt's beam search (settings.num_beams rows, gpt2kit.engine.beam_rows), to submit
         together; the first row (key) gets the group's one event."""
+        check_columns(len(prompt), settings.max_new_tokens, self.model.config.n_ctx, self.max_len)
         return BeamGroup(prompt, settings, self.device, key or RowKey(), self.model.config.n_ctx, self.max_batch).rows
 
     def submit(self, rows: Sequence[Row]) -> None:
-        """Queue rows; they join the batch at the next step, in order, as room allows."""
+        """Queue rows; they join the batch, in order, as slots allow."""
         with self._lock:
             self._waiting.extend(rows)
 
@@ -96,7 +120,12 @@ class Engine:
 
     @property
     def n_running(self) -> int:
-        return len(self.rows)
+        """Rows holding a slot: decoding, or being prefilled."""
+        return len(self.rows) + len(self._joining)
+
+    @property
+    def n_prefilling(self) -> int:
+        return len(self._joining)
 
     @property
     def n_waiting(self) -> int:
@@ -104,15 +133,22 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.rows or self._waiting)
+        return bool(self.rows or self._joining or self._waiting)
+
+    def reserve(self) -> SlotPool:
+        """Make the max_batch slots now (the server does, so a pool that cannot be had fails at start-up)."""
+        if self.pool is None:
+            self.pool = SlotPool.for_model(self.model, self.max_batch or 1, self.max_len)
+        return self.pool
 
     def reset(self) -> list[Row]:
         """Drop every row, running and waiting; returns them (after an error, to fail them)."""
         with self._lock:
-            dropped = self.rows + list(self._waiting)
+            dropped = self.rows + self._joining.clear() + list(self._waiting)
             self._waiting.clear()
-        self.rows = []
-        self._batch.clear()
+        self.rows, self._slots = [], []
+        if self.pool is not None:
+            self.pool.release_all()
         self._logits = self._unfed = None
         return dropped
 
@@ -120,121 +156,160 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RowEvent]:
-        """Feed the tokens the last step sampled, admit waiting rows, then give every running row
-        its next token; one event per row. The forward that feeds a step's tokens runs at the start
-        of the next step, so a step's events are returned as soon as its tokens are sampled (a
-        row's first token: after its prefill and one sample)."""
-        self._feed_unfed()
-        self._keep([r for r, row in enumerate(self.rows) if not row.dropped])
+        """Feed the tokens the last step sampled, admit waiting rows into free slots, prefill at most
+        prefill_chunk prompt tokens, then give every decoding row its next token; one event per row.
+        The forward that feeds a step's tokens runs at the start of the next step, so a step's
+        events are returned as soon as its tokens are sampled (a row's first token: after its last
+        prefill chunk and one sample)."""
+        self._drop_cancelled()  # a row cancelled since the last step costs the forward nothing
+        if self._unfed is not None and self.rows:
+            self._feed(self._unfed)
+        self._unfed = None
+        self._drop_cancelled()
         self._admit()
+        ready = self._joining.step(self.model, self.pool) if self._joining.rows else []
+        if ready:  # prefilled rows join the decoding ones, with the logits of their first token
+            self.rows, self._slots, self._logits = in_slot_order(
+                self.rows + [r for j, _ in ready for r in j.rows], self._slots + [s for j, _ in ready for s in j.slots],
+                torch.cat(([self._logits] if self.rows else []) + [lg.expand(len(j.rows), -1) for j, lg in ready]))
         if not self.rows:
             return []
-        rows, failed = self.rows, {}
-        tok, src = choose_tokens(self._logits, rows, failed)  # (B,), beam groups' cache sources
-        scores = token_logprobs(self._logits, tok, rows)
-        events, keep = [], []
-        for r, (row, t) in enumerate(zip(rows, tok.tolist(), strict=True)):
-            if r in failed:  # this row alone fails; its neighbours go on (issue 18)
-                row.finish_reason, row.error = "error", failed[r]
-                events.append(RowEvent.failed(row, failed[r]))
-                continue
-            if row.beam is not None:  # its group set its tokens; it ends with the group
-                if row.finish_reason is None:
-                    keep.append(r)
-                elif row is row.beam.lead:
-                    events.append(row.beam.event())
-                continue
-            row.tokens.append(t)
-            row.sampler.observe(t)
-            piece, reason = advance(row, t)
-            row.finish_reason = reason
-            lp, top = scores.get(r, (None, None))
-            events.append(RowEvent(row, t, piece, reason, lp, top))
-            if reason is None:
-                keep.append(r)
-        if src is not None:
-            self._batch.reorder(src)  # beams move to the slots of the beams they continue
+        n_rows = len(self.rows)
+        tok, events, keep, src = sample_rows(self.rows, self._logits)
+        self._logits = None
+        if src is not None:  # beams move to the slots of the beams they continue (their group's own)
+            self.pool.copy(self._slots, [self._slots[s] for s in src])
         self._keep(keep)
-        tok = tok[keep] if len(keep) < len(rows) else tok
-        # A row whose context is full re-joins with a window of its sequence (module doc).
+        tok = tok[keep] if len(keep) < n_rows else tok
+        # A row whose context is full is prefilled again, in its slot, with a window of its sequence.
         n_ctx = self.model.config.n_ctx
-        full = [r for r, n in enumerate(self._batch.lengths) if n >= n_ctx]
+        full = [r for r, s in enumerate(self._slots) if self.pool.lengths[s] >= n_ctx]
         if full:
-            with self._lock:
-                self._waiting.extendleft(reversed([self.rows[r] for r in full]))
+            again = []
+            for r in full:
+                row, slot = self.rows[r], self._slots[r]
+                self.pool.restart(slot)
+                again.append(Joining(row, slot, row.context(n_ctx, self._window(row))))
+            self._joining.add(again, first=True)
             keep = [r for r in range(len(self.rows)) if r not in set(full)]
-            self._keep(keep)
+            self._keep(keep, release=False)
             tok = tok[keep]
         self._unfed = tok if self.rows else None
         return events
 
-    def _feed_unfed(self) -> None:
-        """Feed the tokens sampled at the last step to the rows still running (a row cancelled
-        since is dropped first, so it costs the forward nothing)."""
-        tok, self._unfed = self._unfed, None
-        if tok is None:
-            return
-        live = [r for r, row in enumerate(self.rows) if not row.dropped]
-        if len(live) < len(self.rows):
-            self._keep(live)
-            tok = tok[live]
-        if self.rows:
-            self._feed(tok)
+    def _drop_cancelled(self) -> None:
+        self._keep([r for r, row in enumerate(self.rows) if not row.dropped])
+        if self._joining.rows:
+            self._joining.drop_cancelled(self.pool)
 
     def _admit(self) -> None:
+        """Waiting rows into free slots (an engine without max_batch adds slots), oldest first."""
+        if not self._waiting:
+            return
         with self._lock:
-            room = len(self._waiting) if self.max_batch is None else self.max_batch - len(self.rows)
+            room = len(self._waiting) if self.max_batch is None else self.max_batch - self.n_running
             join = admit(self._waiting, room)  # in order; a beam group whole
-        if join:
-            self._join(join)
+        if not join:
+            return
+        if self.pool is None:
+            self.pool = SlotPool.for_model(self.model, self.max_batch or len(join), self.max_len)
+        if self.pool.n_free < len(join):  # no max_batch: more slots (the one copy: SlotPool.grow)
+            self.pool.grow(max(2 * self.pool.n_slots, self.n_running + len(join)))
+        n_ctx = self.model.config.n_ctx
+        contexts = [row.context(n_ctx, self._window(row)) for row in join]
+        self._joining.add(joinings(join, [self.pool.take() for _ in join], contexts))
 
     def _window(self, row: Row) -> int:
         return row.settings.window_for(self.model.config.n_ctx)
 
-    def _to_feed(self) -> int:
-        """The most tokens a running row may still be fed (the cache's room at a rebuild)."""
-        return max(row.settings.max_new_tokens - len(row.tokens) for row in self.rows)
-
-    def _join(self, rows: list[Row]) -> None:
-        """Prefill the joining rows (left-padded among themselves) and add them to the batch."""
-        n_ctx, n_vocab = self.model.config.n_ctx, self.model.config.n_vocab
-        first, of = prefill_index(rows)  # a beam group's prompt is prefilled once
-        contexts = [rows[r].context(n_ctx, self._window(rows[r])) for r in first]
-        B, T = len(contexts), max(map(len, contexts))
-        idx = torch.full((B, T), EOT_ID % n_vocab, dtype=torch.long)  # (B, T)
-        mask = torch.ones(B, T, dtype=torch.long)  # (B, T)
-        for r, ctx in enumerate(contexts):
-            idx[r, T - len(ctx):] = torch.tensor(ctx)
-            mask[r, : T - len(ctx)] = 0
-        idx, mask = idx.to(self.device), mask.to(self.device)
-        padded = any(len(c) < T for c in contexts)
-        cache = KVCache.for_model(self.model, B, T)
-        logits = prefill(self.model, idx, mask if padded else None, cache)  # (B, V)
-        kv = cache.kv
-        if len(first) < len(rows):  # every slot of a beam group starts from its prompt
-            sel = torch.tensor(of, device=self.device)
-            kv, mask, logits, contexts = kv[:, sel], mask[sel], logits[sel], [contexts[i] for i in of]
-        if self.rows:
-            logits = torch.cat([self._logits, logits])
-        self.rows = self.rows + rows
-        self._logits = logits
-        self._batch.join(kv, mask, [len(c) for c in contexts], self._to_feed())
-
-    def _keep(self, keep: list[int]) -> None:
-        """Keep only batch rows `keep` (the others finished, were cancelled or re-join)."""
+    def _keep(self, keep: list[int], *, release: bool = True) -> None:
+        """Keep only decoding rows `keep`; the others' slots are freed (release) or kept (re-prefill)."""
         if len(keep) == len(self.rows):
             return
+        if release:
+            for s in set(self._slots) - {self._slots[r] for r in keep}:
+                self.pool.release(s)
         self.rows = [self.rows[r] for r in keep]
-        sel = self._batch.keep(keep)
-        self._logits = None if not keep else self._logits[sel]
+        self._slots = [self._slots[r] for r in keep]
+        sel = torch.tensor(keep, dtype=torch.long, device=self.device)
+        if self._logits is not None:
+            self._logits = self._logits[sel] if keep else None
+        if self._unfed is not None:
+            self._unfed = self._unfed[sel] if keep else None
 
     def _feed(self, tok: torch.Tensor) -> None:
-        """Feed each running row's newest token tok (B,); their next logits become pending."""
-        if self._batch.full:
-            self._batch.trim(self._to_feed())
-        mask = self._batch.step_mask()  # (B, P + 1) or None
-        B = len(self.rows)
+        """Feed each decoding row's newest token tok (B,); their next logits become pending."""
+        cache, mask = self.pool.step_cache(self._slots)  # over slots [0, hi); mask (hi, P + 1) or None
+        B, P = cache.kv.shape[1], cache.length
+        sel = None
+        if B > len(self.rows):  # slots without a decoding row ride along; their outputs are dropped
+            sel = torch.tensor(self._slots, dtype=torch.long, device=tok.device)
+            tok = torch.full((B,), EOT_ID % self.model.config.n_vocab, dtype=tok.dtype,
+                             device=tok.device).index_copy_(0, sel, tok)
         if self._kernels_for != B:
             self._kernels, self._kernels_for = kernels_for(self.model, B, self.pack_weights), B
-        self._logits = decode_step(self.model, tok[:, None], self._batch.cache, mask, self._kernels)
-        self._batch.advance()
+        logits = decode_step(self.model, tok[:, None], cache, mask, self._kernels)  # (hi, V)
+        self.pool.advance(self._slots, P)
+        self._logits = logits if sel is None else logits[sel]
+
+
+def sample_rows(rows: list[Row], logits: torch.Tensor
+                ) -> tuple[torch.Tensor, list[RowEvent], list[int], list[int] | None]:
+    """Each row's next token from logits (B, V): the tokens (B,), one event per row (a beam group's
+    one event on its lead row, when it ends), the rows that go on (a row whose own sampling fails
+    ends alone: its neighbours go on, issue 18), and the beam groups' cache sources (None: none move)."""
+    failed = {}
+    tok, src = choose_tokens(logits, rows, failed)  # (B,)
+    scores = token_logprobs(logits, tok, rows)
+    events, keep = [], []
+    for r, (row, t) in enumerate(zip(rows, tok.tolist(), strict=True)):
+        if r in failed:
+            row.finish_reason, row.error = "error", failed[r]
+            events.append(RowEvent.failed(row, failed[r]))
+            continue
+        if row.beam is not None:  # its group set its tokens; it ends with the group
+            if row.finish_reason is None:
+                keep.append(r)
+            elif row is row.beam.lead:
+                events.append(row.beam.event())
+            continue
+        row.tokens.append(t)
+        row.sampler.observe(t)
+        piece, reason = advance(row, t)
+        row.finish_reason = reason
+        lp, top = scores.get(r, (None, None))
+        events.append(RowEvent(row, t, piece, reason, lp, top))
+        if reason is None:
+            keep.append(r)
+    return tok, events, keep, src
+
+
+def in_slot_order(rows: list[Row], slots: list[int], logits: torch.Tensor
+                  ) -> tuple[list[Row], list[int], torch.Tensor]:
+    """Rows, their slots and their logits (B, V), sorted by slot."""
+    order = sorted(range(len(slots)), key=slots.__getitem__)
+    if order == list(range(len(slots))):
+        return rows, slots, logits
+    return [rows[i] for i in order], [slots[i] for i in order], logits[torch.tensor(order, device=logits.device)]
+
+
+def joinings(rows: list[Row], slots: list[int], contexts: list[list[int]]) -> list[Joining]:
+    """The joining rows' prefills: a beam group's prompt once, in its first slot, its other slots
+    given it when it is done."""
+    first, of = prefill_index(rows)
+    return [Joining(rows[r], slots[r], contexts[r], [(rows[b], slots[b]) for b in range(len(rows)) if of[b] == i
+                                                      and b != r]) for i, r in enumerate(first)]
+
+
+def check_columns(n_prompt: int, max_new_tokens: int, n_ctx: int, max_len: int) -> None:
+    """A ValueError when a row of this prompt and max_new_tokens needs more than max_len columns."""
+    need = columns_needed(n_prompt, max_new_tokens, n_ctx)
+    if need > max_len:
+        raise ValueError(f"a row of {n_prompt} prompt tokens and max_new_tokens={max_new_tokens} "
+                         f"needs {need} cache columns; this engine's slots hold max_len={max_len}")
+
+
+def columns_needed(prompt_len: int, max_new_tokens: int, n_ctx: int) -> int:
+    """The cache columns a row of this prompt and max_new_tokens reaches (its last token is never
+    fed), at most n_ctx (a longer row is prefilled again with a window)."""
+    return min(n_ctx, max(prompt_len, prompt_len + max_new_tokens - 1))

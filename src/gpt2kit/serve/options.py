@@ -22,6 +22,10 @@ class ServeOptions:
     served_model_name: str = _setting("gpt2", "the model name clients send (default: --model)")
     max_batch: int = _setting(8, "rows decoded together at most (default 8)")
     max_queue: int = _setting(64, "rows waiting at most; beyond: 429 (default 64)")
+    # chunked prefill (gpt2kit.engine.prefill; docs/serving.md): the running rows decode between chunks
+    prefill_chunk: int = _setting(128, "prompt tokens prefilled per decode step at most, so a long prompt joins in "
+                                       "chunks while the running rows go on getting a token every step (default 128)",
+                                  metavar="TOKENS")
     max_tokens_per_request: int | None = _setting(None, "cap on max_tokens (default: n_ctx)")
     api_key: str | None = _setting(
         None, "require 'Authorization: Bearer KEY' (all but /health); visible in the process list: prefer "
@@ -62,6 +66,7 @@ class ServeOptions:
     def __post_init__(self) -> None:
         check_int("ServeOptions.max_batch", self.max_batch, ">= 1", lambda v: v >= 1)
         check_int("ServeOptions.max_queue", self.max_queue, ">= 0", lambda v: v >= 0)
+        check_int("ServeOptions.prefill_chunk", self.prefill_chunk, ">= 1", lambda v: v >= 1)
         if self.max_tokens_per_request is not None:
             check_int("ServeOptions.max_tokens_per_request", self.max_tokens_per_request, ">= 1 (or None: n_ctx)",
                       lambda v: v >= 1)

@@ -67,7 +67,8 @@ class Server:
             model.eval()
             o = self.opts
             engine = serve_engine(model, tokenizer, max_batch=o.max_batch, pack_weights=o.pack_weights,
-                                  draft_model=o.draft_model, draft_tokens=o.draft_tokens, prompt_lookup=o.prompt_lookup)
+                                  draft_model=o.draft_model, draft_tokens=o.draft_tokens, prompt_lookup=o.prompt_lookup,
+                                  prefill_chunk=o.prefill_chunk)
             self.engine_loop = EngineLoop(engine, self._on_events, self._on_error).start()
             self.model, self.tokenizer = model, tokenizer
             self.ready = True

@@ -1,0 +1,110 @@
+"""Chunked prefill (gpt2kit.engine.prefill): a long prompt joins in chunks of prefill_chunk tokens,
+one step's chunks at most prefill_chunk tokens in all, while the running rows get a token every
+step; every row's tokens are the ones it gets alone. A hook on wte records each forward's shape (a
+hooked model runs its own forward, so the decode steps go through the spec with the slot cache)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import SMALL, varied_model
+
+from gpt2kit.engine import Engine
+from gpt2kit.engine.routing import serve_engine
+from gpt2kit.engine.scheduler import DEFAULT_PREFILL_CHUNK
+from gpt2kit.generate import generate
+from gpt2kit.sampling import SamplingSettings
+from gpt2kit.serve.options import ServeOptions
+
+RUN = SamplingSettings(temperature=0, max_new_tokens=30, stop_token_ids=())
+JOIN = SamplingSettings(max_new_tokens=5, seed=7, top_k=40, stop_token_ids=())
+
+
+def _recorded():
+    model = varied_model(SMALL, seed=0)
+    shapes = []
+    model.wte.register_forward_hook(lambda mod, inp, out: shapes.append(tuple(inp[0].shape)))
+    return model, shapes
+
+
+def test_running_rows_get_a_token_every_step_while_a_long_prompt_joins():
+    model, shapes = _recorded()
+    engine = Engine(model, prefill_chunk=4)
+    running = engine.new_row([464, 2068, 7586], RUN)
+    engine.submit([running])
+    engine.step()
+    engine.step()
+    long_prompt, short_prompt = list(range(300, 330)), [11, 12, 13]  # 30 tokens: chunks 4 x 7 + 2
+    long_row = engine.new_row(long_prompt, JOIN, seed=7)
+    short_row = engine.new_row(short_prompt, JOIN, seed=7)
+    engine.submit([long_row, short_row])
+    steps = 0
+    shapes.clear()
+    while not long_row.tokens:
+        events = engine.step()
+        steps += 1
+        assert [e.row for e in events].count(running) == 1  # a token for the running row, every step
+    assert steps == 8 and len(running.tokens) == 2 + 8
+    assert len([s for s in shapes if s[1] == 1]) == steps  # one decode forward a step
+    # each chunk a forward of its own row; the short row waits, the budget of 4 spent by the long one
+    assert [s for s in shapes if s[1] > 1] == [(1, 4)] * 7 + [(1, 2)]
+    assert not short_row.tokens
+    engine.step()
+    assert short_row.tokens  # its 3 tokens: one chunk at the next step
+    while engine.has_work:
+        engine.step()
+    assert running.tokens == generate(model, [running.prompt], RUN)[0].tokens
+    assert long_row.tokens == generate(model, [long_prompt], JOIN)[0].tokens
+    assert short_row.tokens == generate(model, [short_prompt], JOIN)[0].tokens
+
+
+def test_a_steps_chunks_share_one_budget_and_each_rows_chunks_are_its_own():
+    model, shapes = _recorded()
+    engine = Engine(model, prefill_chunk=4)
+    rows = [engine.new_row(list(range(200, 206)), RUN), engine.new_row([5, 6, 7], RUN)]
+    engine.submit(rows)
+    per_step = []
+    while not rows[1].tokens:
+        shapes.clear()
+        engine.step()
+        per_step.append([s[1] for s in shapes if s[1] > 1])  # the chunks (the decode steps: 1 token)
+    assert per_step == [[4], [2], [3]]  # 6 tokens as 4 + 2; 2 + 3 > 4, so the 3-token row waits a step
+    while engine.has_work:
+        engine.step()
+    for row in rows:
+        assert row.tokens == generate(model, [row.prompt], RUN)[0].tokens
+
+
+def test_prefill_chunk_and_max_len_are_checked_and_reach_the_servers_engine():
+    model = varied_model(SMALL, seed=0)
+    with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 1, got 0"):
+        Engine(model, prefill_chunk=0)
+    with pytest.raises(ValueError, match=r"max_len must be an integer in \[1, n_ctx=64\], got 65"):
+        Engine(model, max_len=65)
+    engine = Engine(model, max_len=10)
+    with pytest.raises(ValueError, match="needs 12 cache columns; this engine's slots hold max_len=10"):
+        engine.new_row([1, 2, 3], SamplingSettings(temperature=0, max_new_tokens=10))
+    with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 1, got 0"):
+        ServeOptions(prefill_chunk=0)
+    assert ServeOptions().prefill_chunk == DEFAULT_PREFILL_CHUNK
+    assert serve_engine(model, None, max_batch=2, pack_weights=None, prefill_chunk=7).prefill_chunk == 7
+
+
+def test_a_row_cancelled_mid_prefill_frees_its_slot_and_the_others_go_on():
+    model = varied_model(SMALL, seed=0)
+    engine = Engine(model, max_batch=2, prefill_chunk=4)
+    running = engine.new_row([464, 2068, 7586], RUN)
+    engine.submit([running])
+    engine.step()
+    long_row = engine.new_row(list(range(300, 330)), JOIN, seed=7)
+    waiting = engine.new_row([11, 12, 13], JOIN, seed=7)
+    engine.submit([long_row, waiting])
+    engine.step()
+    engine.step()
+    assert engine.n_prefilling == 1 and engine.n_running == 2 and engine.n_waiting == 1  # both slots held
+    engine.cancel(long_row)
+    engine.step()  # its slot is free at once: the waiting row takes it and joins in one chunk
+    assert not long_row.tokens and engine.pool.taken(1) and waiting.tokens
+    while engine.has_work:
+        engine.step()
+    assert running.tokens == generate(model, [running.prompt], RUN)[0].tokens
+    assert waiting.tokens == generate(model, [waiting.prompt], JOIN)[0].tokens
