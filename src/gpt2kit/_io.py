@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
-
 KILL_ENV = "GPT2KIT_KILL_AT"
 KILL_POINTS = ("directory-swap", "sharded-save")
 
