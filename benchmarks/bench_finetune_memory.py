@@ -2,12 +2,13 @@
 
 Each case is one `gpt2kit train` process (from-scratch random weights of the size: the memory is
 the same as for OpenAI's, and nothing is downloaded) on a shard of random tokens, for --steps
-optimizer steps at batch 1 x --seq-len; its peak RSS (the kernel's ru_maxrss for that process,
-via os.wait4) is printed beside the arithmetic estimate (weights, gradients, AdamW state; no
-activations) and the machine.
+optimizer steps at --batch-size x --seq-len (default 1 x 512). Printed beside the arithmetic
+estimate (weights, gradients, AdamW state; no activations) and the machine: the process's peak RSS
+(the kernel's ru_maxrss, via os.wait4) and its peak up to the last step's log line (VmHWM then,
+before the final save writes checkpoint.pt and the model).
 
     python benchmarks/bench_finetune_memory.py --size gpt2-xl --method lora-ckpt       # the issue's target
-    python benchmarks/bench_finetune_memory.py --size gpt2-medium --method full --method full-ckpt
+    python benchmarks/bench_finetune_memory.py --size gpt2-medium --method full --method full-ckpt --seq-len 1024
     python benchmarks/bench_finetune_memory.py --estimate-only                        # the computed table
 
 Methods: full (every parameter, AdamW), full-ckpt (+ --activation-checkpointing), lora (rank
@@ -56,22 +57,39 @@ def estimate(size: str, method: str, rank: int, ranks: int = 1) -> float:
     return 16 * n / ranks / GIB
 
 
-def measure(size: str, method: str, rank: int, seq_len: int, steps: int, work: Path) -> tuple[int, float]:
-    """(peak RSS bytes, seconds) of one training process."""
+def _hwm(pid: int) -> int | None:
+    """The process's peak RSS so far (VmHWM), in bytes; None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def measure(size: str, method: str, rank: int, batch: int, seq_len: int, steps: int,
+            work: Path) -> tuple[int, int | None, float]:
+    """(peak RSS bytes of the whole process, peak RSS through the last step before saving, seconds)."""
     out = work / f"{size}-{method}"
     flags = [f.format(rank=rank) for f in METHODS[method]]
     cmd = [sys.executable, "-m", "gpt2kit", "train", "--model", size, "--data", str(work / "data"), "--out", str(out),
-           "--batch-size", "1", "--seq-len", str(seq_len), "--max-steps", str(steps), "--eval-every", "0",
+           "--batch-size", str(batch), "--seq-len", str(seq_len), "--max-steps", str(steps), "--eval-every", "0",
            "--save-every", "0", "--log-every", "1", "--optimizer", "adamw", "--lr", "1e-4", *flags]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    err = proc.stderr.read()
+    lines, trained = [], None
+    for line in proc.stderr:  # the last step's line is printed after that step, before the save
+        lines.append(line)
+        if line.startswith(f"step {steps}/{steps} "):
+            trained = _hwm(proc.pid)
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
-        tail = err.strip().splitlines()[-1:] or ["(no output)"]
+        tail = "".join(lines).strip().splitlines()[-1:] or ["(no output)"]
         raise SystemExit(f"{size} {method}: the run failed (exit {os.waitstatus_to_exitcode(status)}): {tail[0]}")
-    return usage.ru_maxrss * 1024, seconds  # ru_maxrss is in KiB on Linux
+    return usage.ru_maxrss * 1024, trained, seconds  # ru_maxrss is in KiB on Linux
 
 
 def main() -> None:
@@ -79,6 +97,7 @@ def main() -> None:
     ap.add_argument("--size", action="append", choices=SIZES, help="repeatable (default gpt2-xl)")
     ap.add_argument("--method", action="append", choices=tuple(METHODS), help="repeatable (default lora-ckpt)")
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--estimate-only", action="store_true", help="print the computed table, run nothing")
@@ -99,13 +118,16 @@ def main() -> None:
         from gpt2kit.data import write_shard
 
         write_shard(work / "data" / "train_000000.bin", np.random.default_rng(0).integers(0, 50257, 20_000))
-        print(f"{'size':<12} {'method':<10} {'peak RSS':>9} {'computed':>9} {'seconds':>8}   "
-              f"(batch 1 x {args.seq_len}, {args.steps} steps; computed: weights + grads + AdamW, no activations)")
+        print(f"{'size':<12} {'method':<10} {'peak RSS':>9} {'in steps':>9} {'computed':>9} {'seconds':>8}   "
+              f"(batch {args.batch_size} x {args.seq_len}, {args.steps} steps; "
+              "in steps: the peak before the final save; computed: weights + grads + AdamW, no activations)")
         for size in args.size or ["gpt2-xl"]:
             for method in args.method or ["lora-ckpt"]:
-                rss, seconds = measure(size, method, args.rank, args.seq_len, args.steps, work)
-                print(f"{size:<12} {method:<10} {rss / GIB:>7.2f} G {estimate(size, method, args.rank):>7.2f} G "
-                      f"{seconds:>8.0f}", flush=True)
+                rss, trained, seconds = measure(size, method, args.rank, args.batch_size, args.seq_len,
+                                                args.steps, work)
+                steps = f"{trained / GIB:>7.2f} G" if trained is not None else f"{'?':>9}"
+                print(f"{size:<12} {method:<10} {rss / GIB:>7.2f} G {steps} "
+                      f"{estimate(size, method, args.rank):>7.2f} G {seconds:>8.0f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ exact resume within 1e-6, activation checkpointing within 1e-6 of a run without 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +109,38 @@ def test_lora_resume_is_exact(data, base, tmp_path):
     b = torch.load(split / CHECKPOINT_NAME, weights_only=True)["model"]
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+
+
+def test_kill_9_during_the_adapter_save_keeps_the_previous_adapter_and_resume_redoes_it(data, base, tmp_path):
+    """SIGKILL inside the adapter save (GPT2KIT_KILL_AT=directory-swap: the new adapter complete beside
+    the old one, not swapped in): the previous adapter is untouched and loads, and resuming ends with
+    the adapter and losses of an uninterrupted run."""
+    from safetensors.torch import load_file
+
+    kw = dict(lora_rank=4, max_steps=6, eval_every=0)
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(_cfg(data, base, straight, **kw))
+    train(_cfg(data, base, run, stop_at=3, **kw))
+    before = {p.name: p.read_bytes() for p in run.glob("adapter*")}
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1",
+                        "HF_HUB_OFFLINE": "1", "GPT2KIT_KILL_AT": "directory-swap"}
+    killed = subprocess.run([sys.executable, "-m", "gpt2kit", "train", "--out", str(run), "--resume"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert "step 6/6" in killed.stderr  # killed in the final save, after the last step
+    assert {p.name: p.read_bytes() for p in run.glob("adapter*")} == before and len(before) == 2
+    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the previous adapter loads, and is not a no-op
+        assert (load_model(base, adapter=run)(ids).logits - load_model(base)(ids).logits).abs().max() > 1e-4
+    assert list(tmp_path.glob(".run.saving-*"))  # the killed save's staging directory, never taken for OUT
+    result = train(resume_config(run))
+    assert result.step == 6
+    _close(_losses(straight), _losses(run), 1e-6)
+    a, b = load_file(straight / "adapter_model.safetensors"), load_file(run / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=0)
+    assert not list(tmp_path.glob(".run.saving-*"))  # removed by the next save
 
 
 def test_lora_with_bf16_autocast_tracks_float32(data, base, tmp_path):

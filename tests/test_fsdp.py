@@ -37,12 +37,20 @@ def _env() -> dict[str, str]:
     return env | {"PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
 
 
-def _run(args: list[str], ranks: int) -> None:
+def _run(args: list[str], ranks: int, kill_at: str | None = None) -> str:
+    """Run `gpt2kit train` (torchrun for 2+ ranks); with kill_at, rank 0 SIGKILLs itself at that point
+    of a save (GPT2KIT_KILL_AT) and the run must have died of it. Returns stderr."""
     head = [sys.executable, "-m", "gpt2kit", "train"] if ranks == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m", "gpt2kit",
          "train"]
-    proc = subprocess.run([*head, *args], capture_output=True, text=True, env=_env(), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = _env() | ({"GPT2KIT_KILL_AT": kill_at} if kill_at else {})
+    proc = subprocess.run([*head, *args], capture_output=True, text=True, env=env, timeout=600)
+    if kill_at is None:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        assert proc.returncode != 0 and ("Signal 9 (SIGKILL)" in proc.stderr or "exitcode  : -9" in proc.stderr), \
+            proc.stderr[-3000:]
+    return proc.stderr
 
 
 def _curve(out: Path) -> list[tuple[int, str, float]]:
@@ -56,20 +64,27 @@ def _close(a, b, tol: float) -> None:
     assert worst <= tol, f"curves differ by {worst:.3g} > {tol}"
 
 
-def test_fsdp_two_ranks_equal_one_process_and_resume_exactly(data, tmp_path):
+@pytest.fixture(scope="module")
+def two(data, tmp_path_factory) -> Path:
+    """An uninterrupted 20-step run on 2 FSDP ranks: what every split run must reproduce."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
+    out = tmp_path_factory.mktemp("fsdp") / "two"
+    _run(["--data", str(data), *COMMON, "--batch-size", "2", "--fsdp", "--out", str(out)], 2)
+    return out
+
+
+def test_fsdp_two_ranks_equal_one_process_and_resume_exactly(data, two, tmp_path):
     from safetensors.torch import load_file
 
     common = ["--data", str(data), *COMMON]
     _run([*common, "--batch-size", "4", "--out", str(tmp_path / "one")], 1)
-    _run([*common, "--batch-size", "2", "--fsdp", "--out", str(tmp_path / "two")], 2)
-    _close(_curve(tmp_path / "one"), _curve(tmp_path / "two"), 1e-5)
-    one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
-    assert one.keys() == two.keys()  # the final model is one HF directory, written by rank 0
-    for k in one:  # Adam divides by sqrt(v): last-bit gradient differences reach the weights at ~1e-5
-        torch.testing.assert_close(two[k], one[k], atol=1e-4, rtol=0)
-    sharded = sorted(p.name for p in (tmp_path / "two").glob("checkpoint.step*.dcp"))
+    _close(_curve(tmp_path / "one"), _curve(two), 1e-5)
+    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(two / "model.safetensors")
+    assert a.keys() == b.keys()  # the final model is one HF directory, written by rank 0
+    for k in a:  # Adam divides by sqrt(v): last-bit gradient differences reach the weights at ~1e-5
+        torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=0)
+    sharded = sorted(p.name for p in two.glob("checkpoint.step*.dcp"))
     assert sharded == ["checkpoint.step00000020.dcp"]  # the older sharded checkpoints were removed
 
     split = tmp_path / "split"
@@ -78,8 +93,42 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_exactly(data, tmp_path):
     killed.mkdir()
     (killed / "__0_0.distcp").write_bytes(b"partial")
     _run(["--out", str(split), "--resume"], 2)  # checkpoint.pt still names step 10's complete directory
-    _close(_curve(tmp_path / "two"), _curve(split), 1e-6)
+    _close(_curve(two), _curve(split), 1e-6)
     assert not killed.exists()
+
+
+def test_kill_9_during_a_sharded_or_model_save_loses_nothing(data, two, tmp_path):
+    """SIGKILL inside each save an FSDP run makes (GPT2KIT_KILL_AT): checkpoint.pt always names a whole
+    sharded checkpoint, nothing half-written is loaded, and the run still ends exactly as `two` did."""
+    from safetensors.torch import load_file
+
+    from gpt2kit.run_dir import read_checkpoint
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoint.pt"
+    # 1. killed while the final model is swapped in (step 20): checkpoint.pt is still step 10's
+    _run(["--data", str(data), *COMMON, "--batch-size", "2", "--fsdp", "--save-every", "10", "--out", str(run)], 2,
+         kill_at="directory-swap")
+    saved = read_checkpoint(ckpt)
+    assert saved["step"] == 10 and (run / saved["sharded"] / ".metadata").is_file()
+    assert not (run / "config.json").exists()
+    # 2. nothing to train at --max-steps 10, but the model was never written: it is exported from the
+    # loaded shards, and the sharded checkpoint checkpoint.pt names is not rewritten (no sharded save)
+    _run(["--out", str(run), "--resume", "--max-steps", "10"], 2, kill_at=None)
+    assert (run / "config.json").is_file() and read_checkpoint(ckpt)["sharded"] == saved["sharded"]
+    # 3. killed inside the sharded save of step 20: the ranks' shards written, no .metadata yet
+    _run(["--out", str(run), "--resume", "--max-steps", "20"], 2, kill_at="sharded-save")
+    partial = run / "checkpoint.step00000020.dcp"
+    assert partial.is_dir() and not (partial / ".metadata").exists() and list(partial.glob("*.distcp"))
+    assert read_checkpoint(ckpt)["step"] == 10 and (run / saved["sharded"] / ".metadata").is_file()
+    # 4. resuming loads step 10's shards and ends exactly where the uninterrupted run did
+    _run(["--out", str(run), "--resume", "--max-steps", "20"], 2)
+    _close(_curve(two), _curve(run), 1e-6)
+    a, b = load_file(two / "model.safetensors"), load_file(run / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=0)
+    assert sorted(p.name for p in run.glob("checkpoint.step*.dcp")) == ["checkpoint.step00000020.dcp"]
+    assert (partial / ".metadata").is_file() and not list(tmp_path.glob(".run.saving-*"))
 
 
 def test_fsdp_without_torchrun_or_with_muon_or_lora_is_one_clear_line(data, tmp_path, capsys, monkeypatch):

@@ -87,3 +87,16 @@ def test_atomic_write_at_writes_in_the_directory_held_open_with_the_mode_given(t
     assert (tmp_path / "moved" / "lib.so").read_bytes() == b"new" and list(held.iterdir()) == []
     assert os.stat(tmp_path / "moved" / "lib.so").st_mode & 0o777 == 0o644
     assert sorted(p.name for p in (tmp_path / "moved").iterdir()) == ["lib.so"]  # no temporary left
+
+
+def test_a_kill_point_that_does_not_exist_is_named(tmp_path, monkeypatch):
+    from gpt2kit._io import atomic_directory
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "a").write_text("old")
+    monkeypatch.setenv("GPT2KIT_KILL_AT", "directory_swap")
+    with pytest.raises(ValueError, match=r"GPT2KIT_KILL_AT='directory_swap' is not a kill point; valid: "
+                                         r"directory-swap, sharded-save"):
+        with atomic_directory(tmp_path / "model") as stage:
+            (stage / "a").write_text("new")
+    assert (tmp_path / "model" / "a").read_text() == "old" and os.listdir(tmp_path) == ["model"]

@@ -6,6 +6,12 @@ a temporary file in the same directory, the umask's mode (what open() would give
 then fsync of the directory so the rename itself is durable. Directory-level saves (a model
 directory) go through `atomic_directory`: the new directory is built beside the old one and
 swapped in with one rename, so a reader or a crash sees the old directory or the new one, whole.
+
+Crash tests need a kill that lands inside a save, not a race against it: with GPT2KIT_KILL_AT set to
+one of KILL_POINTS, the process sends itself SIGKILL when it reaches that point (`kill_point`):
+"directory-swap" (atomic_directory: the new version complete beside the old one, not yet swapped
+in: a model or adapter save), "sharded-save" (gpt2kit.fsdp: the ranks' shards written, the
+coordinator about to write the sharded checkpoint's metadata).
 """
 
 from __future__ import annotations
@@ -16,10 +22,26 @@ import ctypes.util
 import errno
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO
+
+KILL_ENV = "GPT2KIT_KILL_AT"
+KILL_POINTS = ("directory-swap", "sharded-save")
+
+
+def kill_point(name: str) -> None:
+    """SIGKILL this process here if GPT2KIT_KILL_AT names this point (fault injection for crash tests)."""
+    assert name in KILL_POINTS, name
+    chosen = os.environ.get(KILL_ENV)
+    if not chosen:
+        return
+    if chosen not in KILL_POINTS:
+        raise ValueError(f"{KILL_ENV}={chosen!r} is not a kill point; valid: {', '.join(KILL_POINTS)}")
+    if chosen == name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _umask() -> int:
@@ -226,6 +248,7 @@ def atomic_directory(path: str | os.PathLike[str], *, keep: Callable[[str], bool
             if entry.is_file():
                 _fsync_file(entry)
         fsync_dir(stage)
+        kill_point("directory-swap")
         _swap_in(stage, path)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)

@@ -75,8 +75,23 @@ def save_sharded(model: nn.Module, optimizer: Any, out: Path, step: int) -> str:
         shutil.rmtree(path)  # a save of this step that was killed before checkpoint.pt named it
     torch.distributed.barrier()
     model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(path))
     return name
+
+
+def _writer(path: Path):
+    """torch's FileSystemWriter, with GPT2KIT_KILL_AT=sharded-save's point (gpt2kit._io.kill_point)
+    between the ranks' shards and the coordinator's .metadata: what a kill mid-save leaves."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from gpt2kit._io import kill_point
+
+    class Writer(FileSystemWriter):
+        def finish(self, metadata, results) -> None:
+            kill_point("sharded-save")
+            super().finish(metadata, results)
+
+    return Writer(str(path))
 
 
 def load_sharded(model: nn.Module, optimizer: Any, out: Path, name: str) -> None:

@@ -180,8 +180,8 @@ def _loop(run: Run, *, fresh: bool) -> TrainResult:
         if metrics is not None:
             metrics.close()
     if run.step >= end and tokens == 0:  # nothing to do (e.g. resumed at max_steps)
-        if not finetune.output_written(run.out, cfg):  # the previous invocation died before exporting
-            _save(run, metrics, model_too=True)
+        if run.output_step != run.step:  # the previous invocation died before exporting this step
+            _save(run, metrics, model_too=True, state_too=False)
         reporter.line(f"nothing to do: {run.out} is already at step {run.step} (--max-steps {cfg.max_steps}"
                       + (f", --stop-at {cfg.stop_at}" if cfg.stop_at is not None else "")
                       + "); pass a larger --max-steps to extend the run")
@@ -271,35 +271,46 @@ def _evaluate(run: Run, metrics: Metrics | None, reporter: Reporter) -> float:
     return val_loss
 
 
-def _save(run: Run, metrics: Metrics | None, *, model_too: bool) -> None:
-    """checkpoint.pt (all ranks gather their RNG states, rank 0 writes) and, if model_too, the HF model."""
+def _save(run: Run, metrics: Metrics | None, *, model_too: bool, state_too: bool = True) -> None:
+    """checkpoint.pt (all ranks gather their RNG states, rank 0 writes) after, if model_too, the HF
+    model or adapter. The output first and checkpoint.pt last, which records the step the output is
+    at: a kill at any point leaves checkpoint.pt whole, naming a whole sharded checkpoint, and never
+    claiming an output newer than the one in OUT (resuming redoes what it does not claim).
+    state_too=False: the state on disk is the run's already (a resume with nothing to train); the
+    sharded checkpoint checkpoint.pt names is kept, not written again over itself."""
     rngs = run.dist.gather(rng_state(run.dist.device))
-    sharded = fsdp.save_sharded(run.model, run.optimizer, run.out, run.step) if run.cfg.fsdp else None
+    if run.cfg.fsdp and state_too:
+        run.sharded = fsdp.save_sharded(run.model, run.optimizer, run.out, run.step)
     result = fsdp.full_model(run.model, run.raw) if run.cfg.fsdp and model_too else run.raw  # collectives
     if run.dist.master:
+        failed = None
+        if model_too:
+            try:
+                finetune.save_output(result, run.cfg, run.out)
+                run.output_step = run.step
+            except (OSError, RuntimeError) as e:
+                failed = e  # checkpoint.pt is still written: the training state is not lost with the export
         state = {
             "format": CHECKPOINT_FORMAT,
             "step": run.step,
             "config": run.cfg.to_dict(),
             "model_config": dataclasses.asdict(run.raw.config),
-            "model": {} if sharded else finetune.checkpoint_state(run.raw, run.cfg),
-            "optimizer": {} if sharded else run.optimizer.state_dict(),
-            "sharded": sharded,  # the torch.distributed.checkpoint directory holding both (--fsdp)
+            "model": {} if run.sharded else finetune.checkpoint_state(run.raw, run.cfg),
+            "optimizer": {} if run.sharded else run.optimizer.state_dict(),
+            "sharded": run.sharded,  # the torch.distributed.checkpoint directory holding both (--fsdp)
+            "output_step": run.output_step,  # the step of the model (or adapter) in OUT, None if none
             "rng": rngs,
             "loader": run.train_loader.state_dict(),
             "world_size": run.dist.world_size,
         }
         write_checkpoint(run.out / CHECKPOINT_NAME, state)
-        if sharded:
-            fsdp.remove_older(run.out, keep=sharded)
-        if model_too:
-            try:
-                finetune.save_output(result, run.cfg, run.out)
-            except (OSError, RuntimeError) as e:
-                if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or no_space(run.out):
-                    raise OSError(errno.ENOSPC, f"no space left on {run.out} while saving the model; "
-                                                f"{CHECKPOINT_NAME} (step {run.step}) was saved") from e
-                raise
-            if metrics is not None and metrics.train:
-                metrics.plot(run.out / PLOT_NAME, f"{run.cfg.model} on {Path(run.cfg.data).name}")
+        if run.sharded:
+            fsdp.remove_older(run.out, keep=run.sharded)
+        if failed is not None:
+            if (isinstance(failed, OSError) and failed.errno == errno.ENOSPC) or no_space(run.out):
+                raise OSError(errno.ENOSPC, f"no space left on {run.out} while saving the model; "
+                                            f"{CHECKPOINT_NAME} (step {run.step}) was saved") from failed
+            raise failed
+        if model_too and metrics is not None and metrics.train:
+            metrics.plot(run.out / PLOT_NAME, f"{run.cfg.model} on {Path(run.cfg.data).name}")
     run.dist.barrier()

@@ -243,6 +243,8 @@ class Run:
     autocast: Callable[[], contextlib.AbstractContextManager]
     out: Path
     step: int = 0
+    sharded: str | None = None  # --fsdp: the sharded checkpoint checkpoint.pt names
+    output_step: int | None = None  # the step of the model (or adapter) OUT holds, None if none
 
 
 def build_run(cfg: TrainConfig, d: Dist) -> tuple[Run, bool]:
@@ -319,6 +321,10 @@ def build_run(cfg: TrainConfig, d: Dist) -> tuple[Run, bool]:
             _match_param_layout(optimizer)
         train_loader.load_state_dict(ckpt["loader"])
         run.step = int(ckpt["step"])
+        run.sharded = ckpt.get("sharded")
+        # written before checkpoints said it: the output, if there is one, was written with the checkpoint
+        legacy = run.step if finetune.output_written(out, cfg) else None
+        run.output_step = ckpt.get("output_step", legacy)
         if cfg.max_steps < run.step:
             raise ValueError(f"--max-steps {cfg.max_steps} is below the step {out / CHECKPOINT_NAME} is at "
                              f"({run.step}); a run cannot go back: pass --max-steps above {run.step} to extend it")
