@@ -302,14 +302,8 @@ _BOUNDED = ("1", "few")  # weight streaming: int8 must beat the float32 product
 def check_kernel(name: str, device: torch.device | str = "cpu", given_as: str | None = None) -> str:
     """`name` if it is a kernel that can run on `device` here; ValueError naming it (as `given_as`,
     default GPT2KIT_INT8_KERNEL=) and the choices otherwise."""
-    said = f"{given_as or ENV + '='}{name!r}"
-    if name not in KERNELS:
-        raise ValueError(f"{said} is not a kernel; valid choices: {', '.join(KERNELS)}")
-    why = _why_not(name, torch.device(device))
-    if why:
-        ok = [k for k in KERNELS if not _why_not(k, torch.device(device))]
-        raise ValueError(f"{said} is unavailable here ({why}); available: {', '.join(ok)}")
-    return name
+    return kernel_choice.check_named(name, KERNELS, _why_not, device, f"{given_as or ENV + '='}{name!r}",
+                                     "a kernel")
 
 
 def _why_not(kernel: str, device: torch.device) -> str | None:

@@ -160,14 +160,8 @@ def _why_not(kernel: str, device: torch.device) -> str | None:
 def check_kernel(name: str, device: torch.device | str = "cpu", given_as: str | None = None) -> str:
     """`name` if it is an int8-activation kernel that can run on `device` here; ValueError naming it
     (as `given_as`, default GPT2KIT_INT8ACT_KERNEL=) and the choices otherwise."""
-    said = f"{given_as or ENV + '='}{name!r}"
-    if name not in KERNELS:
-        raise ValueError(f"{said} is not an int8-activation kernel; valid choices: {', '.join(KERNELS)}")
-    why = _why_not(name, torch.device(device))
-    if why:
-        ok = [k for k in KERNELS if not _why_not(k, torch.device(device))]
-        raise ValueError(f"{said} is unavailable here ({why}); available: {', '.join(ok)}")
-    return name
+    return kernel_choice.check_named(name, KERNELS, _why_not, device, f"{given_as or ENV + '='}{name!r}",
+                                     "an int8-activation kernel")
 
 
 def _default(bucket: str, measured: Mapping[str, object]) -> str:

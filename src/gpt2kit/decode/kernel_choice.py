@@ -86,6 +86,19 @@ class Choice:
         return {"kernel": self.kernel, "source": self.source, "why": self.why, "medians_ms": self.medians_ms}
 
 
+def check_named(name: str, kernels: Sequence[str], why_not: Callable[[str, torch.device], str | None],
+                device: torch.device | str, said: str, what: str) -> str:
+    """`name` if it is one of `kernels` and can run on `device` here (why_not(kernel, device) is None);
+    ValueError naming it as `said` and the choices otherwise (`what`: "a kernel", ...)."""
+    if name not in kernels:
+        raise ValueError(f"{said} is not {what}; valid choices: {', '.join(kernels)}")
+    why = why_not(name, torch.device(device))
+    if why:
+        ok = [k for k in kernels if not why_not(k, torch.device(device))]
+        raise ValueError(f"{said} is unavailable here ({why}); available: {', '.join(ok)}")
+    return name
+
+
 def _spread(xs: Sequence[float]) -> float:
     """Interquartile range over the median (0 for fewer than 4 samples: nothing to judge by)."""
     if len(xs) < 4:
