@@ -108,3 +108,18 @@ def test_a_row_cancelled_mid_prefill_frees_its_slot_and_the_others_go_on():
         engine.step()
     assert running.tokens == generate(model, [running.prompt], RUN)[0].tokens
     assert waiting.tokens == generate(model, [waiting.prompt], JOIN)[0].tokens
+
+
+def test_a_burst_of_equal_prompts_is_one_forward_and_each_row_gets_its_own_tokens():
+    model, shapes = _recorded()
+    engine = Engine(model, prefill_chunk=16)
+    prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13, 14], [15, 16, 17]]  # slots 0-3; the 4-token one apart
+    rows = [engine.new_row(p, RUN) for p in prompts]
+    engine.submit(rows)
+    engine.step()
+    # rows in consecutive slots with equal chunks share a forward; the 4-token row splits the run
+    assert [s for s in shapes if s[1] > 1] == [(2, 3), (1, 4), (1, 3)]
+    while engine.has_work:
+        engine.step()
+    for row in rows:
+        assert row.tokens == generate(model, [row.prompt], RUN)[0].tokens

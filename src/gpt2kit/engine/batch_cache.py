@@ -137,7 +137,12 @@ class SlotPool:
 
     def row_cache(self, slot: int) -> KVCache:
         """A KVCache over one slot (a view: a forward through it writes the slot in place) at its length."""
-        return KVCache.on(self.kv[:, slot:slot + 1], self.lengths[slot])
+        return self.rows_cache(slot, 1)
+
+    def rows_cache(self, slot: int, n: int) -> KVCache:
+        """A KVCache over slots [slot, slot + n) (a view, written in place), all of slot's length."""
+        assert all(self.lengths[s] == self.lengths[slot] for s in range(slot, slot + n))
+        return KVCache.on(self.kv[:, slot:slot + n], self.lengths[slot])
 
     def prefilled(self, slot: int, length: int) -> None:
         """The slot's row now holds `length` tokens (a forward through :meth:`row_cache` wrote them)."""

@@ -5,8 +5,12 @@ A step prefills at most ``chunk`` prompt tokens over all joining rows, oldest fi
 chunk, so every joining row gets there): a prompt of n tokens joins after ceil(n / chunk) steps,
 and no step stalls the running rows for more than a chunk. Row r's k-th chunk is its
 context[k * chunk:][:chunk] whatever else is joining, so its keys and values (and the logits its
-first token is drawn from) are what they are when it runs alone. Each chunk is a forward of its
-own row (batch 1) through a KVCache view of the row's slot, written in place.
+first token is drawn from) are what they are when it runs alone. A step's chunks of the same
+length, at the same cache length, in consecutive slots (a burst of equal prompts joining, as
+generate's batches and a benchmark's clients send) are one forward (b, T) through a KVCache view of
+their slots, written in place; any other chunk is a forward of its own row. (One forward for the
+burst matters for short prompts: a forward of a few tokens is bound by reading the weights, so 8
+one-row forwards of 16 tokens cost ~4x one of (8, 16); issue 21's notes in docs/benchmarks.md.)
 
 Legend: T a chunk's tokens, V vocab.
 """
@@ -81,23 +85,53 @@ class ChunkedPrefill:
     def step(self, model: GPT2, pool: SlotPool) -> list[tuple[Joining, torch.Tensor]]:
         """One step's chunks (module doc); returns the rows now wholly prefilled, each with the
         logits (1, V) of its next token (a beam group's every row has them)."""
-        used, ready = 0, []
-        device = pool.kv.device
-        while self.rows:
-            j = self.rows[0]
+        used, work = 0, []  # work: (joining row, its chunk's length T)
+        for j in self.rows:
             T = min(self.chunk, len(j.context) - j.done)
             if used and used + T > self.chunk:
                 break
-            cache = pool.row_cache(j.slot)  # a view of the row's slot, written in place
-            idx = torch.tensor([j.context[j.done:j.done + T]], dtype=torch.long, device=device)  # (1, T)
-            logits = prefill(model, idx, None, cache)  # (1, V)
-            j.done += T
+            work.append((j, T))
             used += T
-            pool.prefilled(j.slot, cache.length)
-            if j.done < len(j.context):
+            if j.done + T < len(j.context):
                 break  # a whole chunk: this step's budget is spent
-            self.rows.popleft()
+        logits = {}
+        for group in same_shape_runs(work):
+            for (j, _), lg in zip(group, prefill_slots(model, pool, group), strict=True):
+                logits[j] = lg
+        ready = []
+        for j, T in work:
+            j.done += T
+            if j.done < len(j.context):
+                continue
+            self.rows.popleft()  # the finished rows are the first ones of this step's work
             if j.beams:  # every slot of a beam group starts from its prompt
                 pool.copy([s for _, s in j.beams], [j.slot] * len(j.beams))
-            ready.append((j, logits))
+            ready.append((j, logits[j]))
         return ready
+
+
+def same_shape_runs(work: list[tuple[Joining, int]]) -> list[list[tuple[Joining, int]]]:
+    """A step's chunks (row, T) in groups that one forward takes: the same cache length (done) and
+    chunk length T, in consecutive slots (so one view of the pool holds them and no other row's
+    columns are touched)."""
+    groups: list[list[tuple[Joining, int]]] = []
+    for j, T in sorted(work, key=lambda w: w[0].slot):
+        last = groups[-1][-1] if groups else None
+        if last is not None and last[0].slot + 1 == j.slot and last[0].done == j.done and last[1] == T:
+            groups[-1].append((j, T))
+        else:
+            groups.append([(j, T)])
+    return groups
+
+
+def prefill_slots(model: GPT2, pool: SlotPool, group: list[tuple[Joining, int]]) -> list[torch.Tensor]:
+    """One forward (b, T) of a group's chunks through a view of their slots, written in place;
+    each row's logits (1, V)."""
+    first, T = group[0][0], group[0][1]
+    cache = pool.rows_cache(first.slot, len(group))
+    idx = torch.tensor([j.context[j.done:j.done + T] for j, _ in group], dtype=torch.long,
+                       device=pool.kv.device)  # (b, T)
+    logits = prefill(model, idx, None, cache)  # (b, V)
+    for j, _ in group:
+        pool.prefilled(j.slot, cache.length)
+    return list(logits.split(1))
