@@ -110,16 +110,33 @@ def test_a_row_cancelled_mid_prefill_frees_its_slot_and_the_others_go_on():
     assert waiting.tokens == generate(model, [waiting.prompt], JOIN)[0].tokens
 
 
-def test_a_burst_of_equal_prompts_is_one_forward_and_each_row_gets_its_own_tokens():
+def test_a_burst_of_prompts_is_one_forward_and_each_row_gets_its_own_tokens():
     model, shapes = _recorded()
     engine = Engine(model, prefill_chunk=16)
-    prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13, 14], [15, 16, 17]]  # slots 0-3; the 4-token one apart
+    prompts = [[5, 6, 7], [8, 9, 10, 20, 21, 22], [11, 12, 13, 14], [15, 16]]  # slots 0-3
     rows = [engine.new_row(p, RUN) for p in prompts]
     engine.submit(rows)
     engine.step()
-    # rows in consecutive slots with equal chunks share a forward; the 4-token row splits the run
-    assert [s for s in shapes if s[1] > 1] == [(2, 3), (1, 4), (1, 3)]
+    assert [s for s in shapes if s[1] > 1] == [(4, 6)]  # one forward, right-padded to the longest
     while engine.has_work:
         engine.step()
     for row in rows:
         assert row.tokens == generate(model, [row.prompt], RUN)[0].tokens
+
+
+def test_rows_joining_beside_a_row_mid_prompt_are_apart_and_exact():
+    model, shapes = _recorded()
+    engine = Engine(model, prefill_chunk=6)
+    long_row = engine.new_row(list(range(300, 309)), RUN)  # 9 tokens: chunks of 6 and 3
+    engine.submit([long_row])
+    engine.step()
+    short = [engine.new_row([5, 6], JOIN, seed=7), engine.new_row([7], JOIN, seed=7)]
+    engine.submit(short)
+    shapes.clear()
+    engine.step()  # the long row's last 3 (at cache length 6) and the two short rows (at 0): two forwards
+    assert sorted(s for s in shapes if s[1] > 1 or s[0] > 1) == [(1, 3), (2, 2)]
+    while engine.has_work:
+        engine.step()
+    assert long_row.tokens == generate(model, [long_row.prompt], RUN)[0].tokens
+    for row in short:
+        assert row.tokens == generate(model, [row.prompt], JOIN)[0].tokens

@@ -24,7 +24,7 @@ from torch.nn.modules import module as _module
 from gpt2kit.decode.kernels import PLAIN, PlainKernels, choose_half_kernels
 from gpt2kit.decode.packed import PackedWeights, packed_weights
 from gpt2kit.kv_cache import KVCache
-from gpt2kit.model import GPT2
+from gpt2kit.model import GPT2, attention_mask_for
 
 Kernels = PlainKernels | PackedWeights
 
@@ -34,6 +34,28 @@ def prefill(model: GPT2, idx: torch.Tensor, attention_mask: torch.Tensor | None,
     """Encode idx (B, T) into the cache after the tokens it holds (a prompt in chunks: the engine's
     chunked prefill); logits of the last position (B, V)."""
     return model(idx, attention_mask=attention_mask, cache=cache, last_logits_only=True).logits[:, -1]
+
+
+def prefill_ragged(model: GPT2, idx: torch.Tensor, last: list[int], cache: KVCache) -> torch.Tensor:
+    """Encode rows of different lengths in one forward: row b's tokens are idx[b, :last[b] + 1],
+    right-padded to T (B, T), after the P tokens the cache holds for every row; logits at each row's
+    last token (B, V). Causal attention keeps a row's tokens from seeing the padding after them, so
+    each row's keys, values and logits are the ones it gets alone; the padding's own keys and values
+    land in the cache past the row's length (columns a row never reads before they are rewritten:
+    the engine's slots track that). The same modules as the model's forward (hooks on them fire),
+    only the logits taken at each row's own last position instead of the last column; rows of one
+    length go through the model's forward itself (prefill)."""
+    B, T = idx.shape
+    if all(n == T - 1 for n in last):
+        return prefill(model, idx, None, cache)
+    P = cache.length
+    x = model.drop(model.wte(idx) + model.wpe(torch.arange(P, P + T, device=idx.device)))  # (B, T, C)
+    mask = attention_mask_for(None, P, T, idx.device)
+    for i, block in enumerate(model.h):
+        x = block(x, mask, cache, i)
+    cache.length = P + T
+    x = x[torch.arange(B, device=idx.device), torch.tensor(last, device=idx.device)]  # (B, C)
+    return model.lm_head(model.ln_f(x))  # (B, V)
 
 
 def kernels_for(model: GPT2, batch_size: int, pack: bool | None = None) -> Kernels | None:

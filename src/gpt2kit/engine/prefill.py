@@ -5,12 +5,14 @@ A step prefills at most ``chunk`` prompt tokens over all joining rows, oldest fi
 chunk, so every joining row gets there): a prompt of n tokens joins after ceil(n / chunk) steps,
 and no step stalls the running rows for more than a chunk. Row r's k-th chunk is its
 context[k * chunk:][:chunk] whatever else is joining, so its keys and values (and the logits its
-first token is drawn from) are what they are when it runs alone. A step's chunks of the same
-length, at the same cache length, in consecutive slots (a burst of equal prompts joining, as
-generate's batches and a benchmark's clients send) are one forward (b, T) through a KVCache view of
-their slots, written in place; any other chunk is a forward of its own row. (One forward for the
-burst matters for short prompts: a forward of a few tokens is bound by reading the weights, so 8
-one-row forwards of 16 tokens cost ~4x one of (8, 16); issue 21's notes in docs/benchmarks.md.)
+first token is drawn from) are what they are when it runs alone. A step's chunks at the same
+cache length in consecutive slots (a burst of prompts joining together, as generate's batches and a
+server's clients send them) are one forward through a KVCache view of their slots, written in
+place, right-padded to the longest chunk (decode.prefill_ragged: causal attention keeps the padding
+out of every row's tokens; its keys and values land past the row's length, columns the pool zeroes
+before any step reads them); any other chunk is a forward of its own row. One forward for the burst
+matters for short prompts: a forward of a few tokens is bound by reading the weights, so 8 one-row
+forwards of 16 tokens cost several times one of (8, 16) (issue 21's notes in docs/serving.md).
 
 Legend: T a chunk's tokens, V vocab.
 """
@@ -23,7 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gpt2kit.decode import prefill
+from gpt2kit.config import EOT_ID
+from gpt2kit.decode.step import prefill_ragged
 
 if TYPE_CHECKING:
     from gpt2kit.engine.batch_cache import SlotPool
@@ -111,13 +114,12 @@ class ChunkedPrefill:
 
 
 def same_shape_runs(work: list[tuple[Joining, int]]) -> list[list[tuple[Joining, int]]]:
-    """A step's chunks (row, T) in groups that one forward takes: the same cache length (done) and
-    chunk length T, in consecutive slots (so one view of the pool holds them and no other row's
-    columns are touched)."""
+    """A step's chunks (row, T) in groups that one forward takes: the same cache length (done), in
+    consecutive slots (so one view of the pool holds them and no other row's columns are touched)."""
     groups: list[list[tuple[Joining, int]]] = []
     for j, T in sorted(work, key=lambda w: w[0].slot):
-        last = groups[-1][-1] if groups else None
-        if last is not None and last[0].slot + 1 == j.slot and last[0].done == j.done and last[1] == T:
+        last = groups[-1][-1][0] if groups else None
+        if last is not None and last.slot + 1 == j.slot and last.done == j.done:
             groups[-1].append((j, T))
         else:
             groups.append([(j, T)])
@@ -125,13 +127,15 @@ def same_shape_runs(work: list[tuple[Joining, int]]) -> list[list[tuple[Joining,
 
 
 def prefill_slots(model: GPT2, pool: SlotPool, group: list[tuple[Joining, int]]) -> list[torch.Tensor]:
-    """One forward (b, T) of a group's chunks through a view of their slots, written in place;
-    each row's logits (1, V)."""
-    first, T = group[0][0], group[0][1]
+    """One forward of a group's chunks, right-padded to the longest (decode.prefill_ragged),
+    through a view of their slots, written in place; each row's logits (1, V)."""
+    first, done = group[0][0], group[0][0].done
+    T = max(t for _, t in group)
     cache = pool.rows_cache(first.slot, len(group))
-    idx = torch.tensor([j.context[j.done:j.done + T] for j, _ in group], dtype=torch.long,
+    pad = EOT_ID % model.config.n_vocab
+    idx = torch.tensor([j.context[done:done + t] + [pad] * (T - t) for j, t in group], dtype=torch.long,
                        device=pool.kv.device)  # (b, T)
-    logits = prefill(model, idx, None, cache)  # (b, V)
-    for j, _ in group:
-        pool.prefilled(j.slot, cache.length)
+    logits = prefill_ragged(model, idx, [t - 1 for _, t in group], cache)  # (b, V)
+    for j, t in group:
+        pool.prefilled(j.slot, done + t)
     return list(logits.split(1))
