@@ -2,8 +2,11 @@
 through ctypes: the int8 weight-only product of csrc/int8_linear.c, for x86-64 CPUs with AVX2 and
 FMA, and the int8-activation product of csrc/int8act_linear.c (gpt2kit/decode/int8act.py), for AVX2
 and, where the CPU has it, AVX-512 VNNI (one library holds both; `why_int8act_unavailable(isa)` says
-whether this CPU runs an instruction set, from its flags). Each library is built, cached and loaded
-on its own, as described below for the first.
+whether this CPU runs an instruction set, from its flags), and the float32 few-row product of
+csrc/f32_linear.c (gpt2kit/decode/f32.py), for AVX2 + FMA and, where the CPU has avx512f, AVX-512
+(`why_f32_unavailable(isa)`): PyTorch runs a single float32 row's product on one thread, this one
+splits the output columns between the threads. Each library is built, cached and loaded on its
+own, as described below for the first.
 
 Why a kernel of our own: a batch-1 decode step reads every weight once, so an int8 model should run
 at the speed of streaming its int8 bytes from memory. PyTorch's `_weight_int8pack_mm` is compute
