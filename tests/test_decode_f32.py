@@ -166,3 +166,11 @@ print(json.dumps([native.why_f32_unavailable("avx2"), f32.product("torch").__nam
     done = _run(code, tmp_path, GPT2KIT_NO_NATIVE="1")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == ["GPT2KIT_NO_NATIVE is set", "linear"]
+
+
+def test_bench_kernels_shows_the_float32_choice(tmp_path):
+    code = "from gpt2kit.cli import main; raise SystemExit(main(['bench', '--kernels']))"
+    done = _run(code, tmp_path, GPT2KIT_F32_KERNEL="torch", GPT2KIT_INT8_KERNEL="dequant")
+    assert done.returncode == 0, done.stderr
+    assert "| float32 products, GPT-2 124M (768x12x50257) | 1 row | torch | forced | GPT2KIT_F32_KERNEL is set |" \
+        in done.stdout, done.stdout
