@@ -53,6 +53,10 @@ def run_from_args(args: argparse.Namespace) -> int:
             from gpt2kit.decode.int8act import ENV, check_kernel
 
             check_kernel(os.environ[ENV], getattr(args, "device", "cpu"))
+    if os.environ.get("GPT2KIT_F32_KERNEL"):
+        from gpt2kit.decode import f32
+
+        f32.forced()  # an unknown or unavailable float32 kernel: one line naming the choices
     if getattr(args, "kernels", False):
         return _print_kernels(args)
     if not getattr(args, "_memory_worker", None):

@@ -1,11 +1,12 @@
 """`gpt2kit bench --kernels`: which kernel each product bucket runs on this machine, and why.
 
 For every rows bucket of the int8 products (float32 activations; with int8_activations, also the
-int8-activation products of gpt2kit.decode.int8act) and the bfloat16 few-row products,
+int8-activation products of gpt2kit.decode.int8act), the bfloat16 few-row products and the float32
+single-row products of a GPT-2 124M-shaped model (gpt2kit.decode.f32, on random matrices in the decode layout),
 the choice gpt2kit.decode makes at first use is made here and printed with where it came from
 (default: the CPU family's known-good kernel, kept where the measurement was disturbed or not clearly
 better; stored: measured earlier on this machine; measured: now; forced: GPT2KIT_INT8_KERNEL or
---int8-kernel) and the medians behind it. `--remeasure` measures anew (and stores what a quiet
+--int8-kernel, GPT2KIT_F32_KERNEL) and the medians behind it. `--remeasure` measures anew (and stores what a quiet
 measurement decides).
 """
 
@@ -16,7 +17,7 @@ import os
 import torch
 
 from gpt2kit.bench.machine import describe_cpu
-from gpt2kit.decode import int8, int8act, kernel_choice, kernels
+from gpt2kit.decode import f32, int8, int8act, kernel_choice, kernels
 
 ROWS = {"1": 1, "few": 8, "many": 64, "prefill": 256, "long": 1024}
 
@@ -47,7 +48,21 @@ def kernel_choices(remeasure: bool = False, dtypes: tuple[torch.dtype, ...] = (t
     for name, c in kernels.half_decisions().items():
         dtype, bucket = name.split("/")
         rows.append({"what": f"{dtype} few-row products", "bucket": bucket, **c.as_json()})
+    c = f32.decide_for(F32_SHAPE, _f32_mats(), fresh=remeasure)
+    rows.append({"what": f"float32 products, GPT-2 124M ({F32_SHAPE})", "bucket": "1 row", **c.as_json()})
     return rows
+
+
+F32_SHAPE = "768x12x50257"  # n_embd x n_layer x vocabulary, as decode.step names a model's shape
+
+
+def _f32_mats() -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """A GPT-2 124M step's float32 matrices in order, stored (in, out) as decode/layout.py keeps them."""
+    def mat(n_in: int, n_out: int, bias: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.randn(n_in, n_out).t(), (torch.randn(n_out) if bias else None)  # (out, in) view
+
+    block = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]
+    return [mat(i, o) for _ in range(12) for i, o in block] + [mat(768, 50257, bias=False)]
 
 
 def format_kernels(rows: list[dict]) -> str:

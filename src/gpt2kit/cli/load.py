@@ -40,8 +40,9 @@ def add_quantize_arg(p: argparse.ArgumentParser) -> None:
 
 
 def check_load_args(args: argparse.Namespace) -> None:
-    """--quantize's scheme and the int8 kernel asked for (--int8-kernel or GPT2KIT_INT8_KERNEL), before
-    anything loads: an unknown or unavailable kernel is one line naming it and the choices."""
+    """--quantize's scheme and the int8 kernel asked for (--int8-kernel or GPT2KIT_INT8_KERNEL) and the
+    float32 one (GPT2KIT_F32_KERNEL), before anything loads: an unknown or unavailable kernel is one
+    line naming it and the choices."""
     if args.quantize is not None:
         from gpt2kit.quant import check_scheme
 
@@ -52,6 +53,10 @@ def check_load_args(args: argparse.Namespace) -> None:
 
         device = args.device if str(getattr(args, "device", None) or "").startswith("cuda") else "cpu"
         os.environ[ENV] = check_kernel(flag or env, device, "--int8-kernel " if flag else None)
+    if os.environ.get("GPT2KIT_F32_KERNEL"):
+        from gpt2kit.decode import f32
+
+        f32.forced()  # an unknown or unavailable float32 kernel: one line naming the choices
     check_activation_args(args)
 
 

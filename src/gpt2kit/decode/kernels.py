@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import gpt2kit.decode.f32 as f32
 import gpt2kit.decode.kernel_choice as kernel_choice
 from gpt2kit.decode.bind import Binding, Mat
 
@@ -184,6 +185,11 @@ class PlainKernels:
         self.product = _product  # matmul_t, or F.linear where a step's shape makes it matmul_t's choice
         self._slot = _Slot(keep) if _slot is None else _slot
         self._linear = self if _product is F.linear else PlainKernels(_product=F.linear, _slot=self._slot)
+        self._f32: PlainKernels | None = None  # single float32 rows on gpt2kit's kernel (use_f32)
+
+    def use_f32(self, kernel: str) -> None:
+        """Run single float32 rows on `kernel` (one of decode.f32.KERNELS; "torch": F.linear)."""
+        self._f32 = None if kernel == "torch" else PlainKernels(_product=f32.product(kernel), _slot=self._slot)
 
     def bind(self, model: nn.Module) -> Binding:
         return self._slot.bind(model)
@@ -194,7 +200,9 @@ class PlainKernels:
     def for_step(self, rows: int, dtype: torch.dtype, cpu: bool) -> PlainKernels:
         """The set for a step of `rows` rows: F.linear outright where matmul_t would choose it for
         every matrix (float32, off the CPU, many rows, or half precision measured faster that way),
-        so the products carry no per-call checks."""
+        so the products carry no per-call checks; a single float32 row on the kernel use_f32 named."""
+        if rows == 1 and dtype == torch.float32 and cpu and self._f32 is not None:
+            return self._f32
         if (rows > FEW_ROWS or not cpu or dtype == torch.float32
                 or _HALF_CHOICE.get((dtype, rows == 1), "mv") == "linear"):
             return self._linear

@@ -2,8 +2,11 @@
 through ctypes: the int8 weight-only product of csrc/int8_linear.c, for x86-64 CPUs with AVX2 and
 FMA, and the int8-activation product of csrc/int8act_linear.c (gpt2kit/decode/int8act.py), for AVX2
 and, where the CPU has it, AVX-512 VNNI (one library holds both; `why_int8act_unavailable(isa)` says
-whether this CPU runs an instruction set, from its flags). Each library is built, cached and loaded
-on its own, as described below for the first.
+whether this CPU runs an instruction set, from its flags), and the float32 few-row product of
+csrc/f32_linear.c (gpt2kit/decode/f32.py), for AVX2 + FMA and, where the CPU has avx512f, AVX-512
+(`why_f32_unavailable(isa)`): PyTorch runs a single float32 row's product on one thread, this one
+splits the output columns between the threads. Each library is built, cached and loaded on its
+own, as described below for the first.
 
 Why a kernel of our own: a batch-1 decode step reads every weight once, so an int8 model should run
 at the speed of streaming its int8 bytes from memory. PyTorch's `_weight_int8pack_mm` is compute
@@ -50,12 +53,14 @@ from gpt2kit.bench.machine import cpu_flags
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 ABI = 1  # csrc/int8_linear.c's gpt2kit_int8_linear_abi(): the signature this module calls
 ABI_INT8ACT = 1  # csrc/int8act_linear.c's gpt2kit_int8act_linear_abi()
+ABI_F32 = 1  # csrc/f32_linear.c's gpt2kit_f32_linear_abi()
 # The libraries, by their C source's stem: each is built, cached and loaded on its own, so one that
 # fails to build (an old compiler without the AVX-512 VNNI target) leaves the other in use.
-_LIBS = {"int8_linear": ABI, "int8act_linear": ABI_INT8ACT}
+_LIBS = {"int8_linear": ABI, "int8act_linear": ABI_INT8ACT, "f32_linear": ABI_F32}
 _STATE: dict[str, dict[str, object]] = {}  # library -> {"fn": the loaded function} or {"why": the reason there is none}
 ISAS = {"avx2": 1, "avx512-vnni": 2}  # csrc/int8act_linear.c's isa argument
 _VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
+F32_ISAS = {"avx2": 1, "avx512": 2}  # csrc/f32_linear.c's isa argument
 
 
 def _source(lib: str = "int8_linear") -> bytes:
@@ -134,6 +139,11 @@ def load(directory: Path | None = None, lib: str = "int8_linear"):
     if getattr(dll, f"gpt2kit_{lib}_abi")() != _LIBS[lib]:
         raise RuntimeError("the library is of another version")
     fn = getattr(dll, f"gpt2kit_{lib}")
+    if lib == "f32_linear":  # x, M, K, Wt, ldw, N, b, y, threads, isa
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                       ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        fn.restype = None
+        return fn
     args = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     fn.argtypes = args + [ctypes.c_int] if lib == "int8act_linear" else args
@@ -229,4 +239,41 @@ def run_int8_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     y = torch.empty(R, N, dtype=torch.float32)  # (R, N)
     fn(x2.data_ptr(), R, K, weight.data_ptr(), N, scale.data_ptr(),
        None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def f32_linear(reload: bool = False):
+    """The float32 few-row C function (csrc/f32_linear.c), as int8_linear() gives the weight-only one."""
+    return _function("f32_linear", reload)
+
+
+def why_f32_unavailable(isa: str) -> str | None:
+    """Why the float32 kernel for `isa` (one of F32_ISAS) cannot run here, or None: the library (as
+    why_unavailable), and for avx512 the CPU's avx512f flag and PyTorch seeing AVX-512."""
+    if isa not in F32_ISAS:
+        raise ValueError(f"unknown instruction set {isa!r}; valid choices: {', '.join(F32_ISAS)}")
+    f32_linear()
+    state = _STATE["f32_linear"]
+    if state.get("why") is not None or isa == "avx2":
+        return state.get("why")
+    if "avx512" not in state:  # read once per load
+        state["avx512"] = ("this CPU lacks avx512f" if "avx512f" not in cpu_flags()
+                           else None if torch.backends.cpu.get_cpu_capability() == "AVX512"
+                           else f"PyTorch reports {torch.backends.cpu.get_cpu_capability()}, not AVX512")
+    return state["avx512"]
+
+
+def run_f32_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, isa: str) -> torch.Tensor:
+    """x2 (M, K) float32 @ weight^T [+ bias (N,)] -> (M, N) float32 by csrc/f32_linear.c for `isa`, on
+    PyTorch's thread count. weight (N, K) float32 is the transpose of a row-major (K, N) matrix:
+    weight.stride() == (1, ldw), ldw >= N (decode/layout.py's float32 layout). Inputs must be CPU,
+    these dtypes, x2 and bias contiguous (gpt2kit.decode.f32 checks)."""
+    why = why_f32_unavailable(isa)
+    if why is not None:
+        raise RuntimeError(f"gpt2kit's native float32 kernel ({isa}) is unavailable: {why}")
+    M, K = x2.shape
+    N = weight.shape[0]
+    y = torch.empty(M, N, dtype=torch.float32)  # (M, N)
+    f32_linear()(x2.data_ptr(), M, K, weight.data_ptr(), weight.stride(1), N,
+                 None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads(), F32_ISAS[isa])
     return y

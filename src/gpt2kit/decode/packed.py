@@ -80,6 +80,10 @@ class PackedWeights:
         is faster on MKL's mat-vec, e.g. when a batch has finished down to one row)."""
         return bool(self._mats) and not (rows == 1 and dtype == torch.float32)
 
+    def use_f32(self, kernel: str) -> None:
+        """The kernel single float32 rows (which the packing does not cover) run on (decode.f32)."""
+        self._plain.use_f32(kernel)
+
     def for_step(self, rows: int, dtype: torch.dtype, cpu: bool) -> PackedWeights | PlainKernels:
         return self if self.covers(rows, dtype) else self._plain.for_step(rows, dtype, cpu)
 

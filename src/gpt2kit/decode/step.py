@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
+import gpt2kit.decode.f32 as f32
 from gpt2kit.decode.kernels import PLAIN, PlainKernels, choose_half_kernels
 from gpt2kit.decode.packed import PackedWeights, packed_weights
 from gpt2kit.kv_cache import KVCache
@@ -68,7 +69,45 @@ def kernels_for(model: GPT2, batch_size: int, pack: bool | None = None) -> Kerne
     largest = _largest_matrix(model)
     if largest is not None:
         choose_half_kernels(largest)
-    return packed_weights(model, batch_size, pack) or PlainKernels()  # one per generation: it keeps the binding
+    k_set = packed_weights(model, batch_size, pack) or PlainKernels()  # one per generation: it keeps the binding
+    k_set.use_f32(f32_kernel(model))  # single float32 rows (a batch of 1, or one finished down to 1)
+    return k_set
+
+
+F32_MIN_BYTES = 64 << 20  # smaller models' matrices stay in cache: no single-row choice is made for them
+
+
+def f32_kernel(model: GPT2) -> str:
+    """The kernel single float32 rows of this model run on (decode.f32): GPT2KIT_F32_KERNEL when set;
+    else, for a CPU float32 model in the decode layout whose matrices are F32_MIN_BYTES or more, the
+    choice decode.f32 makes (stored per machine and model shape; measured on the model's own matrices);
+    else "torch"."""
+    forced = f32.forced()  # the override, checked (ValueError naming the choices)
+    if forced is not None:
+        return forced
+    mats = _f32_matrices(model)
+    if not mats or sum(w.numel() * 4 for w, _ in mats) < F32_MIN_BYTES:
+        return "torch"
+    cfg = model.config
+    shape = f"{cfg.n_embd}x{cfg.n_layer}x{model.wte.weight.shape[0]}"
+    kernel = f32.chosen_kernel(shape)
+    return kernel if kernel is not None else f32.decide_for(shape, mats).kernel
+
+
+def _f32_matrices(model: GPT2) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight, bias) of a single-row step's products in order, the tied head last, where every one
+    is a plain float32 CPU nn.Linear in the decode layout (stored (in, out)); [] otherwise."""
+    if type(model.wte) is not nn.Embedding:
+        return []
+    mats = []
+    for block in model.h:
+        for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+            if type(layer) is not nn.Linear:
+                return []
+            mats.append((layer.weight, layer.bias))
+    mats.append((model.wte.weight, None))
+    ok = all(w.dtype == torch.float32 and w.is_cpu and w.stride(0) == 1 for w, _ in mats)
+    return mats if ok else []
 
 
 @torch.inference_mode()
