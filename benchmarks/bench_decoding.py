@@ -13,7 +13,9 @@
    its source read from this Python's own library, docstring left out so it fits a small context),
    then "# The same function with `OLD` renamed to `NEW`:" and its def line renamed; the model
    writes the rest. gpt2kit greedy vs gpt2kit greedy with prompt_lookup=10 (the tokens are checked
-   equal); as many new tokens as the function's body, within the context.
+   equal); as many new tokens as the function's body, within the context. The note says how many
+   of the first greedy tokens are the renamed function's own (a model that writes something else,
+   e.g. runs of spaces, is not measuring copying).
 2. beam search (target: >= 1.5x transformers): 4 beams, 2 prompts, 48 new tokens, gpt2kit vs
    transformers' generate(num_beams=4) on the same weights (the sequences are checked equal).
 3. with --draft-model D (and --target T, default --model): T's greedy vs T with D drafting
@@ -62,7 +64,10 @@ def stdlib_function(module: str, name: str) -> str:
     lines = src.splitlines()[node.lineno - 1:node.end_lineno]
     first = node.body[0]
     if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-        lines = lines[:first.lineno - node.lineno] + lines[first.end_lineno - node.lineno + 1:]
+        rest = lines[first.end_lineno - node.lineno + 1:]
+        while rest and not rest[0].strip():  # the blank line that followed the docstring
+            rest = rest[1:]
+        lines = lines[:first.lineno - node.lineno] + rest
     return "\n".join(lines)
 
 
@@ -95,9 +100,14 @@ def bench_prompt_lookup(model, tok, spec: str, trials: int, cap: int | None) -> 
     looked = SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=(), prompt_lookup=LOOKUP)
     a, b = generate(model, ids, plain), generate(model, ids, looked)
     same = a[0].tokens == b[0].tokens
+    _, _, old, new = spec.split(":")
+    renamed = tok.encode(source.replace(old, new).split("\n", 1)[1])  # the edit done right, after the def line
+    pairs = zip(a[0].tokens, renamed, strict=False)  # the body may be longer than n
+    copied = next((i for i, (x, y) in enumerate(pairs) if x != y), min(n, len(renamed)))
     t = time_alternating({"plain": lambda: generate(model, ids, plain),
                           "lookup": lambda: generate(model, ids, looked)}, trials, 4 * trials)
-    note = f"acceptance {100 * (b[0].acceptance_rate or 0):.0f}%, tokens equal: {same}"
+    note = (f"acceptance {100 * (b[0].acceptance_rate or 0):.0f}%, tokens equal: {same}, "
+            f"the first {copied} of {n} tokens are the renamed function's")
     return _row(f"prompt lookup {LOOKUP} vs plain greedy (code edit: {spec}, {n} tokens)", n / t["plain"].seconds,
                 n / t["lookup"].seconds, note)
 
