@@ -2,7 +2,8 @@
 (with --draft-model) draft-model speculation vs the target's plain greedy.
 
     python benchmarks/bench_decoding.py [--model gpt2 | --model DIR] [--draft-model D --target T]
-                                        [--edit textwrap:indent:prefix:margin] [--threads N] [--quick]
+                                        [--prompt-data DIR] [--edit textwrap:indent:prefix:margin]
+                                        [--rows lookup,beams,draft] [--threads N] [--quick]
 
 --model is a published name or a trained model directory (an HF directory, as `gpt2kit train` and
 `save_model` write it; transformers reads the same directory for its side of the beam row).
@@ -12,12 +13,21 @@
    its source read from this Python's own library, docstring left out so it fits a small context),
    then "# The same function with `OLD` renamed to `NEW`:" and its def line renamed; the model
    writes the rest. gpt2kit greedy vs gpt2kit greedy with prompt_lookup=10 (the tokens are checked
-   equal); as many new tokens as the function's body, within the context.
+   equal); as many new tokens as the function's body, within the context. The note says how many
+   of the first greedy tokens are the renamed function's own (a model that writes something else,
+   e.g. runs of spaces, is not measuring copying).
 2. beam search (target: >= 1.5x transformers): 4 beams, 2 prompts, 48 new tokens, gpt2kit vs
    transformers' generate(num_beams=4) on the same weights (the sequences are checked equal).
 3. with --draft-model D (and --target T, default --model): T's greedy vs T with D drafting
    (draft_tokens 4), at batch 1 and batch 8, with the acceptance rate (target: >= 1.5x where the
-   acceptance is >= 60%).
+   acceptance is >= 60%; the tokens are checked equal). The prompts: with --prompt-data DIR, 8
+   windows of 64 tokens spread over DIR's validation shards (text neither model trained on, for a
+   draft and a target trained by `gpt2kit train` on DIR); batch 1 runs them one after another,
+   batch 8 all at once. Without it, one English prompt (batch 8: eight copies).
+
+--rows picks the rows (lookup, beams, draft; default all, draft only with --draft-model), e.g. a
+trained pair: --model T --draft-model D --prompt-data DIR --edit getpass:getuser:user:login
+--rows lookup,draft (getpass is in the validation split of docs/training.md's stdlib data).
 
 --quick: one trial of each and a few tokens (checks the script runs; not figures).
 Each row: the peer's tokens/s, ours, the ratio (ours / peer), best of alternating quiet trials.
@@ -35,6 +45,7 @@ import torch
 from gpt2kit.bench.machine import describe_cpu
 from gpt2kit.bench.timing import time_alternating
 from gpt2kit.checkpoint import load_model, load_tokenizer
+from gpt2kit.config import EOT_ID
 from gpt2kit.generate import generate
 from gpt2kit.sampling import SamplingSettings
 
@@ -53,7 +64,10 @@ def stdlib_function(module: str, name: str) -> str:
     lines = src.splitlines()[node.lineno - 1:node.end_lineno]
     first = node.body[0]
     if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-        lines = lines[:first.lineno - node.lineno] + lines[first.end_lineno - node.lineno + 1:]
+        rest = lines[first.end_lineno - node.lineno + 1:]
+        while rest and not rest[0].strip():  # the blank line that followed the docstring
+            rest = rest[1:]
+        lines = lines[:first.lineno - node.lineno] + rest
     return "\n".join(lines)
 
 
@@ -86,9 +100,14 @@ def bench_prompt_lookup(model, tok, spec: str, trials: int, cap: int | None) -> 
     looked = SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=(), prompt_lookup=LOOKUP)
     a, b = generate(model, ids, plain), generate(model, ids, looked)
     same = a[0].tokens == b[0].tokens
+    _, _, old, new = spec.split(":")
+    renamed = tok.encode(source.replace(old, new).split("\n", 1)[1])  # the edit done right, after the def line
+    pairs = zip(a[0].tokens, renamed, strict=False)  # the body may be longer than n
+    copied = next((i for i, (x, y) in enumerate(pairs) if x != y), min(n, len(renamed)))
     t = time_alternating({"plain": lambda: generate(model, ids, plain),
                           "lookup": lambda: generate(model, ids, looked)}, trials, 4 * trials)
-    note = f"acceptance {100 * (b[0].acceptance_rate or 0):.0f}%, tokens equal: {same}"
+    note = (f"acceptance {100 * (b[0].acceptance_rate or 0):.0f}%, tokens equal: {same}, "
+            f"the first {copied} of {n} tokens are the renamed function's")
     return _row(f"prompt lookup {LOOKUP} vs plain greedy (code edit: {spec}, {n} tokens)", n / t["plain"].seconds,
                 n / t["lookup"].seconds, note)
 
@@ -117,19 +136,48 @@ def bench_beams(model, model_name: str, trials: int, n: int = 48) -> str:
                 total / t["hf"].seconds, total / t["ours"].seconds, f"sequences equal: {same}")
 
 
-def bench_draft(target, draft, tok, trials: int, n: int = 96) -> list[str]:
+DRAFT_TOKENS, WINDOW, WINDOWS = 4, 64, 8  # draft rows: draft_tokens; --prompt-data's windows
+
+
+def draft_prompts(tok, data: str | None) -> list[list[int]]:
+    """The draft rows' prompts: WINDOWS windows of WINDOW tokens spread evenly over the validation
+    shards of the data directory `data` (none starting inside <|endoftext|>), or one English prompt."""
+    if data is None:
+        return [tok.encode("The history of the city begins")]
+    import numpy as np
+
+    from gpt2kit.data import find_shards, read_shard
+
+    val = np.concatenate([np.asarray(read_shard(f)) for f in find_shards(data, "val")])
+    if len(val) < WINDOWS * WINDOW:
+        raise SystemExit(f"--prompt-data {data}: {len(val)} validation tokens, fewer than {WINDOWS} x {WINDOW}")
+    step = (len(val) - WINDOW) // WINDOWS
+    return [[int(t) for t in val[i * step:i * step + WINDOW] if t != EOT_ID] for i in range(WINDOWS)]
+
+
+def bench_draft(target, draft, prompts: list[list[int]], trials: int, n: int = 96) -> list[str]:
+    longest = max(map(len, prompts))
+    if longest + n + DRAFT_TOKENS > target.config.n_ctx:
+        n = target.config.n_ctx - longest - DRAFT_TOKENS
+        if n < 1:
+            raise SystemExit(f"the draft rows' prompts ({longest} tokens) leave no room in n_ctx={target.config.n_ctx}")
+    plain = SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=())
+    spec = SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=(), draft_tokens=DRAFT_TOKENS)
     rows = []
     for batch in (1, 8):
-        prompts = [tok.encode("The history of the city begins")] * batch
-        plain = SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=())
-        spec = SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=(), draft_tokens=4)
-        out = generate(target, prompts, spec, draft_model=draft)
+        groups = [[p] for p in prompts] if batch == 1 else [[prompts[i % len(prompts)] for i in range(batch)]]
+        want = [c.tokens for g in groups for c in generate(target, g, plain)]
+        out = [c for g in groups for c in generate(target, g, spec, draft_model=draft)]
+        same = [c.tokens for c in out] == want
         rate = sum(c.accepted for c in out) / max(1, sum(c.drafted for c in out))
-        t = time_alternating({"plain": lambda p=prompts, s=plain: generate(target, p, s),
-                              "spec": lambda p=prompts, s=spec: generate(target, p, s, draft_model=draft)},
+        t = time_alternating({"plain": lambda gs=groups: [generate(target, g, plain) for g in gs],
+                              "spec": lambda gs=groups: [generate(target, g, spec, draft_model=draft) for g in gs]},
                              trials, 4 * trials)
-        rows.append(_row(f"draft model, 4 draft tokens, batch {batch} vs plain greedy", batch * n / t["plain"].seconds,
-                         batch * n / t["spec"].seconds, f"acceptance {100 * rate:.0f}%"))
+        tokens = sum(len(c.tokens) for c in out)
+        how = f"{len(groups)} prompts one at a time" if batch == 1 and len(groups) > 1 else f"batch {batch}"
+        rows.append(_row(f"draft model, {DRAFT_TOKENS} draft tokens, {how}, {n} tokens each vs plain greedy",
+                         tokens / t["plain"].seconds, tokens / t["spec"].seconds,
+                         f"acceptance {100 * rate:.0f}%, tokens equal: {same}"))
     return rows
 
 
@@ -138,21 +186,33 @@ def main() -> None:
     ap.add_argument("--model", default="gpt2", help="a published name or a trained model directory")
     ap.add_argument("--target", default=None, help="the target of --draft-model (default --model)")
     ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--prompt-data", default=None, metavar="DIR",
+                    help="the draft rows' prompts from this data directory's validation shards (gpt2kit prepare's)")
     ap.add_argument("--edit", default=EDIT, metavar="MODULE:FUNCTION:OLD:NEW",
                     help=f"the code-editing task of the prompt-lookup row (default {EDIT})")
+    ap.add_argument("--rows", default="lookup,beams,draft", help="comma list of lookup, beams, draft (default all)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="one trial, a few tokens: check that it runs")
     args = ap.parse_args()
+    which = set(args.rows.split(","))
+    if not which or which - {"lookup", "beams", "draft"}:
+        raise SystemExit(f"--rows takes a comma list of lookup, beams, draft, got {args.rows!r}")
+    if "draft" in which and args.rows != ap.get_default("rows") and not args.draft_model:
+        raise SystemExit("--rows draft needs --draft-model")
     if args.threads:
         torch.set_num_threads(args.threads)
     trials = 1 if args.quick else args.trials
     model, tok = load_model(args.model), load_tokenizer(args.model)
-    rows = [bench_prompt_lookup(model, tok, args.edit, trials, 16 if args.quick else None),
-            bench_beams(model, args.model, trials, 8 if args.quick else 48)]
-    if args.draft_model:
+    rows = []
+    if "lookup" in which:
+        rows.append(bench_prompt_lookup(model, tok, args.edit, trials, 16 if args.quick else None))
+    if "beams" in which:
+        rows.append(bench_beams(model, args.model, trials, 8 if args.quick else 48))
+    if "draft" in which and args.draft_model:
         target = load_model(args.target) if args.target else model
-        rows += bench_draft(target, load_model(args.draft_model), tok, trials, 8 if args.quick else 96)
+        rows += bench_draft(target, load_model(args.draft_model), draft_prompts(tok, args.prompt_data), trials,
+                            8 if args.quick else 96)
     print(f"machine: {describe_cpu()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| case | peer tokens/s | gpt2kit tokens/s | ratio | notes |")
     print("|---|---|---|---|---|")

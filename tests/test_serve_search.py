@@ -200,7 +200,7 @@ def test_a_client_gone_ends_its_search(gated, extra):
     assert _ok(url, prompt="Hi", max_tokens=4, **extra)["choices"]  # and the server goes on
 
 
-@pytest.mark.parametrize("extra, param, needle", [
+BAD = [
     ({"use_beam_search": True, "n": 2, "stream": True}, "stream", "stream is not defined for beam search"),
     ({"use_beam_search": True, "best_of": 9}, "best_of", "at most 8 (the least of 64 and --max-batch 8"),
     ({"use_beam_search": True, "n": 9}, "n", "with 9 beams: this server runs at most 8"),
@@ -219,10 +219,73 @@ def test_a_client_gone_ends_its_search(gated, extra):
     ({"penalty_alpha": 0.5, "top_k": 4, "n": 2}, "n", "contrastive search (penalty_alpha) is deterministic"),
     ({"penalty_alpha": 0.5, "top_k": 4, "stream": True}, "stream", "stream is not defined for contrastive"),
     ({"penalty_alpha": 0.5, "top_k": 100}, "top_k", "needs 100 rows (prompts x top_k for contrastive search)"),
-])
+]
+
+
+@pytest.mark.parametrize("extra, param, needle", BAD)
 def test_bad_search_requests_are_400_naming_the_field(gated, extra, param, needle):
     r = _post(gated[0], prompt="Hi", max_tokens=8, **extra)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert err["param"] == param and needle in err["message"], err
+
+
+TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+MESSAGES = [{"role": "user", "content": "Once upon a time"}]
+RENDERED = "user: Once upon a time\nassistant:"  # TEMPLATE over MESSAGES
+
+
+@pytest.fixture(scope="module")
+def chat_url(model_dir):
+    opts = ServeOptions(served_model_name=NAME, max_batch=8, max_queue=16, chat_template=TEMPLATE)
+    with live_server(lambda: (load_model(model_dir), load_tokenizer(model_dir)), opts) as (url, _app):
+        yield url
+
+
+def _chat(url, **body):
+    return httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": MESSAGES, **body}, timeout=300)
+
+
+@pytest.mark.parametrize("extra", [
+    dict(use_beam_search=True, n=2, best_of=3, length_penalty=0.7, early_stopping=True),
+    dict(use_beam_search=True, n=2, early_stopping="never"),
+    dict(penalty_alpha=0.9, top_k=4),
+    dict(temperature=0.8, seed=3, top_k=20, min_p=0.05, typical_p=0.9, no_repeat_ngram_size=2, min_tokens=4,
+         repetition_penalty=1.3, bad_words=["the"], suppress_tokens=[13], top_p_mode="hf", top_p=0.9),
+])
+def test_chat_takes_the_search_and_warper_fields_of_completions(chat_url, library, extra):
+    """The chat endpoint completes its rendered messages as /v1/completions completes that prompt,
+    the same extensions included: the same choices, in the same order, with the beams' scores."""
+    model, tok = library
+    r = _chat(chat_url, max_tokens=10, **extra)
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"]
+    want = _ok(chat_url, prompt=RENDERED, max_tokens=10, **extra)["choices"]
+    assert [(c["message"]["content"], c["finish_reason"], c["index"]) for c in got] == \
+        [(c["text"], c["finish_reason"], c["index"]) for c in want]
+    assert [c.get("score") for c in got] == [c.get("score") for c in want]
+    if extra.get("use_beam_search"):  # and they are the Python API's beams
+        api = generate(model, RENDERED, SamplingSettings(
+            max_new_tokens=10, num_beams=extra.get("best_of", extra["n"]), num_return_sequences=extra["n"],
+            length_penalty=extra.get("length_penalty", 1.0), early_stopping=extra["early_stopping"]), tokenizer=tok)
+        assert [c["message"]["content"] for c in got] == [w.text for w in api]
+        assert all(abs(c["score"] - w.score) < 1e-4 for c, w in zip(got, api, strict=True))
+    else:
+        assert all("score" not in c for c in got)  # other responses keep their shape
+
+
+@pytest.mark.parametrize("extra, param, needle", [b for b in BAD if not {"stream", "logprobs"} & set(b[0])])
+def test_bad_search_requests_on_chat_are_completions_400s(chat_url, extra, param, needle):
+    r = _chat(chat_url, max_tokens=8, **extra)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param and needle in err["message"], err
+    assert err == _post(chat_url, prompt=RENDERED, max_tokens=8, **extra).json()["error"]
+
+
+def test_chat_refuses_what_completions_alone_has(chat_url):
+    for extra in ({"use_beam_search": True, "stream": True}, {"logprobs": 2}, {"echo": True}):
+        r = _chat(chat_url, max_tokens=8, **extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("stream", "logprobs", "echo"), r.text

@@ -109,7 +109,8 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
                                      headers={"Cache-Control": "no-cache"})
         return await complete(server, job, request)
 
-    @app.post("/v1/chat/completions", response_model=S.ChatCompletion, responses=_ERRORS)
+    @app.post("/v1/chat/completions", response_model=S.ChatCompletion, response_model_exclude_unset=True,
+              responses=_ERRORS)
     async def chat(body: S.ChatRequest, request: Request):
         server.require_ready()
         if opts.chat_template is None:
@@ -124,12 +125,12 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
             model=body.model, prompt=prompt, max_tokens=max_tokens if max_tokens is not None else 16,
             temperature=body.temperature, top_p=body.top_p, n=body.n, stop=body.stop,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            logit_bias=body.logit_bias, seed=body.seed, user=body.user)
+            logit_bias=body.logit_bias, seed=body.seed, user=body.user,
+            **body.model_dump(include=_CHAT_EXTENSIONS, exclude_unset=True))
         out = await complete(server, plan(server, req), request)
         return {"id": out["id"].replace("cmpl-", "chatcmpl-"), "object": "chat.completion",
                 "created": out["created"], "model": out["model"], "usage": out["usage"],
-                "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                             "finish_reason": c["finish_reason"], "logprobs": None} for c in out["choices"]]}
+                "choices": [_chat_choice(c) for c in out["choices"]]}
 
     @app.get("/v1/models", response_model=S.ModelList, responses=_ERRORS)
     async def models():
@@ -193,6 +194,17 @@ def _card(server: Server) -> dict:
     return {"id": server.opts.served_model_name, "object": "model", "created": server.started,
             "owned_by": "gpt2kit", "max_model_len": server.model.config.n_ctx,
             "quantization": q and q["scheme"]}
+
+
+_CHAT_EXTENSIONS = {*S.Extensions.model_fields, "best_of"}  # passed to the completion as sent
+
+
+def _chat_choice(c: dict) -> dict:
+    choice = {"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+              "finish_reason": c["finish_reason"], "logprobs": None}
+    if "score" in c:  # beam search
+        choice["score"] = c["score"]
+    return choice
 
 
 def _render_chat(template: str, body: S.ChatRequest) -> str:

@@ -2,11 +2,12 @@
 app's OpenAPI document is generated from them, and schemathesis fuzzes the server against it).
 
 Extensions beyond OpenAI's spec are named in their descriptions: top_k, repetition_penalty,
-top_p_mode on completions, and transformers' warpers and constraints under vLLM's names where vLLM
-has the field (min_p, min_tokens, bad_words), transformers' otherwise (typical_p, epsilon_cutoff,
-eta_cutoff, no_repeat_ngram_size, suppress_tokens); beam search under vLLM's names
-(use_beam_search, length_penalty, early_stopping; a choice's score) and contrastive search under
-transformers' (penalty_alpha); the `pieces` of /tokenize and /detokenize.
+top_p_mode, and transformers' warpers and constraints under vLLM's names where vLLM has the field
+(min_p, min_tokens, bad_words), transformers' otherwise (typical_p, epsilon_cutoff, eta_cutoff,
+no_repeat_ngram_size, suppress_tokens); beam search under vLLM's names (use_beam_search,
+length_penalty, early_stopping; a choice's score) and contrastive search under transformers'
+(penalty_alpha) — on completions and chat alike (`Extensions`; chat also takes best_of); the
+`pieces` of /tokenize and /detokenize.
 """
 
 from __future__ import annotations
@@ -45,17 +46,11 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
 
 
-class CompletionRequest(_SamplingRequest):
-    """POST /v1/completions (the legacy completions API)."""
+class Extensions(BaseModel):
+    """The extensions completions and chat requests share (transformers' warpers and constraints,
+    beam search, contrastive search), with the same bounds and the same 400s on both endpoints."""
 
-    prompt: Prompt = Field("<|endoftext|>", description="a string, strings, token ids, or lists of token ids")
-    suffix: str | None = Field(None, description="not supported by GPT-2 (must be null)")
-    max_tokens: int | None = Field(16, ge=0, description="0 only with echo; null: up to the context")
-    best_of: int | None = Field(None, ge=1, le=128, description="server-side candidates; n best by mean log-prob")
-    stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool | None = False
-    # extensions
+    model_config = _STRICT
     top_k: int | None = Field(None, ge=0, description="extension: keep the k most likely tokens (0 = off)")
     repetition_penalty: float | None = Field(None, ge=0.01, le=100,
                                              description="extension: CTRL's penalty (1 = off)")
@@ -105,6 +100,18 @@ class CompletionRequest(_SamplingRequest):
                     suppress_tokens=tuple(self.suppress_tokens or ()))
 
 
+class CompletionRequest(Extensions, _SamplingRequest):
+    """POST /v1/completions (the legacy completions API)."""
+
+    prompt: Prompt = Field("<|endoftext|>", description="a string, strings, token ids, or lists of token ids")
+    suffix: str | None = Field(None, description="not supported by GPT-2 (must be null)")
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo; null: up to the context")
+    best_of: int | None = Field(None, ge=1, le=128, description="server-side candidates; n best by mean log-prob")
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = False
+
+
 class Logprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
@@ -143,12 +150,16 @@ class ChatMessage(BaseModel):
     content: str | None = None
 
 
-class ChatRequest(_SamplingRequest):
-    """POST /v1/chat/completions (only with --chat-template)."""
+class ChatRequest(Extensions, _SamplingRequest):
+    """POST /v1/chat/completions (only with --chat-template): the rendered messages are completed as
+    /v1/completions completes a prompt, with the same extensions and checks."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=128, description="extension (completions' field): server-side "
+                                                                "candidates, n best by mean log-prob; beam search's "
+                                                                "width")
 
 
 class ChatChoiceMessage(BaseModel):
@@ -161,6 +172,8 @@ class ChatChoice(BaseModel):
     message: ChatChoiceMessage
     finish_reason: Literal["stop", "length"] | None
     logprobs: None = None
+    score: float | None = Field(None, description="extension: beam search: the beam's score, as on completions; "
+                                                  "absent otherwise")
 
 
 class ChatCompletion(BaseModel):
