@@ -174,20 +174,3 @@ def test_bench_kernels_shows_the_float32_choice(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "| float32 products, GPT-2 124M (768x12x50257) | 1 row | torch | forced | GPT2KIT_F32_KERNEL is set |" \
         in done.stdout, done.stdout
-
-
-def test_the_thread_governor_falls_back_to_one_thread_after_a_collapsed_call_and_tries_again():
-    from gpt2kit.decode.f32 import ThreadGovernor
-
-    g = ThreadGovernor()
-    assert g.threads(2) == 2
-    g.observe(2, 1e-4, 768 * 768)  # the first call of a size sets its pace
-    g.observe(2, 2e-3, 768 * 3072)  # another size: its own pace, not a collapse
-    g.observe(2, 2.5e-4, 768 * 768)  # within COLLAPSE x the pace: still two threads
-    assert g.threads(2) == 2 and g.backoffs == 0
-    g.observe(2, 1e-2, 768 * 768)  # 100x the pace: a thread was descheduled
-    assert g.backoffs == 1
-    assert [g.threads(2) for _ in range(g.BACKOFF)] == [1] * g.BACKOFF
-    g.observe(1, 1.0, 768 * 768)  # one-thread calls never count
-    assert g.threads(2) == 2 and g.backoffs == 1 and g.best[768 * 768] == 1e-4
-    assert g.threads(1) == 1  # torch's one thread stays one

@@ -65,8 +65,6 @@ def product(kernel: str) -> Callable:
     fn, isa = native.f32_linear(), native.F32_ISAS[kernel.removeprefix("native-")]
     assert fn is not None, "product() of an unavailable kernel (check_kernel first)"
 
-    governor = ThreadGovernor()
-
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if (x.dim() != 2 or x.shape[0] > MAX_ROWS or weight.stride(0) != 1 or x.dtype != torch.float32
                 or weight.dtype != torch.float32 or not x.is_contiguous() or not x.is_cpu
@@ -75,46 +73,11 @@ def product(kernel: str) -> Callable:
         M, K = x.shape
         N = weight.shape[0]
         y = torch.empty(M, N)  # (R, out)
-        threads = governor.threads(torch.get_num_threads())
-        t0 = time.perf_counter()
         fn(x.data_ptr(), M, K, weight.data_ptr(), weight.stride(1), N, None if bias is None else bias.data_ptr(),
-           y.data_ptr(), threads, isa)
-        governor.observe(threads, time.perf_counter() - t0, K * N)
+           y.data_ptr(), torch.get_num_threads(), isa)
         return y
 
     return linear
-
-
-class ThreadGovernor:
-    """How many threads the C kernel's next call gets: all of torch's, unless a call on several
-    threads has just run far slower than such calls can (COLLAPSE x the fastest call of that matrix
-    size seen), which is what happens when another process has a core: the kernel splits each
-    product between its threads (OpenMP, static), so a call waits for a descheduled one, where
-    torch's single-row product runs on one thread and does not wait. Then the next BACKOFF calls run
-    on one thread, and several threads are tried again. Costs two clock reads a call."""
-
-    COLLAPSE = 3.0
-    BACKOFF = 512  # calls (~10 tokens of a 12-layer model's 49 products)
-
-    def __init__(self) -> None:
-        self.best: dict[int, float] = {}  # matrix size -> fastest seconds of a call on several threads
-        self.single_for = 0  # calls left on one thread
-        self.backoffs = 0  # times it fell back (for tests and docs)
-
-    def threads(self, available: int) -> int:
-        if self.single_for > 0:
-            self.single_for -= 1
-            return 1
-        return available
-
-    def observe(self, threads: int, seconds: float, weights: int) -> None:
-        if threads < 2:
-            return
-        best = self.best.get(weights, float("inf"))
-        if seconds > self.COLLAPSE * best:
-            self.single_for = self.BACKOFF
-            self.backoffs += 1
-        self.best[weights] = min(best, seconds)
 
 
 def bucket(shape: str) -> str:
