@@ -199,12 +199,19 @@ def why_int8act_unavailable(isa: str) -> str | None:
     state = _STATE["int8act_linear"]
     if state.get("why") is not None or isa == "avx2":
         return state.get("why")
-    if "vnni" not in state:  # read once per load (a product must not read /proc/cpuinfo)
-        lacking = sorted(_VNNI_FLAGS - cpu_flags())
-        state["vnni"] = (f"this CPU lacks {', '.join(lacking)}" if lacking
-                         else None if torch.backends.cpu.get_cpu_capability() == "AVX512"
-                         else f"PyTorch reports {torch.backends.cpu.get_cpu_capability()}, not AVX512")
-    return state["vnni"]
+    return _avx512_why(state, "vnni", _VNNI_FLAGS)
+
+
+def _avx512_why(state: dict, key: str, needed: frozenset[str]) -> str | None:
+    """Why an AVX-512 variant needing CPU flags `needed` cannot run (a flag missing, or PyTorch not
+    seeing AVX-512, which it does only where the OS saves the AVX-512 registers), or None; read once
+    per load into state[key] (a product must not read /proc/cpuinfo)."""
+    if key not in state:
+        lacking = sorted(needed - cpu_flags())
+        state[key] = (f"this CPU lacks {', '.join(lacking)}" if lacking
+                      else None if torch.backends.cpu.get_cpu_capability() == "AVX512"
+                      else f"PyTorch reports {torch.backends.cpu.get_cpu_capability()}, not AVX512")
+    return state[key]
 
 
 def run_int8act_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -256,24 +263,5 @@ def why_f32_unavailable(isa: str) -> str | None:
     state = _STATE["f32_linear"]
     if state.get("why") is not None or isa == "avx2":
         return state.get("why")
-    if "avx512" not in state:  # read once per load
-        state["avx512"] = ("this CPU lacks avx512f" if "avx512f" not in cpu_flags()
-                           else None if torch.backends.cpu.get_cpu_capability() == "AVX512"
-                           else f"PyTorch reports {torch.backends.cpu.get_cpu_capability()}, not AVX512")
-    return state["avx512"]
+    return _avx512_why(state, "avx512", frozenset({"avx512f"}))
 
-
-def run_f32_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, isa: str) -> torch.Tensor:
-    """x2 (M, K) float32 @ weight^T [+ bias (N,)] -> (M, N) float32 by csrc/f32_linear.c for `isa`, on
-    PyTorch's thread count. weight (N, K) float32 is the transpose of a row-major (K, N) matrix:
-    weight.stride() == (1, ldw), ldw >= N (decode/layout.py's float32 layout). Inputs must be CPU,
-    these dtypes, x2 and bias contiguous (gpt2kit.decode.f32 checks)."""
-    why = why_f32_unavailable(isa)
-    if why is not None:
-        raise RuntimeError(f"gpt2kit's native float32 kernel ({isa}) is unavailable: {why}")
-    M, K = x2.shape
-    N = weight.shape[0]
-    y = torch.empty(M, N, dtype=torch.float32)  # (M, N)
-    f32_linear()(x2.data_ptr(), M, K, weight.data_ptr(), weight.stride(1), N,
-                 None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads(), F32_ISAS[isa])
-    return y
