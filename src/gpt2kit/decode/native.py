@@ -26,6 +26,13 @@ bytes match the SHA-256 stored with them, loaded from the bytes that were checke
 fails is built again; a cache directory that fails (another user's, group- or world-writable) is not
 used, with a warning, and the kernel is built for the process alone.
 
+Under load the threads of one call may not all be running: a call whose columns are split between
+two threads waits for the one the OS has not scheduled, a time slice late. csrc/solo.h (included by
+every library) watches when each call's threads start and, while starts are late, sends the next
+calls to one thread (the result does not depend on the thread count); `solo_stats(lib)` gives its
+counters, GPT2KIT_NATIVE_LATE_US its threshold (a negative value: off). benchmarks/bench_load.py
+measures it idle and beside busy processes.
+
 It is built only where it can run: on Linux (where PyTorch's wheels carry the libgomp that a gcc
 build links to), where PyTorch reports AVX2 or AVX-512 for the CPU and runs its threads on OpenMP
 (the kernel's threads are then PyTorch's own pool: both use the libgomp already loaded). Anywhere
@@ -57,6 +64,7 @@ ABI_F32 = 1  # csrc/f32_linear.c's gpt2kit_f32_linear_abi()
 # The libraries, by their C source's stem: each is built, cached and loaded on its own, so one that
 # fails to build (an old compiler without the AVX-512 VNNI target) leaves the other in use.
 _LIBS = {"int8_linear": ABI, "int8act_linear": ABI_INT8ACT, "f32_linear": ABI_F32}
+_SOLO_STATS: dict[str, object] = {}  # library -> its C function gpt2kit_<lib>_solo_stats (csrc/solo.h)
 _STATE: dict[str, dict[str, object]] = {}  # library -> {"fn": the loaded function} or {"why": the reason there is none}
 ISAS = {"avx2": 1, "avx512-vnni": 2}  # csrc/int8act_linear.c's isa argument
 _VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
@@ -65,6 +73,12 @@ F32_ISAS = {"avx2": 1, "avx512": 2}  # csrc/f32_linear.c's isa argument
 
 def _source(lib: str = "int8_linear") -> bytes:
     return resources.files("gpt2kit.decode").joinpath(f"csrc/{lib}.c").read_bytes()
+
+
+def _headers() -> dict[str, bytes]:
+    """The headers every kernel source may include (csrc/*.h: solo.h, the thread-count fallback), by name."""
+    folder = resources.files("gpt2kit.decode").joinpath("csrc")
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir(), key=lambda f: f.name) if f.name.endswith(".h")}
 
 
 def cache_dir() -> Path:
@@ -96,7 +110,8 @@ def library_name(cc: str, lib: str = "int8_linear") -> str:
     """The cached library's file name for compiler `cc`: a hash of the source, the compiler (its path
     and version) and the flags, so a changed source, compiler or flag builds anew."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [b"gpt2kit-native-2", _source(lib), (shutil.which(cc) or cc).encode(), version.encode(),
+    headers = [name.encode() + b"\0" + body for name, body in _headers().items()]
+    parts = [b"gpt2kit-native-2", _source(lib), *headers, (shutil.which(cc) or cc).encode(), version.encode(),
              " ".join(FLAGS).encode()]
     key = hashlib.sha256(b"".join(p + b"\0" for p in parts)).hexdigest()[:16]
     return f"{lib}-{key}.so"
@@ -106,6 +121,8 @@ def _compile(cc: str, lib: str) -> bytes:
     """The library's bytes, compiled in a private temporary directory (0700, removed after)."""
     with tempfile.TemporaryDirectory(prefix="gpt2kit-build-") as tmp:
         Path(tmp, f"{lib}.c").write_bytes(_source(lib))
+        for name, body in _headers().items():
+            Path(tmp, name).write_bytes(body)
         # relative names, run in tmp: the library does not depend on where it was built
         done = subprocess.run([cc, *FLAGS, f"{lib}.c", "-o", f"{lib}.so"], cwd=tmp,
                               capture_output=True, text=True, timeout=300)
@@ -139,6 +156,10 @@ def load(directory: Path | None = None, lib: str = "int8_linear"):
     if getattr(dll, f"gpt2kit_{lib}_abi")() != _LIBS[lib]:
         raise RuntimeError("the library is of another version")
     fn = getattr(dll, f"gpt2kit_{lib}")
+    stats = getattr(dll, f"gpt2kit_{lib}_solo_stats", None)  # None: a library built without csrc/solo.h
+    if stats is not None:
+        stats.argtypes, stats.restype = [ctypes.c_void_p], None
+    _SOLO_STATS[lib] = stats
     if lib == "f32_linear":  # x, M, K, Wt, ldw, N, b, y, threads, isa
         fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                        ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
@@ -265,3 +286,21 @@ def why_f32_unavailable(isa: str) -> str | None:
         return state.get("why")
     return _avx512_why(state, "avx512", frozenset({"avx512f"}))
 
+
+
+SOLO_BUCKETS_US = (10, 50, 100, 250, 1000)  # csrc/solo.h's start-delay histogram: < each, then the rest
+
+
+def solo_stats(lib: str = "f32_linear") -> dict[str, object] | None:
+    """csrc/solo.h's counters for one loaded library (None if it is not loaded in this process):
+    calls, calls sent to one thread because the other threads started late, late starts, and the
+    histogram of the latest thread's start delay over the calls on two or more threads (keys '<10us'
+    ... '<1000us', '>=1000us')."""
+    fn = _SOLO_STATS.get(lib)
+    if fn is None:
+        return None
+    out = (ctypes.c_long * 9)()
+    fn(ctypes.addressof(out))
+    names = [f"<{b}us" for b in SOLO_BUCKETS_US] + [f">={SOLO_BUCKETS_US[-1]}us"]
+    return {"calls": out[0], "solo_calls": out[1], "late_starts": out[2],
+            "start_delay": dict(zip(names, list(out)[3:], strict=True))}

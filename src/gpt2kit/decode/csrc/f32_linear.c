@@ -22,6 +22,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "solo.h"
+
 #ifndef CHUNK
 #define CHUNK 16384 /* y floats per chunk (CHUNK / M columns, rounded down to 16): 64 KiB of y, in L2 */
 #endif
@@ -158,8 +160,12 @@ int gpt2kit_f32_linear_abi(void) { return 1; } /* bumped when the signature belo
 void gpt2kit_f32_linear(const float *x, long M, long K, const float *W, long ldw, long N, const float *b,
                         float *y, int threads, int isa) {
     const long units = (N + 15) / 16; /* threads split the columns in units of 16 (one cache line) */
+    threads = solo_threads(threads);
+    double starts[SOLO_MAX_THREADS] = {0};
+    const double t0 = threads > 1 ? solo_now() : 0.0;
     #pragma omp parallel num_threads(threads)
     {
+        if (threads > 1) SOLO_START(starts, threads);
         const int T = omp_get_num_threads(), t = omp_get_thread_num();
         long u0 = units * t / T, u1 = units * (t + 1) / T;
         long n0 = u0 * 16, n1 = u1 * 16 < N ? u1 * 16 : N;
@@ -173,4 +179,7 @@ void gpt2kit_f32_linear(const float *x, long M, long K, const float *W, long ldw
             }
         }
     }
+    solo_after(threads, t0, starts);
 }
+
+SOLO_EXPORT(f32_linear)

@@ -23,7 +23,10 @@
  * Built by gpt2kit/decode/native.py with the system's C compiler on first use; measured against
  * the other kernels like any of them (gpt2kit/decode/int8.py). Legend: R rows, K in, N out. */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
+
+#include "solo.h"
 
 /* How far ahead of the single-row loop to prefetch the weights, in bytes: 4 KiB was the fastest of
  * 0.5-16 KiB on a Zen 3 EPYC over a whole GPT-2 124M step's matrices. A prefetch never faults, so
@@ -142,9 +145,19 @@ int gpt2kit_int8_linear_abi(void) { return 1; } /* bumped when the signature bel
 void gpt2kit_int8_linear(const float *x, long R, long K, const int8_t *W, long N, const float *s,
                          const float *b, float *y, int threads) {
     const long blocks = N / 4;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long i = 0; i < blocks + N % 4; i++) {
-        if (i < blocks) block4(x, R, K, W, N, s, b, y, 4 * i);
-        else channel(x, R, K, W, N, s, b, y, 4 * blocks + (i - blocks));
+    threads = solo_threads(threads);
+    double starts[SOLO_MAX_THREADS] = {0};
+    const double t0 = threads > 1 ? solo_now() : 0.0;
+    #pragma omp parallel num_threads(threads)
+    {
+        if (threads > 1) SOLO_START(starts, threads);
+        #pragma omp for schedule(static)
+        for (long i = 0; i < blocks + N % 4; i++) {
+            if (i < blocks) block4(x, R, K, W, N, s, b, y, 4 * i);
+            else channel(x, R, K, W, N, s, b, y, 4 * blocks + (i - blocks));
+        }
     }
+    solo_after(threads, t0, starts);
 }
+
+SOLO_EXPORT(int8_linear)

@@ -25,9 +25,12 @@
 #include <float.h>
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "solo.h"
 
 #define PREFETCH 4096
 
@@ -245,8 +248,12 @@ int gpt2kit_int8act_linear(const float *x, long R, long K, const int8_t *W, long
         return -1;
     }
     const long blocks = (N + 3) / 4;
+    threads = solo_threads(threads);
+    double starts[SOLO_MAX_THREADS] = {0};
+    const double t0 = threads > 1 ? solo_now() : 0.0;
     #pragma omp parallel num_threads(threads)
     {
+        if (threads > 1) SOLO_START(starts, threads);
         #pragma omp for schedule(static)
         for (long r = 0; r < R; r++)
             quantize_row(x + r * K, K, sx + r, isa == 2 ? NULL : (int16_t *)q + r * K,
@@ -258,7 +265,10 @@ int gpt2kit_int8act_linear(const float *x, long R, long K, const int8_t *W, long
             else block_avx2(q, sx, R, K, W, N, s, b, y, n0, width);
         }
     }
+    solo_after(threads, t0, starts);
     free(sx);
     free(q);
     return 0;
 }
+
+SOLO_EXPORT(int8act_linear)

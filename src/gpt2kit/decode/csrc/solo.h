@@ -1,0 +1,95 @@
+/* How many threads a native kernel call runs on: the caller's count, or one while the other threads
+ * are being kept off the CPU (included by every kernel source here; each library keeps its own state).
+ *
+ * Why: a kernel call splits its columns statically between the threads of one OpenMP region, and a
+ * region ends when its last thread does. On an idle machine the threads start within microseconds of
+ * each other; on a loaded one (more runnable threads than cores) a thread that the OS has not
+ * scheduled starts its share a time slice late, milliseconds, and the call waits for it: a batch-1
+ * decode step of ~50 calls then took 4x as long as on one thread. So every call on more than one
+ * thread records when its last thread started. A start later than SOLO_LATE_US (250 us; an idle
+ * machine's latest start, measured over whole decode runs, stays below 100 us) sends the next `span`
+ * calls to one thread (no other thread to wait for); a late start again right after that doubles
+ * `span` (SOLO_SPAN_MIN 16 calls up to SOLO_SPAN_MAX 4096, about 80 batch-1 steps of GPT-2 124M), and
+ * SOLO_CALM calls in a row started on time bring it back to SOLO_SPAN_MIN. Idle, a rare late start
+ * costs 16 calls on one thread; under sustained load one call in `span` is a probe at full width.
+ * A call's result does not depend on its thread count (each output is summed by one thread, in the
+ * same order), so this changes timing only.
+ *
+ * GPT2KIT_NATIVE_LATE_US sets the threshold (read once per library; 0: every call on two or more
+ * threads counts as late, for tests; a negative value turns the fallback off). solo_stats() gives
+ * the counters (calls, calls on one thread, late starts, the start-delay histogram). */
+#ifndef GPT2KIT_SOLO_H
+#define GPT2KIT_SOLO_H
+#include <stdlib.h>
+#include <time.h>
+
+#define SOLO_LATE_US 250.0
+#define SOLO_SPAN_MIN 16
+#define SOLO_SPAN_MAX 4096
+#define SOLO_CALM 64
+#define SOLO_MAX_THREADS 256 /* wider teams are not watched */
+
+/* the counters: [0] calls, [1] calls sent to one thread, [2] late starts, [3..8] calls on two or more
+ * threads by their latest start: < 10 us, < 50, < 100, < 250, < 1000, >= 1000 */
+static long solo_counts[9];
+static int solo_left, solo_span = SOLO_SPAN_MIN, solo_calm;
+static double solo_late_s = -2.0; /* -2: not read yet */
+
+static double solo_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static double solo_threshold(void) {
+    double s = solo_late_s; /* concurrent first calls read the same variable and store the same value */
+    if (s == -2.0) {
+        const char *e = getenv("GPT2KIT_NATIVE_LATE_US");
+        s = e && *e ? atof(e) * 1e-6 : SOLO_LATE_US * 1e-6;
+        if (s < 0) s = -1.0;
+        solo_late_s = s;
+    }
+    return s;
+}
+
+/* The threads this call runs on (races between concurrent callers only move the counters a little). */
+static int solo_threads(int threads) {
+    __atomic_add_fetch(&solo_counts[0], 1, __ATOMIC_RELAXED);
+    if (threads <= 1 || threads > SOLO_MAX_THREADS || solo_threshold() < 0) return threads < 1 ? 1 : threads;
+    if (__atomic_load_n(&solo_left, __ATOMIC_RELAXED) > 0) {
+        __atomic_sub_fetch(&solo_left, 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&solo_counts[1], 1, __ATOMIC_RELAXED);
+        return 1;
+    }
+    return threads;
+}
+
+/* After a call on `threads` > 1 threads whose region was entered at t0: starts[i] is when thread i
+ * started (0: it did not). */
+static void solo_after(int threads, double t0, const double *starts) {
+    if (threads <= 1 || threads > SOLO_MAX_THREADS || solo_threshold() < 0) return;
+    double late = 0.0;
+    for (int i = 1; i < threads; i++)
+        if (starts[i] - t0 > late) late = starts[i] - t0;
+    const double us = late * 1e6;
+    const int bucket = us < 10 ? 3 : us < 50 ? 4 : us < 100 ? 5 : us < 250 ? 6 : us < 1000 ? 7 : 8;
+    __atomic_add_fetch(&solo_counts[bucket], 1, __ATOMIC_RELAXED);
+    if (late >= solo_threshold()) {
+        const int span = solo_span;
+        __atomic_add_fetch(&solo_counts[2], 1, __ATOMIC_RELAXED);
+        solo_left = span;
+        solo_span = span * 2 < SOLO_SPAN_MAX ? span * 2 : SOLO_SPAN_MAX;
+        solo_calm = 0;
+    } else if (++solo_calm >= SOLO_CALM) {
+        solo_span = SOLO_SPAN_MIN;
+    }
+}
+
+/* Inside the region: thread t records its start. */
+#define SOLO_START(starts, threads) \
+    do { const int t_ = omp_get_thread_num(); if (threads <= SOLO_MAX_THREADS) starts[t_] = solo_now(); } while (0)
+
+#define SOLO_EXPORT(lib) \
+    void gpt2kit_##lib##_solo_stats(long *out) { for (int i = 0; i < 9; i++) out[i] = __atomic_load_n(&solo_counts[i], __ATOMIC_RELAXED); }
+
+#endif
