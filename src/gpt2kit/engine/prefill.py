@@ -1,9 +1,12 @@
 """Chunked prefill (vLLM's): the rows joining the batch, each prefilled into its own slot of the
 pool (gpt2kit.engine.batch_cache) a chunk per step, beside the running rows' decode steps.
 
-A step prefills at most ``chunk`` prompt tokens over all joining rows, oldest first (always one
-chunk, so every joining row gets there): a prompt of n tokens joins after ceil(n / chunk) steps,
-and no step stalls the running rows for more than a chunk. Row r's k-th chunk is its
+A step prefills at most one chunk of each joining row, oldest first, within a budget of prompt
+tokens (always one chunk, so every joining row gets there): while rows decode the budget is
+``chunk``, so no step stalls the running rows for more than a chunk; while none decodes there is
+nothing to protect and the budget is the engine's ``prefill_idle_budget`` (default: every joining
+row's next chunk), so a burst of prompts joining an idle engine is prefilled in one step, not
+one chunk's worth a step. A prompt of n tokens joins after ceil(n / chunk) steps either way. Row r's k-th chunk is its
 context[k * chunk:][:chunk] whatever else is joining, so its keys and values (and the logits its
 first token is drawn from) are what they are when it runs alone. A step's chunks at the same
 cache length in consecutive slots (a burst of prompts joining together, as generate's batches and a
@@ -85,18 +88,18 @@ class ChunkedPrefill:
                         pool.release(s)
             self.rows = deque(j for j in self.rows if not j.row.dropped)
 
-    def step(self, model: GPT2, pool: SlotPool) -> list[tuple[Joining, torch.Tensor]]:
-        """One step's chunks (module doc); returns the rows now wholly prefilled, each with the
-        logits (1, V) of its next token (a beam group's every row has them)."""
+    def step(self, model: GPT2, pool: SlotPool, budget: int | None) -> list[tuple[Joining, torch.Tensor]]:
+        """One step's chunks (module doc): each joining row's next chunk, oldest first, while they
+        fit in `budget` prompt tokens (None: every row's), the first always; returns the rows now
+        wholly prefilled, each with the logits (1, V) of its next token (a beam group's every row
+        has them)."""
         used, work = 0, []  # work: (joining row, its chunk's length T)
         for j in self.rows:
             T = min(self.chunk, len(j.context) - j.done)
-            if used and used + T > self.chunk:
+            if used and budget is not None and used + T > budget:
                 break
             work.append((j, T))
             used += T
-            if j.done + T < len(j.context):
-                break  # a whole chunk: this step's budget is spent
         logits = {}
         for group in same_shape_runs(work):
             for (j, _), lg in zip(group, prefill_slots(model, pool, group), strict=True):
@@ -106,10 +109,12 @@ class ChunkedPrefill:
             j.done += T
             if j.done < len(j.context):
                 continue
-            self.rows.popleft()  # the finished rows are the first ones of this step's work
             if j.beams:  # every slot of a beam group starts from its prompt
                 pool.copy([s for _, s in j.beams], [j.slot] * len(j.beams))
             ready.append((j, logits[j]))
+        if ready:
+            finished = {j for j, _ in ready}
+            self.rows = deque(j for j in self.rows if j not in finished)
         return ready
 
 
