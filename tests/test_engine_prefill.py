@@ -170,6 +170,27 @@ def test_a_burst_of_prompts_is_one_forward_and_each_row_gets_its_own_tokens():
         assert row.tokens == generate(model, [row.prompt], RUN)[0].tokens
 
 
+def test_a_burst_into_slots_apart_is_one_forward_and_exact():
+    model, shapes = _recorded()
+    engine = Engine(model, max_batch=4, prefill_chunk=16)
+    once = SamplingSettings(temperature=0, max_new_tokens=1, stop_token_ids=())
+    first = [engine.new_row([5, 6], RUN), engine.new_row([7, 8], once), engine.new_row([9, 10], RUN),
+             engine.new_row([11, 12], once)]
+    engine.submit(first)
+    engine.step()  # the rows in slots 1 and 3 finish: holes between the running rows in 0 and 2
+    burst = [engine.new_row([13, 14, 15], JOIN, seed=7), engine.new_row([16, 17, 18, 19], JOIN, seed=7)]
+    engine.submit(burst)
+    shapes.clear()
+    engine.step()  # their first chunks, in slots 1 and 3: one forward, not one per slot
+    assert [s for s in shapes if s[1] > 1] == [(2, 4)]
+    while engine.has_work:
+        engine.step()
+    for row in first:
+        assert row.tokens == generate(model, [row.prompt], row.settings)[0].tokens
+    for row in burst:
+        assert row.tokens == generate(model, [row.prompt], JOIN)[0].tokens
+
+
 def test_rows_joining_beside_a_row_mid_prompt_are_apart_and_exact():
     model, shapes = _recorded()
     engine = Engine(model, prefill_chunk=6)

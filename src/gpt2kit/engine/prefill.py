@@ -5,17 +5,20 @@ A step prefills at most one chunk of each joining row, oldest first, within a bu
 tokens (always one chunk, so every joining row gets there): while rows decode the budget is
 ``chunk``, so no step stalls the running rows for more than a chunk; while none decodes there is
 nothing to protect and the budget is the engine's ``prefill_idle_budget`` (default: every joining
-row's next chunk), so a burst of prompts joining an idle engine is prefilled in one step, not
-one chunk's worth a step. A prompt of n tokens joins after ceil(n / chunk) steps either way. Row r's k-th chunk is its
-context[k * chunk:][:chunk] whatever else is joining, so its keys and values (and the logits its
-first token is drawn from) are what they are when it runs alone. A step's chunks at the same
-cache length in consecutive slots (a burst of prompts joining together, as generate's batches and a
-server's clients send them) are one forward through a KVCache view of their slots, written in
-place, right-padded to the longest chunk (decode.prefill_ragged: causal attention keeps the padding
-out of every row's tokens; its keys and values land past the row's length, columns the pool zeroes
-before any step reads them); any other chunk is a forward of its own row. One forward for the burst
-matters for short prompts: a forward of a few tokens is bound by reading the weights, so 8 one-row
-forwards of 16 tokens cost several times one of (8, 16) (issue 21's notes in docs/serving.md).
+row's next chunk), so a burst of prompts joining an idle engine is prefilled in one step, not one
+chunk's worth a step. A prompt of n tokens joins after ceil(n / chunk) steps either way. Row r's
+k-th chunk is its context[k * chunk:][:chunk] whatever else is joining, so its keys and values (and
+the logits its first token is drawn from) are what they are when it runs alone. A step's first
+chunks (a burst of prompts joining together, as generate's batches and a server's clients send
+them) are one forward wherever their slots are (each row's keys and values written into its own
+slot: holes left between running rows by rows that finished apart do not split the burst), and its
+later chunks at the same cache length in consecutive slots one forward through a KVCache view of
+those slots, written in place; each right-padded to the longest chunk (decode.prefill_ragged:
+causal attention keeps the padding out of every row's tokens; its keys and values land past the
+row's length, columns the pool zeroes before any step reads them); any other chunk is a forward of
+its own row. One forward for the burst matters for short prompts: a forward of a few tokens is
+bound by reading the weights, so 8 one-row forwards of 16 tokens cost several times one of (8, 16)
+(issue 21's notes in docs/serving.md).
 
 Legend: T a chunk's tokens, V vocab.
 """
@@ -119,24 +122,33 @@ class ChunkedPrefill:
 
 
 def same_shape_runs(work: list[tuple[Joining, int]]) -> list[list[tuple[Joining, int]]]:
-    """A step's chunks (row, T) in groups that one forward takes: the same cache length (done), in
-    consecutive slots (so one view of the pool holds them and no other row's columns are touched)."""
-    groups: list[list[tuple[Joining, int]]] = []
-    for j, T in sorted(work, key=lambda w: w[0].slot):
-        last = groups[-1][-1][0] if groups else None
+    """A step's chunks (row, T) in groups that one forward takes: every first chunk (nothing cached:
+    one forward writes each row's slot wherever it is, SlotPool.first_chunk_cache), and the later
+    chunks of one cache length (done) in consecutive slots (one view of the pool holds them and no
+    other row's columns are touched)."""
+    first = sorted((w for w in work if w[0].done == 0), key=lambda w: w[0].slot)
+    groups: list[list[tuple[Joining, int]]] = [first] if first else []
+    runs: list[list[tuple[Joining, int]]] = []
+    for j, T in sorted((w for w in work if w[0].done > 0), key=lambda w: w[0].slot):
+        last = runs[-1][-1][0] if runs else None
         if last is not None and last.slot + 1 == j.slot and last.done == j.done:
-            groups[-1].append((j, T))
+            runs[-1].append((j, T))
         else:
-            groups.append([(j, T)])
-    return groups
+            runs.append([(j, T)])
+    return groups + runs
 
 
 def prefill_slots(model: GPT2, pool: SlotPool, group: list[tuple[Joining, int]]) -> list[torch.Tensor]:
     """One forward of a group's chunks, right-padded to the longest (decode.prefill_ragged),
-    through a view of their slots, written in place; each row's logits (1, V)."""
+    through a view of their slots (or, for first chunks in slots apart, a cache writing each
+    row's own slot), written in place; each row's logits (1, V)."""
     first, done = group[0][0], group[0][0].done
     T = max(t for _, t in group)
-    cache = pool.rows_cache(first.slot, len(group))
+    slots = [j.slot for j, _ in group]
+    if slots == list(range(first.slot, first.slot + len(group))):
+        cache = pool.rows_cache(first.slot, len(group))
+    else:
+        cache = pool.first_chunk_cache(slots)
     pad = EOT_ID % model.config.n_vocab
     idx = torch.tensor([j.context[done:done + t] + [pad] * (T - t) for j, t in group], dtype=torch.long,
                        device=pool.kv.device)  # (b, T)

@@ -4,14 +4,15 @@ finish (Orca's and vLLM's scheduling, with vLLM's chunked prefill).
 
 Each row computes what it would alone: its keys and values live in a slot of its own
 (gpt2kit.engine.batch_cache: a pool of per-row slots; joining, leaving and growing never copy
-another row's; a beam group, gpt2kit.engine.beam_rows, copies among its own slots only); its
-prompt is prefilled in chunks of ``prefill_chunk`` tokens, at most that many prompt tokens per
-step over all joining rows while rows decode, so the running rows get a token every step while a
-long prompt joins, and up to ``prefill_idle_budget`` while none decodes (nothing to protect: a
-burst joining an idle engine gets its first tokens after one step; a row's chunk boundaries depend
-only on its own prompt, so its prefill is the same alone or beside others); it samples with its own gpt2kit.sampler.RowSampler (its settings,
-its generator seeded from (seed, sample index), its penalties' token sets), so what it draws does
-not depend on its neighbours; its text, finish and log-probs come from gpt2kit.engine.outputs.
+another row's; a beam group, gpt2kit.engine.beam_rows, copies among its own slots only); its prompt
+is prefilled in chunks of ``prefill_chunk`` tokens, at most that many prompt tokens per step over
+all joining rows while rows decode, so the running rows get a token every step while a long prompt
+joins, and up to ``prefill_idle_budget`` while none decodes (nothing to protect: a burst joining an
+idle engine gets its first tokens after one step; a row's chunk boundaries depend only on its own
+prompt, so its prefill is the same alone or beside others); it samples with its own
+gpt2kit.sampler.RowSampler (its settings, its generator seeded from (seed, sample index), its
+penalties' token sets), so what it draws does not depend on its neighbours; its text, finish and
+log-probs come from gpt2kit.engine.outputs.
 
 Slots: max_batch of them (an engine without max_batch starts with as many as rows are waiting at
 its first step and adds slots as rows join: the one case that copies, SlotPool.grow), each of
@@ -164,10 +165,11 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RowEvent]:
         """Feed the tokens the last step sampled, admit waiting rows into free slots, prefill at most
-        prefill_chunk prompt tokens (prefill_idle_budget when no row decodes), then give every
-        decoding row its next token; one event per row. The forward that feeds a step's tokens runs at the start of the next step, so a step's
-        events are returned as soon as its tokens are sampled (a row's first token: after its last
-        prefill chunk and one sample)."""
+        prefill_chunk prompt tokens (prefill_idle_budget when no row decodes), then give
+        every decoding row its next token; one event per row. The forward that feeds a
+        step's tokens runs at the start of the next step, so a step's events are returned
+        as soon as its tokens are sampled (a row's first token: after its last prefill
+        chunk and one sample)."""
         self._drop_cancelled()  # a row cancelled since the last step costs the forward nothing
         if self._unfed is not None and self.rows:
             self._feed(self._unfed)
