@@ -56,16 +56,12 @@ DEFAULT_PREFILL_CHUNK = 128  # prompt tokens prefilled per step at most (Engine'
 
 
 class Engine:
-    """The iteration-level scheduler: rows wait, join the running batch through a chunked prefill
-    into a slot of their own (at most max_batch hold a slot at once), and leave it when they finish
-    or are cancelled. prefill_chunk: prompt tokens prefilled per step at most while rows decode (a
-    row's prompt is cut in chunks of this many); prefill_idle_budget: the same while no row decodes
-    (>= prefill_chunk; None: one chunk of every joining row, so at most max_batch x prefill_chunk);
-    max_len: columns per slot (default n_ctx), a row needing more is refused by :meth:`new_row`.
-
-    Not thread-safe except :meth:`submit` and :meth:`cancel`; gpt2kit.engine.EngineLoop runs one
-    in a worker thread.
-    """
+    """The iteration-level scheduler (module doc); at most max_batch rows hold a slot at once.
+    prefill_chunk: prompt tokens per step while rows decode (a prompt's chunk size);
+    prefill_idle_budget: the same while none decodes (>= prefill_chunk; None: one chunk of every
+    joining row); max_len: columns per slot (default n_ctx; :meth:`new_row` refuses more).
+    Not thread-safe except :meth:`submit` and :meth:`cancel` (gpt2kit.engine.EngineLoop runs one
+    in a worker thread)."""
 
     def __init__(self, model: GPT2, tokenizer: Tokenizer | None = None, *, max_batch: int | None = None,
                  pack_weights: bool | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
@@ -164,12 +160,9 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RowEvent]:
-        """Feed the tokens the last step sampled, admit waiting rows into free slots, prefill at most
-        prefill_chunk prompt tokens (prefill_idle_budget when no row decodes), then give
-        every decoding row its next token; one event per row. The forward that feeds a
-        step's tokens runs at the start of the next step, so a step's events are returned
-        as soon as its tokens are sampled (a row's first token: after its last prefill
-        chunk and one sample)."""
+        """Feed the last step's tokens, admit waiting rows into free slots, prefill (one chunk's
+        budget, prefill_idle_budget when no row decodes), sample each decoding row's next token;
+        one event per row, returned before the forward that feeds them (the next step's first)."""
         self._drop_cancelled()  # a row cancelled since the last step costs the forward nothing
         if self._unfed is not None and self.rows:
             self._feed(self._unfed)
