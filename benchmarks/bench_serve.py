@@ -35,13 +35,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(model_dir: str, max_batch: int, clients: int, threads: int | None) -> tuple[subprocess.Popen, str]:
+def _start(model_dir: str, max_batch: int, clients: int, threads: int | None, extra: tuple[str, ...] = ()
+           ) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gpt2kit", "serve", "--model", model_dir, "--port", str(port),
                              "--served-model-name", "bench", "--max-batch", str(max_batch),
-                             "--max-queue", str(4 * clients)],
+                             "--max-queue", str(4 * clients), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None)
     url = f"http://127.0.0.1:{port}"
@@ -130,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the two servers (default 2)")
     p.add_argument("--threads", type=int, default=None, help="torch threads in the servers (OMP_NUM_THREADS)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--serve-args", default="", help="extra `gpt2kit serve` flags for both servers, one string "
+                                                    "(e.g. \"--prefill-idle-budget 128\")")
     args = p.parse_args(argv)
+    extra = tuple(args.serve_args.split())
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
@@ -140,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
 
             model_dir = os.path.join(tmp, args.preset)
             save_model(GPT2.from_name(args.preset), model_dir)
-        servers = {"continuous batching": _start(model_dir, args.clients, args.clients, args.threads),
-                   "one at a time": _start(model_dir, 1, args.clients, args.threads)}
+        servers = {"continuous batching": _start(model_dir, args.clients, args.clients, args.threads, extra),
+                   "one at a time": _start(model_dir, 1, args.clients, args.threads, extra)}
         runs: dict[str, list[dict]] = {k: [] for k in servers}
         try:
             for _, url in servers.values():  # warm-up (first-use allocations, packing)
@@ -157,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(30)
 
     print(f"# bench_serve: {args.model or args.preset + ' (random weights)'}, {args.clients} clients, "
-          f"{args.requests} requests x {args.max_tokens} tokens, Poisson {args.rate}/s, {args.rounds} rounds")
+          f"{args.requests} requests x {args.max_tokens} tokens, Poisson {args.rate}/s, {args.rounds} rounds, "
+          f"serve flags: {args.serve_args or '(none)'}")
     print(f"# CPU: {describe_cpu()}; torch threads: {args.threads or 'default'}; "
           f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     print("| server | req/s | tok/s | TTFT mean / median / p99 (ms) | sent-TTFT mean / median / p99 (ms) | "

@@ -57,19 +57,58 @@ def test_running_rows_get_a_token_every_step_while_a_long_prompt_joins():
     assert short_row.tokens == generate(model, [short_prompt], JOIN)[0].tokens
 
 
-def test_a_steps_chunks_share_one_budget_and_each_rows_chunks_are_its_own():
-    model, shapes = _recorded()
-    engine = Engine(model, prefill_chunk=4)
-    rows = [engine.new_row(list(range(200, 206)), RUN), engine.new_row([5, 6, 7], RUN)]
-    engine.submit(rows)
+def _chunks_per_step(engine, shapes, rows):
+    """The prefill chunks' lengths of each step until rows[-1] has its first token."""
     per_step = []
-    while not rows[1].tokens:
+    while not rows[-1].tokens:
         shapes.clear()
         engine.step()
         per_step.append([s[1] for s in shapes if s[1] > 1])  # the chunks (the decode steps: 1 token)
-    assert per_step == [[4], [2], [3]]  # 6 tokens as 4 + 2; 2 + 3 > 4, so the 3-token row waits a step
+    return per_step
+
+
+def test_a_steps_chunks_share_one_budget_and_each_rows_chunks_are_its_own():
+    model, shapes = _recorded()
+    engine = Engine(model, prefill_chunk=4)
+    running = engine.new_row([464, 2068, 7586], RUN)  # decoding while the others join: the budget is a chunk
+    engine.submit([running])
+    engine.step()
+    rows = [engine.new_row(list(range(200, 206)), RUN), engine.new_row([5, 6, 7], RUN)]
+    engine.submit(rows)
+    assert _chunks_per_step(engine, shapes, rows) == [[4], [2], [3]]  # 6 as 4 + 2; 2 + 3 > 4: the 3 wait
     while engine.has_work:
         engine.step()
+    for row in [running, *rows]:
+        assert row.tokens == generate(model, [row.prompt], RUN)[0].tokens
+
+
+def test_an_idle_engine_prefills_every_joining_rows_chunk_in_one_step():
+    model, shapes = _recorded()
+    engine = Engine(model, max_batch=4, prefill_chunk=4)  # nothing decodes: nothing to protect
+    rows = [engine.new_row(list(range(200, 206)), RUN), engine.new_row([5, 6, 7], RUN),
+            engine.new_row([8, 9, 10, 11], RUN)]
+    engine.submit(rows)
+    engine.step()  # each row's first chunk, at cache length 0 in slots 0-2: one forward
+    assert [s for s in shapes if s[1] > 1] == [(3, 4)]
+    assert [len(r.tokens) for r in rows] == [0, 1, 1]  # the 6-token row has 2 to go (its own chunks: 4 + 2)
+    shapes.clear()
+    engine.step()  # rows decode now: the budget is one chunk again
+    assert [s for s in shapes if s[1] > 1] == [(1, 2)]
+    while engine.has_work:
+        engine.step()
+    for row in rows:
+        assert row.tokens == generate(model, [row.prompt], RUN)[0].tokens
+    capped = Engine(model, prefill_chunk=4, prefill_idle_budget=4)  # the budget of a decoding engine
+    rows = [capped.new_row(list(range(200, 206)), RUN), capped.new_row([5, 6, 7], RUN)]
+    capped.submit(rows)
+    assert _chunks_per_step(capped, shapes, rows) == [[4], [2], [3]]
+    budget7 = Engine(model, prefill_chunk=4, prefill_idle_budget=7)  # 4 + 3 fit; a third chunk would not
+    rows = [budget7.new_row(list(range(200, 206)), RUN), budget7.new_row([5, 6, 7], RUN),
+            budget7.new_row([1, 2], RUN)]
+    budget7.submit(rows)
+    assert _chunks_per_step(budget7, shapes, rows) == [[4], [2, 2]]
+    while budget7.has_work:
+        budget7.step()
     for row in rows:
         assert row.tokens == generate(model, [row.prompt], RUN)[0].tokens
 
@@ -87,6 +126,13 @@ def test_prefill_chunk_and_max_len_are_checked_and_reach_the_servers_engine():
         ServeOptions(prefill_chunk=0)
     assert ServeOptions().prefill_chunk == DEFAULT_PREFILL_CHUNK
     assert serve_engine(model, None, max_batch=2, pack_weights=None, prefill_chunk=7).prefill_chunk == 7
+    with pytest.raises(ValueError, match="prefill_idle_budget must be an integer >= prefill_chunk=8, got 7"):
+        Engine(model, prefill_chunk=8, prefill_idle_budget=7)
+    with pytest.raises(ValueError, match="ServeOptions.prefill_idle_budget must be an integer >= prefill_chunk=128"):
+        ServeOptions(prefill_idle_budget=100)
+    assert ServeOptions().prefill_idle_budget is None
+    assert serve_engine(model, None, max_batch=2, pack_weights=None, prefill_chunk=7,
+                        prefill_idle_budget=20).prefill_idle_budget == 20
 
 
 def test_a_row_cancelled_mid_prefill_frees_its_slot_and_the_others_go_on():
@@ -122,6 +168,27 @@ def test_a_burst_of_prompts_is_one_forward_and_each_row_gets_its_own_tokens():
         engine.step()
     for row in rows:
         assert row.tokens == generate(model, [row.prompt], RUN)[0].tokens
+
+
+def test_a_burst_into_slots_apart_is_one_forward_and_exact():
+    model, shapes = _recorded()
+    engine = Engine(model, max_batch=4, prefill_chunk=16)
+    once = SamplingSettings(temperature=0, max_new_tokens=1, stop_token_ids=())
+    first = [engine.new_row([5, 6], RUN), engine.new_row([7, 8], once), engine.new_row([9, 10], RUN),
+             engine.new_row([11, 12], once)]
+    engine.submit(first)
+    engine.step()  # the rows in slots 1 and 3 finish: holes between the running rows in 0 and 2
+    burst = [engine.new_row([13, 14, 15], JOIN, seed=7), engine.new_row([16, 17, 18, 19], JOIN, seed=7)]
+    engine.submit(burst)
+    shapes.clear()
+    engine.step()  # their first chunks, in slots 1 and 3: one forward, not one per slot
+    assert [s for s in shapes if s[1] > 1] == [(2, 4)]
+    while engine.has_work:
+        engine.step()
+    for row in first:
+        assert row.tokens == generate(model, [row.prompt], row.settings)[0].tokens
+    for row in burst:
+        assert row.tokens == generate(model, [row.prompt], JOIN)[0].tokens
 
 
 def test_rows_joining_beside_a_row_mid_prompt_are_apart_and_exact():

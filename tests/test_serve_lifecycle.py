@@ -119,6 +119,53 @@ def test_a_disconnected_client_has_its_rows_cancelled_at_once_with_one_log_line(
         [r.getMessage() for r in records.records]
 
 
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_a_disconnected_clients_row_is_freed_within_one_step_as_metrics_show(long_dir):
+    """The engine is held inside a forward (a hook waits), the client goes away meanwhile: once the
+    held step is let go, /metrics shows the batch empty after at most that one step more, and no
+    forward runs for the row after it (it asked for 1,000 tokens)."""
+    calls, hold, held, go = [0], threading.Event(), threading.Event(), threading.Event()
+
+    def loader():
+        m = load_model(long_dir)
+
+        def step(*_):
+            calls[0] += 1
+            if hold.is_set():
+                held.set()
+                go.wait(120)
+
+        m.wte.register_forward_hook(step)
+        return m, load_tokenizer(long_dir)
+
+    with live_server(loader, ServeOptions(served_model_name=NAME)) as (url, app):
+        server = app.state.server
+        body = json.dumps({"model": NAME, "prompt": "x", "max_tokens": 1000, "logit_bias": NO_EOT,
+                           "stream": True}).encode()
+        client = socket.create_connection(("127.0.0.1", _port(url)))
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        try:
+            _wait(lambda: calls[0] >= 3, "the row to generate")
+            hold.set()
+            _wait(held.is_set, "the engine to be held inside a forward")
+            client.close()
+            _wait(lambda: server.outstanding == 0, "the disconnect to be noticed")
+            assert _metric(url, "gpt2kit_batch_size") == 1  # still in the held step
+            steps, forwards = _metric(url, "gpt2kit_engine_steps"), calls[0]
+        finally:
+            go.set()
+        _wait(lambda: _metric(url, "gpt2kit_batch_size") == 0, "the row to leave the batch")
+        assert _metric(url, "gpt2kit_engine_steps") - steps <= 1  # the held step, no other
+        assert calls[0] == forwards and _metric(url, "gpt2kit_queue_length") == 0
+
+
 # --- 2. SIGTERM: drain, then end cleanly; 7. the ready line --------------------------------------
 
 _SCRIPT = r"""

@@ -2,13 +2,14 @@
 
 The pool is one tensor (L, S, 2, nh, M, hs): S slots of M columns, made once. A row that joins
 takes the lowest free slot and is prefilled into it (columns [0, n), through a KVCache view of that
-slot: nothing copied); each decode step writes every row's new key and value at that row's own
-column; a row that leaves frees its slot; a row whose context fills is prefilled again in its own
-slot. No join, leave or step copies, moves or reads another row's keys and values: only
-:meth:`SlotPool.grow` (an engine without max_batch that runs out of slots) copies, and counts what
-it copied in ``copied_bytes``. A beam group's slots (gpt2kit.engine.beam_rows) copy only among
-themselves: :meth:`SlotPool.copy` gives each the beam it continues (and, at the group's join, the
-one prefill of its prompt), one gather of that group's slots, counted in ``beam_bytes``.
+slot, or, for first chunks in slots apart, FirstChunkCache: nothing copied); each decode step
+writes every row's new key and value at that row's own column; a row that leaves frees its slot; a
+row whose context fills is prefilled again in its own slot. No join, leave or step copies, moves or
+reads another row's keys and values: only :meth:`SlotPool.grow` (an engine without max_batch that
+runs out of slots) copies, and counts what it copied in ``copied_bytes``. A beam group's slots
+(gpt2kit.engine.beam_rows) copy only among themselves: :meth:`SlotPool.copy` gives each the beam it
+continues (and, at the group's join, the one prefill of its prompt), one gather of that group's
+slots, counted in ``beam_bytes``.
 
 A decode step runs over the slots [0, hi), a view of the pool (hi: one past the highest slot a
 decoding row holds). Rows have their own lengths n; P, the step's width, is the longest. A row's
@@ -70,6 +71,32 @@ class StepCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.update_kv(layer, torch.stack((k, v), 1))  # (B, 2, nh, 1, hs)
+
+
+class FirstChunkCache:
+    """KVCache's interface for one prefill forward of first chunks (no cached tokens) into slots
+    anywhere in the pool: each row's keys and values are written to columns [0, T) of its own
+    slot, and attention takes the new ones (there is nothing before them), so rows whose slots
+    are not consecutive (holes left by rows that finished apart) are still one forward."""
+
+    def __init__(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        self.kv = kv  # (L, S, 2, nh, M, hs): the whole pool
+        self.slots = slots  # (b,) the rows' slots
+        self.length = 0
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.slots)
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.shape[4]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (b, nh, T, hs) at columns [0, T) of each row's slot; return them."""
+        assert self.length == 0, "a FirstChunkCache takes a first chunk only"
+        self.kv[layer][self.slots, :, :, :k.shape[2]] = torch.stack((k, v), 1)  # (b, 2, nh, T, hs)
+        return k, v
 
 
 class SlotPool:
@@ -143,6 +170,11 @@ class SlotPool:
         """A KVCache over slots [slot, slot + n) (a view, written in place), all of slot's length."""
         assert all(self.lengths[s] == self.lengths[slot] for s in range(slot, slot + n))
         return KVCache.on(self.kv[:, slot:slot + n], self.lengths[slot])
+
+    def first_chunk_cache(self, slots: list[int]) -> FirstChunkCache:
+        """A cache for one forward of first chunks into these empty slots, anywhere in the pool."""
+        assert all(self.lengths[s] == 0 for s in slots)
+        return FirstChunkCache(self.kv, torch.tensor(slots, dtype=torch.long, device=self.kv.device))
 
     def prefilled(self, slot: int, length: int) -> None:
         """The slot's row now holds `length` tokens (a forward through :meth:`row_cache` wrote them)."""

@@ -31,6 +31,7 @@ class EngineLoop:
         self._new_steps: deque = deque()  # (future, generator) handed in, not yet stepping
         self._stepping: list = []  # the worker's own: generators advanced once per engine step
         self._stop = False
+        self.steps = 0  # engine steps run (the server's /metrics: gpt2kit_engine_steps)
         self._thread = threading.Thread(target=self._run, name="gpt2kit-engine", daemon=True)
 
     def start(self) -> EngineLoop:
@@ -108,8 +109,10 @@ class EngineLoop:
                 try:
                     events = self.engine.step()
                 except Exception as e:  # fail the rows, keep serving
+                    self.steps += 1
                     self.on_error(self.engine.reset(), e)
                     continue
+                self.steps += 1
                 for ev in events:
                     if ev.error is not None:
                         self.on_error([ev.row], ev.error)

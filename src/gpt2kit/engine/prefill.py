@@ -1,18 +1,24 @@
 """Chunked prefill (vLLM's): the rows joining the batch, each prefilled into its own slot of the
 pool (gpt2kit.engine.batch_cache) a chunk per step, beside the running rows' decode steps.
 
-A step prefills at most ``chunk`` prompt tokens over all joining rows, oldest first (always one
-chunk, so every joining row gets there): a prompt of n tokens joins after ceil(n / chunk) steps,
-and no step stalls the running rows for more than a chunk. Row r's k-th chunk is its
-context[k * chunk:][:chunk] whatever else is joining, so its keys and values (and the logits its
-first token is drawn from) are what they are when it runs alone. A step's chunks at the same
-cache length in consecutive slots (a burst of prompts joining together, as generate's batches and a
-server's clients send them) are one forward through a KVCache view of their slots, written in
-place, right-padded to the longest chunk (decode.prefill_ragged: causal attention keeps the padding
-out of every row's tokens; its keys and values land past the row's length, columns the pool zeroes
-before any step reads them); any other chunk is a forward of its own row. One forward for the burst
-matters for short prompts: a forward of a few tokens is bound by reading the weights, so 8 one-row
-forwards of 16 tokens cost several times one of (8, 16) (issue 21's notes in docs/serving.md).
+A step prefills at most one chunk of each joining row, oldest first, within a budget of prompt
+tokens (always one chunk, so every joining row gets there): while rows decode the budget is
+``chunk``, so no step stalls the running rows for more than a chunk; while none decodes there is
+nothing to protect and the budget is the engine's ``prefill_idle_budget`` (default: every joining
+row's next chunk), so a burst of prompts joining an idle engine is prefilled in one step, not one
+chunk's worth a step. A prompt of n tokens joins after ceil(n / chunk) steps either way. Row r's
+k-th chunk is its context[k * chunk:][:chunk] whatever else is joining, so its keys and values (and
+the logits its first token is drawn from) are what they are when it runs alone. A step's first
+chunks (a burst of prompts joining together, as generate's batches and a server's clients send
+them) are one forward wherever their slots are (each row's keys and values written into its own
+slot: holes left between running rows by rows that finished apart do not split the burst), and its
+later chunks at the same cache length in consecutive slots one forward through a KVCache view of
+those slots, written in place; each right-padded to the longest chunk (decode.prefill_ragged:
+causal attention keeps the padding out of every row's tokens; its keys and values land past the
+row's length, columns the pool zeroes before any step reads them); any other chunk is a forward of
+its own row. One forward for the burst matters for short prompts: a forward of a few tokens is
+bound by reading the weights, so 8 one-row forwards of 16 tokens cost several times one of (8, 16)
+(issue 21's notes in docs/serving.md).
 
 Legend: T a chunk's tokens, V vocab.
 """
@@ -85,18 +91,18 @@ class ChunkedPrefill:
                         pool.release(s)
             self.rows = deque(j for j in self.rows if not j.row.dropped)
 
-    def step(self, model: GPT2, pool: SlotPool) -> list[tuple[Joining, torch.Tensor]]:
-        """One step's chunks (module doc); returns the rows now wholly prefilled, each with the
-        logits (1, V) of its next token (a beam group's every row has them)."""
+    def step(self, model: GPT2, pool: SlotPool, budget: int | None) -> list[tuple[Joining, torch.Tensor]]:
+        """One step's chunks (module doc): each joining row's next chunk, oldest first, while they
+        fit in `budget` prompt tokens (None: every row's), the first always; returns the rows now
+        wholly prefilled, each with the logits (1, V) of its next token (a beam group's every row
+        has them)."""
         used, work = 0, []  # work: (joining row, its chunk's length T)
         for j in self.rows:
             T = min(self.chunk, len(j.context) - j.done)
-            if used and used + T > self.chunk:
+            if used and budget is not None and used + T > budget:
                 break
             work.append((j, T))
             used += T
-            if j.done + T < len(j.context):
-                break  # a whole chunk: this step's budget is spent
         logits = {}
         for group in same_shape_runs(work):
             for (j, _), lg in zip(group, prefill_slots(model, pool, group), strict=True):
@@ -106,32 +112,43 @@ class ChunkedPrefill:
             j.done += T
             if j.done < len(j.context):
                 continue
-            self.rows.popleft()  # the finished rows are the first ones of this step's work
             if j.beams:  # every slot of a beam group starts from its prompt
                 pool.copy([s for _, s in j.beams], [j.slot] * len(j.beams))
             ready.append((j, logits[j]))
+        if ready:
+            finished = {j for j, _ in ready}
+            self.rows = deque(j for j in self.rows if j not in finished)
         return ready
 
 
 def same_shape_runs(work: list[tuple[Joining, int]]) -> list[list[tuple[Joining, int]]]:
-    """A step's chunks (row, T) in groups that one forward takes: the same cache length (done), in
-    consecutive slots (so one view of the pool holds them and no other row's columns are touched)."""
-    groups: list[list[tuple[Joining, int]]] = []
-    for j, T in sorted(work, key=lambda w: w[0].slot):
-        last = groups[-1][-1][0] if groups else None
+    """A step's chunks (row, T) in groups that one forward takes: every first chunk (nothing cached:
+    one forward writes each row's slot wherever it is, SlotPool.first_chunk_cache), and the later
+    chunks of one cache length (done) in consecutive slots (one view of the pool holds them and no
+    other row's columns are touched)."""
+    first = sorted((w for w in work if w[0].done == 0), key=lambda w: w[0].slot)
+    groups: list[list[tuple[Joining, int]]] = [first] if first else []
+    runs: list[list[tuple[Joining, int]]] = []
+    for j, T in sorted((w for w in work if w[0].done > 0), key=lambda w: w[0].slot):
+        last = runs[-1][-1][0] if runs else None
         if last is not None and last.slot + 1 == j.slot and last.done == j.done:
-            groups[-1].append((j, T))
+            runs[-1].append((j, T))
         else:
-            groups.append([(j, T)])
-    return groups
+            runs.append([(j, T)])
+    return groups + runs
 
 
 def prefill_slots(model: GPT2, pool: SlotPool, group: list[tuple[Joining, int]]) -> list[torch.Tensor]:
     """One forward of a group's chunks, right-padded to the longest (decode.prefill_ragged),
-    through a view of their slots, written in place; each row's logits (1, V)."""
+    through a view of their slots (or, for first chunks in slots apart, a cache writing each
+    row's own slot), written in place; each row's logits (1, V)."""
     first, done = group[0][0], group[0][0].done
     T = max(t for _, t in group)
-    cache = pool.rows_cache(first.slot, len(group))
+    slots = [j.slot for j, _ in group]
+    if slots == list(range(first.slot, first.slot + len(group))):
+        cache = pool.rows_cache(first.slot, len(group))
+    else:
+        cache = pool.first_chunk_cache(slots)
     pad = EOT_ID % model.config.n_vocab
     idx = torch.tensor([j.context[done:done + t] + [pad] * (T - t) for j, t in group], dtype=torch.long,
                        device=pool.kv.device)  # (b, T)

@@ -4,13 +4,15 @@ finish (Orca's and vLLM's scheduling, with vLLM's chunked prefill).
 
 Each row computes what it would alone: its keys and values live in a slot of its own
 (gpt2kit.engine.batch_cache: a pool of per-row slots; joining, leaving and growing never copy
-another row's; a beam group, gpt2kit.engine.beam_rows, copies among its own slots only); its
-prompt is prefilled in chunks of ``prefill_chunk`` tokens, at most that many prompt tokens per
-step over all joining rows, so the running rows get a token every step while a long prompt joins
-(a row's chunk boundaries depend only on its own prompt, so its prefill is the
-same alone or beside others); it samples with its own gpt2kit.sampler.RowSampler (its settings,
-its generator seeded from (seed, sample index), its penalties' token sets), so what it draws does
-not depend on its neighbours; its text, finish and log-probs come from gpt2kit.engine.outputs.
+another row's; a beam group, gpt2kit.engine.beam_rows, copies among its own slots only); its prompt
+is prefilled in chunks of ``prefill_chunk`` tokens, at most that many prompt tokens per step over
+all joining rows while rows decode, so the running rows get a token every step while a long prompt
+joins, and up to ``prefill_idle_budget`` while none decodes (nothing to protect: a burst joining an
+idle engine gets its first tokens after one step; a row's chunk boundaries depend only on its own
+prompt, so its prefill is the same alone or beside others); it samples with its own
+gpt2kit.sampler.RowSampler (its settings, its generator seeded from (seed, sample index), its
+penalties' token sets), so what it draws does not depend on its neighbours; its text, finish and
+log-probs come from gpt2kit.engine.outputs.
 
 Slots: max_batch of them (an engine without max_batch starts with as many as rows are waiting at
 its first step and adds slots as rows join: the one case that copies, SlotPool.grow), each of
@@ -54,26 +56,28 @@ DEFAULT_PREFILL_CHUNK = 128  # prompt tokens prefilled per step at most (Engine'
 
 
 class Engine:
-    """The iteration-level scheduler: rows wait, join the running batch through a chunked prefill
-    into a slot of their own (at most max_batch hold a slot at once), and leave it when they finish
-    or are cancelled. prefill_chunk: prompt tokens prefilled per step at most; max_len: columns per
-    slot (default n_ctx), a row needing more is refused by :meth:`new_row`.
-
-    Not thread-safe except :meth:`submit` and :meth:`cancel`; gpt2kit.engine.EngineLoop runs one
-    in a worker thread.
-    """
+    """The iteration-level scheduler (module doc); at most max_batch rows hold a slot at once.
+    prefill_chunk: prompt tokens per step while rows decode (a prompt's chunk size);
+    prefill_idle_budget: the same while none decodes (>= prefill_chunk; None: one chunk of every
+    joining row); max_len: columns per slot (default n_ctx; :meth:`new_row` refuses more).
+    Not thread-safe except :meth:`submit` and :meth:`cancel` (gpt2kit.engine.EngineLoop runs one
+    in a worker thread)."""
 
     def __init__(self, model: GPT2, tokenizer: Tokenizer | None = None, *, max_batch: int | None = None,
                  pack_weights: bool | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 max_len: int | None = None) -> None:
+                 max_len: int | None = None, prefill_idle_budget: int | None = None) -> None:
         n_ctx = model.config.n_ctx
         if max_batch is not None:
             check_int("max_batch", max_batch, ">= 1", lambda v: v >= 1)
         check_int("prefill_chunk", prefill_chunk, ">= 1", lambda v: v >= 1)
+        if prefill_idle_budget is not None:
+            check_int("prefill_idle_budget", prefill_idle_budget, f">= prefill_chunk={prefill_chunk}",
+                      lambda v: v >= prefill_chunk)
         if max_len is not None:
             check_int("max_len", max_len, f"in [1, n_ctx={n_ctx}]", lambda v: 1 <= v <= n_ctx)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.pack_weights, self.prefill_chunk = max_batch, pack_weights, prefill_chunk
+        self.prefill_idle_budget = prefill_idle_budget
         self.max_len = max_len or n_ctx
         self.device = model.wte.weight.device
         self.pool: SlotPool | None = None  # the slots, made at the first join
@@ -156,18 +160,17 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RowEvent]:
-        """Feed the tokens the last step sampled, admit waiting rows into free slots, prefill at most
-        prefill_chunk prompt tokens, then give every decoding row its next token; one event per row.
-        The forward that feeds a step's tokens runs at the start of the next step, so a step's
-        events are returned as soon as its tokens are sampled (a row's first token: after its last
-        prefill chunk and one sample)."""
+        """Feed the last step's tokens, admit waiting rows into free slots, prefill (one chunk's
+        budget, prefill_idle_budget when no row decodes), sample each decoding row's next token;
+        one event per row, returned before the forward that feeds them (the next step's first)."""
         self._drop_cancelled()  # a row cancelled since the last step costs the forward nothing
         if self._unfed is not None and self.rows:
             self._feed(self._unfed)
         self._unfed = None
         self._drop_cancelled()
         self._admit()
-        ready = self._joining.step(self.model, self.pool) if self._joining.rows else []
+        budget = self.prefill_chunk if self.rows else self.prefill_idle_budget  # rows decoding: keep their pace
+        ready = self._joining.step(self.model, self.pool, budget) if self._joining.rows else []
         if ready:  # prefilled rows join the decoding ones, with the logits of their first token
             self.rows, self._slots, self._logits = in_slot_order(
                 self.rows + [r for j, _ in ready for r in j.rows], self._slots + [s for j, _ in ready for s in j.slots],

@@ -10,7 +10,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 
 class Metrics:
-    def __init__(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
+    def __init__(self, running: Callable[[], float], waiting: Callable[[], float],
+                 steps: Callable[[], float]) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("gpt2kit_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)
@@ -26,6 +27,9 @@ class Metrics:
                                  "max_tokens, prompts to score); the limit is (max_batch + max_queue) x n_ctx",
                                  registry=r)
         self.queue_length.set_function(waiting)
+        self.engine_steps = Gauge("gpt2kit_engine_steps", "engine steps run since start (a step: one decode forward "
+                                  "of the running rows and the joining rows' prefill chunks)", registry=r)
+        self.engine_steps.set_function(steps)
         self.prefix_cache_hit_tokens = Counter(
             "gpt2kit_prefix_cache_hit_tokens", "echo prompt tokens not run through the model: their keys, values and "
             "log-probs came from the prefix cache", registry=r)

@@ -26,6 +26,11 @@ class ServeOptions:
     prefill_chunk: int = _setting(128, "prompt tokens prefilled per decode step at most, so a long prompt joins in "
                                        "chunks while the running rows go on getting a token every step (default 128)",
                                   metavar="TOKENS")
+    prefill_idle_budget: int | None = _setting(
+        None, "prompt tokens prefilled in a step while no row decodes (nothing to protect then), so a burst of "
+              "prompts joining an idle server gets its first tokens after one step; at least --prefill-chunk, each "
+              "prompt still cut in chunks of --prefill-chunk (default: one chunk of every joining row, i.e. up to "
+              "--max-batch x --prefill-chunk)", metavar="TOKENS")
     max_tokens_per_request: int | None = _setting(None, "cap on max_tokens (default: n_ctx)")
     api_key: str | None = _setting(
         None, "require 'Authorization: Bearer KEY' (all but /health); visible in the process list: prefer "
@@ -67,6 +72,10 @@ class ServeOptions:
         check_int("ServeOptions.max_batch", self.max_batch, ">= 1", lambda v: v >= 1)
         check_int("ServeOptions.max_queue", self.max_queue, ">= 0", lambda v: v >= 0)
         check_int("ServeOptions.prefill_chunk", self.prefill_chunk, ">= 1", lambda v: v >= 1)
+        if self.prefill_idle_budget is not None:
+            check_int("ServeOptions.prefill_idle_budget", self.prefill_idle_budget,
+                      f">= prefill_chunk={self.prefill_chunk} (or None: max_batch x prefill_chunk)",
+                      lambda v: v >= self.prefill_chunk)
         if self.max_tokens_per_request is not None:
             check_int("ServeOptions.max_tokens_per_request", self.max_tokens_per_request, ">= 1 (or None: n_ctx)",
                       lambda v: v >= 1)

@@ -46,7 +46,8 @@ class Server:
         self.life = Lifecycle()
         self.aloop: asyncio.AbstractEventLoop | None = None
         self.metrics = Metrics(lambda: self.engine_loop.n_running if self.engine_loop else 0,
-                               lambda: self.engine_loop.n_waiting if self.engine_loop else 0)
+                               lambda: self.engine_loop.n_waiting if self.engine_loop else 0,
+                               lambda: self.engine_loop.steps if self.engine_loop else 0)
         self.metrics.work_tokens.set_function(lambda: self.work_tokens)
         # echo scoring's prefixes (used by the worker thread only; gpt2kit.prefix_cache)
         self.prefix_cache = PrefixCache(opts.prefix_cache_tokens, on_reuse=self.metrics.prefix_cache_hit_tokens.inc)
@@ -68,7 +69,7 @@ class Server:
             o = self.opts
             engine = serve_engine(model, tokenizer, max_batch=o.max_batch, pack_weights=o.pack_weights,
                                   draft_model=o.draft_model, draft_tokens=o.draft_tokens, prompt_lookup=o.prompt_lookup,
-                                  prefill_chunk=o.prefill_chunk)
+                                  prefill_chunk=o.prefill_chunk, prefill_idle_budget=o.prefill_idle_budget)
             self.engine_loop = EngineLoop(engine, self._on_events, self._on_error).start()
             self.model, self.tokenizer = model, tokenizer
             self.ready = True
