@@ -3,10 +3,12 @@
 
     python benchmarks/bench_decoding.py [--model gpt2 | --model DIR] [--draft-model D --target T]
                                         [--prompt-data DIR] [--edit textwrap:indent:prefix:margin]
+                                        [--beam-model random[:PRESET] | DIR] [--random-dir DIR]
                                         [--rows lookup,beams,draft] [--threads N] [--quick]
 
 --model is a published name or a trained model directory (an HF directory, as `gpt2kit train` and
-`save_model` write it; transformers reads the same directory for its side of the beam row).
+`save_model` write it); the beam row's weights are --beam-model's (transformers reads the same
+directory for its side).
 
 1. prompt lookup (issue 22's target: >= 2x plain greedy) on a code-editing task, where the output
    repeats most of the input: a function from the standard library (--edit MODULE:FUNCTION:OLD:NEW,
@@ -17,17 +19,23 @@
    of the first greedy tokens are the renamed function's own (a model that writes something else,
    e.g. runs of spaces, is not measuring copying).
 2. beam search (target: >= 1.5x transformers): 4 beams, 2 prompts, 48 new tokens, gpt2kit vs
-   transformers' generate(num_beams=4) on the same weights (the sequences are checked equal).
+   transformers' generate(num_beams=4, early_stopping=False, length_penalty=1.0) on the same weights,
+   both loading one directory: --beam-model DIR, or (default) `random`: GPT-2 124M-shaped random
+   weights (seed 0) saved once to --random-dir and reused (`random:PRESET` for another preset's
+   shape). Neither side has a stop token (gpt2kit stop_token_ids=(), transformers eos_token_id=None),
+   so every beam runs all 48 tokens whatever the weights; the sequences are checked equal.
 3. with --draft-model D (and --target T, default --model): T's greedy vs T with D drafting
    (draft_tokens 4), at batch 1 and batch 8, with the acceptance rate (target: >= 1.5x where the
    acceptance is >= 60%; the tokens are checked equal). The prompts: with --prompt-data DIR, 8
    windows of 64 tokens spread over DIR's validation shards (text neither model trained on, for a
    draft and a target trained by `gpt2kit train` on DIR); batch 1 runs them one after another,
-   batch 8 all at once. Without it, one English prompt (batch 8: eight copies).
+   batch 8 all at once. Without it, one English prompt (batch 8: eight copies). The note says how
+   many of the greedy tokens are single spaces (runs of them are easy for a draft to agree on).
 
 --rows picks the rows (lookup, beams, draft; default all, draft only with --draft-model), e.g. a
 trained pair: --model T --draft-model D --prompt-data DIR --edit getpass:getuser:user:login
---rows lookup,draft (getpass is in the validation split of docs/training.md's stdlib data).
+--rows lookup,draft (getpass is in the validation split of docs/training.md's stdlib data). --model
+is loaded only for the lookup row (and the draft row without --target).
 
 --quick: one trial of each and a few tokens (checks the script runs; not figures).
 Each row: the peer's tokens/s, ours, the ratio (ours / peer), best of alternating quiet trials.
@@ -188,6 +196,7 @@ def bench_beams(model_spec: str, random_dir: str | None, trials: int, n: int = 4
 
 
 DRAFT_TOKENS, WINDOW, WINDOWS = 4, 64, 8  # draft rows: draft_tokens; --prompt-data's windows
+SPACE = 220  # GPT-2's " ": one token per space of indentation
 
 
 def draft_prompts(tok, data: str | None) -> list[list[int]]:
@@ -225,10 +234,12 @@ def bench_draft(target, draft, prompts: list[list[int]], trials: int, n: int = 9
                               "spec": lambda gs=groups: [generate(target, g, spec, draft_model=draft) for g in gs]},
                              trials, 4 * trials)
         tokens = sum(len(c.tokens) for c in out)
+        spaces = sum(t == SPACE for w in want for t in w) / max(1, sum(map(len, want)))  # agreement on spaces is easy
         how = f"{len(groups)} prompts one at a time" if batch == 1 and len(groups) > 1 else f"batch {batch}"
         rows.append(_row(f"draft model, {DRAFT_TOKENS} draft tokens, {how}, {n} tokens each vs plain greedy",
                          tokens / t["plain"].seconds, tokens / t["spec"].seconds,
-                         f"acceptance {100 * rate:.0f}%, tokens equal: {same}"))
+                         f"acceptance {100 * rate:.0f}%, tokens equal: {same}, {100 * spaces:.0f}% of the "
+                         "greedy tokens are single spaces"))
     return rows
 
 
