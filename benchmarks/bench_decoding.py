@@ -3,10 +3,12 @@
 
     python benchmarks/bench_decoding.py [--model gpt2 | --model DIR] [--draft-model D --target T]
                                         [--prompt-data DIR] [--edit textwrap:indent:prefix:margin]
+                                        [--beam-model random[:PRESET] | DIR] [--random-dir DIR]
                                         [--rows lookup,beams,draft] [--threads N] [--quick]
 
 --model is a published name or a trained model directory (an HF directory, as `gpt2kit train` and
-`save_model` write it; transformers reads the same directory for its side of the beam row).
+`save_model` write it); the beam row's weights are --beam-model's (transformers reads the same
+directory for its side).
 
 1. prompt lookup (issue 22's target: >= 2x plain greedy) on a code-editing task, where the output
    repeats most of the input: a function from the standard library (--edit MODULE:FUNCTION:OLD:NEW,
@@ -17,17 +19,23 @@
    of the first greedy tokens are the renamed function's own (a model that writes something else,
    e.g. runs of spaces, is not measuring copying).
 2. beam search (target: >= 1.5x transformers): 4 beams, 2 prompts, 48 new tokens, gpt2kit vs
-   transformers' generate(num_beams=4) on the same weights (the sequences are checked equal).
+   transformers' generate(num_beams=4, early_stopping=False, length_penalty=1.0) on the same weights,
+   both loading one directory: --beam-model DIR, or (default) `random`: GPT-2 124M-shaped random
+   weights (seed 0) saved once to --random-dir and reused (`random:PRESET` for another preset's
+   shape). Neither side has a stop token (gpt2kit stop_token_ids=(), transformers eos_token_id=None),
+   so every beam runs all 48 tokens whatever the weights; the sequences are checked equal.
 3. with --draft-model D (and --target T, default --model): T's greedy vs T with D drafting
    (draft_tokens 4), at batch 1 and batch 8, with the acceptance rate (target: >= 1.5x where the
    acceptance is >= 60%; the tokens are checked equal). The prompts: with --prompt-data DIR, 8
    windows of 64 tokens spread over DIR's validation shards (text neither model trained on, for a
    draft and a target trained by `gpt2kit train` on DIR); batch 1 runs them one after another,
-   batch 8 all at once. Without it, one English prompt (batch 8: eight copies).
+   batch 8 all at once. Without it, one English prompt (batch 8: eight copies). The note says how
+   many of the greedy tokens are single spaces (runs of them are easy for a draft to agree on).
 
 --rows picks the rows (lookup, beams, draft; default all, draft only with --draft-model), e.g. a
 trained pair: --model T --draft-model D --prompt-data DIR --edit getpass:getuser:user:login
---rows lookup,draft (getpass is in the validation split of docs/training.md's stdlib data).
+--rows lookup,draft (getpass is in the validation split of docs/training.md's stdlib data). --model
+is loaded only for the lookup row (and the draft row without --target).
 
 --quick: one trial of each and a few tokens (checks the script runs; not figures).
 Each row: the peer's tokens/s, ours, the ratio (ours / peer), best of alternating quiet trials.
@@ -112,31 +120,83 @@ def bench_prompt_lookup(model, tok, spec: str, trials: int, cap: int | None) -> 
                 n / t["lookup"].seconds, note)
 
 
-def bench_beams(model, model_name: str, trials: int, n: int = 48) -> str:
-    from transformers import GPT2LMHeadModel
+RANDOM = "random"  # --beam-model: a preset's shape with random weights (seed 0), saved once
 
-    hf = GPT2LMHeadModel.from_pretrained(model_name).eval()
-    prompts = [[464, 3290, 286, 1204, 318], [7454, 2402, 257, 640, 11, 612, 373]]
-    nb = 4
+
+def beam_model_dir(spec: str, random_dir: str | None) -> str:
+    """The directory (or published name) the beam row's two sides load: spec itself, or for
+    "random" / "random:PRESET" (default preset gpt2, i.e. GPT-2 124M's shape) random weights of
+    seed 0 written once to random_dir (default: a directory under the system's temporary one) and
+    reused while their config is the preset's."""
+    if spec != RANDOM and not spec.startswith(RANDOM + ":"):
+        return spec
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from gpt2kit.checkpoint import save_model
+    from gpt2kit.config import GPT2Config
+    from gpt2kit.model import GPT2
+
+    preset = spec.partition(":")[2] or "gpt2"
+    out = Path(random_dir or Path(tempfile.gettempdir()) / f"gpt2kit-bench-{preset}-random-seed0")
+    want = GPT2Config.from_name(preset).to_hf()
+    try:
+        have = json.loads((out / "config.json").read_text())
+        if all(have.get(k) == want[k] for k in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size")):
+            return str(out)
+    except (OSError, ValueError):
+        pass
+    torch.manual_seed(0)
+    save_model(GPT2.from_name(preset), out)
+    return str(out)
+
+
+BEAM_PROMPTS = [[464, 3290, 286, 1204, 318], [7454, 2402, 257, 640, 11, 612, 373]]
+
+
+def beam_sides(model, model_dir: str, n: int, nb: int = 4, prompts: list[list[int]] = BEAM_PROMPTS):
+    """(ours, theirs): gpt2kit's and transformers' beam search on the same weights (model_dir, which
+    `model` was loaded from), nb beams, n new tokens per prompt, every beam run to the full length:
+    no stop token on either side (gpt2kit: stop_token_ids=(); transformers: eos_token_id None), so
+    early_stopping (False on both, transformers' default) never ends a search early. Each returns
+    a list of the prompts' best sequences (new tokens only)."""
+    from transformers import GenerationConfig, GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(model_dir).eval()
     T = max(map(len, prompts))
-    ids = torch.tensor([[50256] * (T - len(p)) + p for p in prompts])
+    ids = torch.tensor([[EOT_ID] * (T - len(p)) + p for p in prompts])  # (B, T) left-padded
     mask = (torch.arange(T)[None] >= torch.tensor([T - len(p) for p in prompts])[:, None]).long()
+    gc = GenerationConfig(num_beams=nb, max_new_tokens=n, do_sample=False, early_stopping=False,
+                          length_penalty=1.0, eos_token_id=None, bos_token_id=EOT_ID, pad_token_id=EOT_ID)
+    s = SamplingSettings(max_new_tokens=n, num_beams=nb, early_stopping=False, length_penalty=1.0,
+                         stop_token_ids=())
 
     def theirs():
         with torch.inference_mode():
-            return hf.generate(ids, attention_mask=mask, num_beams=nb, max_new_tokens=n, do_sample=False,
-                               pad_token_id=50256)
+            out = hf.generate(ids, attention_mask=mask, generation_config=gc)  # (B, T + n)
+        return [row[T:].tolist() for row in out]
 
-    s = SamplingSettings(max_new_tokens=n, num_beams=nb)
-    ours = generate(model, prompts, s)
-    same = all(c.tokens == row[T:T + len(c.tokens)].tolist() for c, row in zip(ours, theirs(), strict=True))
-    t = time_alternating({"hf": theirs, "ours": lambda: generate(model, prompts, s)}, trials, 4 * trials)
-    total = n * len(prompts)
-    return _row(f"beam search {nb} beams, {len(prompts)} prompts x {n} tokens vs transformers",
-                total / t["hf"].seconds, total / t["ours"].seconds, f"sequences equal: {same}")
+    def ours():
+        return [c.tokens for c in generate(model, prompts, s)]
+
+    return ours, theirs
+
+
+def bench_beams(model_spec: str, random_dir: str | None, trials: int, n: int = 48, nb: int = 4) -> str:
+    model_dir = beam_model_dir(model_spec, random_dir)
+    ours, theirs = beam_sides(load_model(model_dir), model_dir, n, nb)
+    a, b = ours(), theirs()
+    same = a == b and all(len(x) == n for x in a)
+    t = time_alternating({"hf": theirs, "ours": ours}, trials, 4 * trials)
+    total = n * len(BEAM_PROMPTS)
+    return _row(f"beam search {nb} beams, {len(BEAM_PROMPTS)} prompts x {n} tokens vs transformers "
+                f"({model_spec})", total / t["hf"].seconds, total / t["ours"].seconds,
+                f"sequences equal: {same}, no stop token on either side (every beam runs {n} tokens)")
 
 
 DRAFT_TOKENS, WINDOW, WINDOWS = 4, 64, 8  # draft rows: draft_tokens; --prompt-data's windows
+SPACE = 220  # GPT-2's " ": one token per space of indentation
 
 
 def draft_prompts(tok, data: str | None) -> list[list[int]]:
@@ -174,10 +234,12 @@ def bench_draft(target, draft, prompts: list[list[int]], trials: int, n: int = 9
                               "spec": lambda gs=groups: [generate(target, g, spec, draft_model=draft) for g in gs]},
                              trials, 4 * trials)
         tokens = sum(len(c.tokens) for c in out)
+        spaces = sum(t == SPACE for w in want for t in w) / max(1, sum(map(len, want)))  # agreement on spaces is easy
         how = f"{len(groups)} prompts one at a time" if batch == 1 and len(groups) > 1 else f"batch {batch}"
         rows.append(_row(f"draft model, {DRAFT_TOKENS} draft tokens, {how}, {n} tokens each vs plain greedy",
                          tokens / t["plain"].seconds, tokens / t["spec"].seconds,
-                         f"acceptance {100 * rate:.0f}%, tokens equal: {same}"))
+                         f"acceptance {100 * rate:.0f}%, tokens equal: {same}, {100 * spaces:.0f}% of the "
+                         "greedy tokens are single spaces"))
     return rows
 
 
@@ -190,6 +252,11 @@ def main() -> None:
                     help="the draft rows' prompts from this data directory's validation shards (gpt2kit prepare's)")
     ap.add_argument("--edit", default=EDIT, metavar="MODULE:FUNCTION:OLD:NEW",
                     help=f"the code-editing task of the prompt-lookup row (default {EDIT})")
+    ap.add_argument("--beam-model", default=RANDOM, metavar="M",
+                    help="the beam row's weights: a model directory or published name, or random[:PRESET] "
+                         "(default: GPT-2 124M's shape, random weights of seed 0, saved once to --random-dir)")
+    ap.add_argument("--random-dir", default=None, metavar="DIR",
+                    help="where --beam-model random's weights are saved and reused (default: under the temp dir)")
     ap.add_argument("--rows", default="lookup,beams,draft", help="comma list of lookup, beams, draft (default all)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--trials", type=int, default=3)
@@ -203,16 +270,17 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     trials = 1 if args.quick else args.trials
-    model, tok = load_model(args.model), load_tokenizer(args.model)
     rows = []
+    if "lookup" in which or ("draft" in which and args.draft_model and not args.target):
+        model, tok = load_model(args.model), load_tokenizer(args.model)
     if "lookup" in which:
         rows.append(bench_prompt_lookup(model, tok, args.edit, trials, 16 if args.quick else None))
     if "beams" in which:
-        rows.append(bench_beams(model, args.model, trials, 8 if args.quick else 48))
+        rows.append(bench_beams(args.beam_model, args.random_dir, trials, 8 if args.quick else 48))
     if "draft" in which and args.draft_model:
         target = load_model(args.target) if args.target else model
-        rows += bench_draft(target, load_model(args.draft_model), draft_prompts(tok, args.prompt_data), trials,
-                            8 if args.quick else 96)
+        prompts = draft_prompts(load_tokenizer(args.target or args.model), args.prompt_data)
+        rows += bench_draft(target, load_model(args.draft_model), prompts, trials, 8 if args.quick else 96)
     print(f"machine: {describe_cpu()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| case | peer tokens/s | gpt2kit tokens/s | ratio | notes |")
     print("|---|---|---|---|---|")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import TINY, hf_from_ours, random_model
 
 from gpt2kit.config import PRESETS, GPT2Config
-from gpt2kit.decode import decode_step
+from gpt2kit.decode import decode_step, decode_tokens, kernels_for
 from gpt2kit.kv_cache import KVCache
 from gpt2kit.model import GPT2
 
@@ -201,6 +201,37 @@ def test_decode_step_equals_forward(dtype, padded):
         torch.testing.assert_close(caches[0].kv.float(), caches[1].kv.float(), atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="eval"):
         decode_step(model.train(), tok, caches[1])
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("case", ["unpadded", "padded", "holes"])
+def test_decode_tokens_equals_forward(pack, case):
+    """The few-token flat step (a speculative verify) gives forward's logits at every position and
+    writes the same cache, with left padding and with masked-out columns (dropped drafts) too."""
+    model = random_model()
+    B, P, T = 3, 9, 4
+    x = _ids(TINY, B, P)
+    mask = torch.ones(B, P + T, dtype=torch.long)
+    if case != "unpadded":
+        mask[0, :3] = 0
+        mask[2, :8] = 0
+    if case == "holes":
+        mask[1, 5:7] = 0  # columns a row dropped earlier
+    use = None if case == "unpadded" else mask
+    caches = [KVCache.for_model(model, B, P + T) for _ in range(2)]
+    with torch.inference_mode():
+        for c in caches:
+            model(x, cache=c, attention_mask=None if use is None else use[:, :P])
+        tok = _ids(TINY, B, T, seed=1)
+        want = model(tok, cache=caches[0], attention_mask=use).logits  # (B, T, V)
+        got = decode_tokens(model, tok, caches[1], use, kernels_for(model, B * T, pack))
+    assert got.shape == want.shape and caches[1].length == P + T
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[1].kv, caches[0].kv, atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():  # from an empty cache: the causal fast path
+        c = KVCache.for_model(model, B, T)
+        torch.testing.assert_close(decode_tokens(model, tok, c, None, kernels_for(model, B * T, pack)),
+                                   model(tok).logits, atol=1e-5, rtol=1e-5)
 
 
 # --- padding --------------------------------------------------------------------------------

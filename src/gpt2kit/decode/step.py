@@ -152,6 +152,54 @@ def decode_step(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask: 
     return k_set.lm_head(x, bound.head, cfg.n_vocab)  # (B, V): tied LM head
 
 
+@torch.inference_mode()
+def decode_tokens(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None,
+                  kernels: Kernels | None = PLAIN) -> torch.Tensor:
+    """A few new tokens per row (a speculative step's [pending token, drafts...]): idx (B, T) at
+    positions from P = cache.length -> logits (B, T, V) at every one of them.
+
+    decode_step's flat network on B * T rows of products, so checking T drafts costs about one
+    step of the kernel set (the weights read once) rather than a spec forward's general products.
+    Attention is causal among the T tokens after the cached ones; attention_mask (B, P + T) as in
+    forward (positions counted from it). Computes what ``model(idx, cache=..., attention_mask=...)``
+    computes (equal to float rounding; tests/test_model.py). kernels=None: the model's own forward."""
+    B, T = idx.shape
+    if kernels is None:
+        return model(idx, cache=cache, attention_mask=attention_mask).logits
+    if T == 1:
+        return decode_step(model, idx, cache, attention_mask, kernels)[:, None]  # (B, 1, V)
+    if model.training:
+        raise ValueError("decode_tokens with kernels is for inference: call model.eval() first (it skips dropout)")
+    cfg = model.config
+    C, nh, eps, R = cfg.n_embd, cfg.n_head, cfg.layer_norm_eps, B * T
+    hs, P = C // nh, cache.length
+    k_set = kernels.for_step(R, cache.kv.dtype, cache.kv.is_cpu)
+    bound = k_set.bind(model)
+    if attention_mask is None:
+        pos = torch.arange(P, P + T, device=idx.device).expand(B, T)  # (B, T)
+    else:
+        pos = (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)[:, P:]  # (B, T), as forward counts them
+    mask = attention_mask_for(attention_mask, P, T, idx.device)  # what forward gives SDPA
+    causal = isinstance(mask, str)
+    ids = idx.reshape(R)
+    tok = F.embedding(ids, bound.wte) if bound.wte is not None else bound.wte_module(ids)
+    x = tok + bound.wpe[pos.reshape(R)]  # (R, C)
+    cudnn = torch.backends.cudnn.enabled
+    for i, (ln_1w, ln_1b, c_attn, attn_proj, ln_2w, ln_2b, c_fc, mlp_proj) in enumerate(bound.blocks):
+        h = torch.layer_norm(x, (C,), ln_1w, ln_1b, eps, cudnn)
+        qkv = k_set.linear(h, c_attn).view(B, T, 3, nh, hs).permute(0, 2, 3, 1, 4)  # (B, 3, nh, T, hs)
+        k, v = cache.update_kv(i, qkv[:, 1:])  # (B, nh, P + T, hs)
+        y = F.scaled_dot_product_attention(qkv[:, 0], k, v, attn_mask=None if causal else mask,
+                                           is_causal=causal)  # (B, nh, T, hs)
+        x = k_set.linear_add(y.transpose(1, 2).reshape(R, C), attn_proj, x)  # (R, C)
+        h = torch.layer_norm(x, (C,), ln_2w, ln_2b, eps, cudnn)
+        x = k_set.linear_add(k_set.linear_gelu(h, c_fc), mlp_proj, x)  # (R, C)
+    cache.length = P + T
+    x = torch.layer_norm(x, (C,), bound.ln_f_weight, bound.ln_f_bias, eps, cudnn)
+    logits = model.lm_head(x) if bound.head is None else k_set.lm_head(x, bound.head, cfg.n_vocab)  # (R, V)
+    return logits.view(B, T, -1)
+
+
 def _has_hooks(model: nn.Module) -> bool:
     """Whether any forward hook would fire in the model's forward (the flat step would skip it)."""
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpt2kit.config import EOT_ID
-from gpt2kit.decode import decode_step, kernels_for, prefill
+from gpt2kit.decode import decode_step, decode_tokens, kernels_for, prefill
 from gpt2kit.engine.outputs import advance, token_logprobs
 from gpt2kit.engine.rows import Row, RowEvent
 from gpt2kit.engine.scheduler import Engine
@@ -219,10 +219,9 @@ class SpeculativeEngine:
         P, cache = self._P, self._caches[0]
         self._mask[:, P:P + K + 1] = 1
         mask = self._mask[:, :P + K + 1]
-        if K == 0:
-            kernels = kernels_for(self.model, B, self.pack_weights)
-            return decode_step(self.model, idx, cache, mask, kernels)[:, None]  # (B, 1, V)
-        return self.model(idx, attention_mask=mask, cache=cache).logits  # (B, K + 1, V)
+        # the flat step on B * (K + 1) rows: the weights read about once, as for one token a row
+        kernels = kernels_for(self.model, B * (K + 1), self.pack_weights)
+        return decode_tokens(self.model, idx, cache, mask, kernels)  # (B, K + 1, V)
 
     # -- the cache --
 
