@@ -6,8 +6,8 @@
  * each other; on a loaded one (more runnable threads than cores) a thread that the OS has not
  * scheduled starts its share a time slice late, milliseconds, and the call waits for it: a batch-1
  * decode step of ~50 calls then took 4x as long as on one thread. So every call on more than one
- * thread records when its last thread started. A start later than SOLO_LATE_US (250 us; an idle
- * machine's latest start, measured over whole decode runs, stays below 100 us) sends the next `span`
+ * thread records when its last thread started. A start later than SOLO_LATE_US (250 us; idle, a
+ * second thread starts within microseconds: docs/benchmarks.md has the delays) sends the next `span`
  * calls to one thread (no other thread to wait for); a late start again right after that doubles
  * `span` (SOLO_SPAN_MIN 16 calls up to SOLO_SPAN_MAX 4096, about 80 batch-1 steps of GPT-2 124M), and
  * SOLO_CALM calls in a row started on time bring it back to SOLO_SPAN_MIN. Idle, a rare late start
