@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,9 @@ import time
 from pathlib import Path
 
 from gpt2kit.bench.machine import describe_cpu
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import start_server
 
 HERE = Path(__file__).resolve().parents[1]  # this source tree
 TASK = """task: bench_mc
@@ -49,12 +51,6 @@ WORDS = ("the of and to in is was for on that with as by at from his it an were 
          "walks runs opens closes takes gives finds holds turns looks").split()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _items(n: int, context_words: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     say = lambda k: " ".join(rng.choice(WORDS) for _ in range(k))  # noqa: E731
@@ -63,26 +59,9 @@ def _items(n: int, context_words: int, seed: int) -> list[dict]:
 
 
 def _start(tree: Path, model_dir: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
-    proc = subprocess.Popen([sys.executable, "-m", "gpt2kit", "serve", "--model", model_dir, "--port", str(port),
-                             "--served-model-name", "bench", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tree)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"bench_lm_eval: the server of {tree} exited with code {proc.returncode}")
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"bench_lm_eval: the server of {tree} did not become ready in 300 s")
+    """A server of the gpt2kit source tree `tree` (its src/ first on the path)."""
+    return start_server(model_dir, extra, env={**os.environ, "PYTHONPATH": str(tree / "src")}, cwd=tree,
+                        who=f"bench_lm_eval (the server of {tree})")
 
 
 def _evaluate(url: str, model_dir: str, n_ctx: int, tasks: Path, concurrent: int) -> tuple[float, list[float]]:

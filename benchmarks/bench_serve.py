@@ -35,16 +35,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(model_dir: str, max_batch: int, clients: int, threads: int | None, extra: tuple[str, ...] = ()
-           ) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: str, args: list[str] | tuple[str, ...] = (), *, env: dict | None = None,
+                 cwd=None, who: str = "bench_serve") -> tuple[subprocess.Popen, str]:
+    """`gpt2kit serve --model model_dir` on a free loopback port, served as 'bench', with `args` after
+    (env: the process's environment, None: this one's); (process, base URL) once /health answers 200.
+    The benchmarks that start servers (bench_serve_rss, bench_lm_eval) use this one."""
     import httpx
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gpt2kit", "serve", "--model", model_dir, "--port", str(port),
-                             "--served-model-name", "bench", "--max-batch", str(max_batch),
-                             "--max-queue", str(4 * clients), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None)
+                             "--served-model-name", "bench", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -54,10 +55,16 @@ def _start(model_dir: str, max_batch: int, clients: int, threads: int | None, ex
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
-            raise SystemExit(f"bench_serve: the server exited with code {proc.returncode}")
+            raise SystemExit(f"{who}: the server exited with code {proc.returncode}")
         time.sleep(0.2)
     proc.kill()
-    raise SystemExit("bench_serve: the server did not become ready in 300 s")
+    raise SystemExit(f"{who}: the server did not become ready in 300 s")
+
+
+def _start(model_dir: str, max_batch: int, clients: int, threads: int | None, extra: tuple[str, ...] = ()
+           ) -> tuple[subprocess.Popen, str]:
+    return start_server(model_dir, ["--max-batch", str(max_batch), "--max-queue", str(4 * clients), *extra],
+                        env={**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None)
 
 
 async def _one(client, url: str, prompt: str, max_tokens: int, arrived: float) -> dict:

@@ -19,25 +19,20 @@ import argparse
 import asyncio
 import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 
 from gpt2kit.bench.machine import describe_cpu
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_serve import start_server
+
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 KINDS = ("completion", "completion-stream", "chat", "completion-stream", "echo-score", "echo-score", "disconnect",
          "bad")
 WORDS = "the of and to in is was for on that with as by at from his it an were are which this be".split()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_kib(pid: int) -> int:
@@ -47,29 +42,6 @@ def rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise SystemExit(f"bench_serve_rss: no VmRSS in /proc/{pid}/status")
-
-
-def _start(model_dir: str, template: str, clients: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gpt2kit", "serve", "--model", model_dir, "--port", str(port),
-                             "--served-model-name", "bench", "--max-batch", str(clients),
-                             "--max-queue", str(4 * clients), "--chat-template", template, *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"bench_serve_rss: the server exited with code {proc.returncode}")
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("bench_serve_rss: the server did not become ready in 300 s")
 
 
 def _request(i: int, rng: random.Random) -> tuple[str, str, dict]:
@@ -178,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             template = os.path.join(tmp, "chat.jinja")
             with open(template, "w") as f:
                 f.write(TEMPLATE)
-            proc, url = _start(model_dir, template, args.clients, [])
+            proc, url = start_server(model_dir, ["--max-batch", str(args.clients), "--max-queue",
+                                                 str(4 * args.clients), "--chat-template", template],
+                                     who="bench_serve_rss")
             pid = proc.pid
         try:
             peak = [rss_kib(pid)]
