@@ -174,3 +174,22 @@ def test_bench_kernels_shows_the_float32_choice(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "| float32 products, GPT-2 124M (768x12x50257) | 1 row | torch | forced | GPT2KIT_F32_KERNEL is set |" \
         in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("kernel", NATIVE)
+def test_the_result_does_not_depend_on_the_thread_count(kernel):
+    """The kernel's parts and column groups sum each output the same way on any number of threads
+    (csrc/solo.h's fallback to one thread relies on it)."""
+    _runs(kernel)
+    fn, isa = native.f32_linear(), native.F32_ISAS[kernel.removeprefix("native-")]
+    g = torch.Generator().manual_seed(3)
+    for k_in, n_out, rows in ((768, 2304, 1), (3072, 768, 1), (100, 1001, 3), (7, 50, 2)):
+        wt = torch.randn(k_in, n_out, generator=g)
+        x, b = torch.randn(rows, k_in, generator=g), torch.randn(n_out, generator=g)
+        ys = []
+        for threads in (1, 2, 3, 4, 5):
+            y = torch.empty(rows, n_out)
+            fn(x.data_ptr(), rows, k_in, wt.data_ptr(), n_out, n_out, b.data_ptr(), y.data_ptr(), threads, isa)
+            ys.append(y)
+        assert all(torch.equal(ys[0], y) for y in ys[1:]), (k_in, n_out, rows)
+        assert torch.allclose(ys[0], x @ wt + b, atol=1e-3, rtol=1e-4)

@@ -36,6 +36,7 @@ from torch import nn
 from gpt2kit.config import QUANT_SCALE_DTYPES, QUANT_SCHEMES, check_scheme
 from gpt2kit.decode.int8 import int8_linear
 from gpt2kit.decode.int8act import MAX_IN_FEATURES, int8act_linear
+from gpt2kit.decode.layout import use_huge_pages
 
 __all__ = ["ACTIVATIONS", "SCALE_DTYPES", "SCHEMES", "QuantEmbedding", "QuantLinear", "activations", "check_scheme",
            "is_quantized", "parameter_count", "quality", "quantization", "quantize_model", "quantize_weight",
@@ -238,7 +239,7 @@ def quantize_model(model: nn.Module, scheme: str = "int8", *, lm_head: bool = Tr
     model.eval()
     _swap(model, lm_head, lambda m: QuantLinear.from_linear(m, scale_dtype),
           lambda m: QuantEmbedding.from_embedding(m, scale_dtype))
-    return model
+    return use_huge_pages(model)  # the int8 matrices on huge pages where the system has them (CPU)
 
 
 def quantized_skeleton(model: nn.Module, lm_head: bool, scale_dtype: str = "float32") -> nn.Module:

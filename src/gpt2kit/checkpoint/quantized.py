@@ -28,6 +28,7 @@ from gpt2kit.checkpoint.errors import CheckpointError
 from gpt2kit.checkpoint.hf import is_model_file
 from gpt2kit.checkpoint.int8_format import KEY, WEIGHTS, read_header, read_scheme
 from gpt2kit.config import GPT2Config
+from gpt2kit.decode.layout import use_huge_pages
 from gpt2kit.model import GPT2
 from gpt2kit.quant import quantization, quantized_skeleton
 from gpt2kit.tokenizer import Tokenizer
@@ -80,7 +81,7 @@ def load(path: Path, dtype: torch.dtype, device: torch.device):
     model.load_state_dict(state, strict=True, assign=True)
     if scheme["lm_head"]:
         model.wte.dtype = dtype
-    return model.eval()
+    return use_huge_pages(model.eval())  # the int8 matrices on huge pages where the system has them
 
 
 def save(model, directory: str | os.PathLike[str], tokenizer=None) -> Path:

@@ -18,10 +18,10 @@ below float32; docs/benchmarks.md), so a choice here is made by `decide` on samp
 A measured choice (not a default kept for want of evidence) is stored in `Store`: the JSON file
 kernel-choices.json in $GPT2KIT_KERNEL_STORE, else the kernel cache directory (decode/native.py's
 `cache_dir()`, ~/.cache/gpt2kit/kernels), under this machine's key (CPU model, all its flags, torch's and
-gpt2kit's versions) and the product's bucket (what, device, dtype, rows, threads). The directory and the
-file follow kernel_cache's rules (this user's alone to write); a file that is another user's, writable by
-others, or not valid JSON of this format is ignored (with a RuntimeWarning) and rewritten whole on the
-next store, atomically. Entries of other machines in the file are kept.
+gpt2kit's versions, the hash of the native kernels' sources) and the product's bucket (what, device, dtype,
+rows, threads). The directory and the file follow kernel_cache's rules (this user's alone to write); a
+file that is another user's, writable by others, or not valid JSON of this format is ignored (with a
+RuntimeWarning) and rewritten whole on the next store, atomically. Entries of other machines in the file are kept.
 
 GPT2KIT_KERNEL_TIMINGS (JSON: {candidate: seconds or [seconds, ...]}, "float32" for the bound) replaces
 the timings of a measurement, never its correctness checks: the tests' seam, and a way to replay a
@@ -68,11 +68,13 @@ def family(flags: frozenset[str] | None = None) -> str:
 
 
 def machine_key() -> str:
-    """What a stored choice is valid for: the CPU's model and flags, torch's and gpt2kit's versions."""
+    """What a stored choice is valid for: the CPU's model and flags, torch's and gpt2kit's versions, and
+    the native kernels' sources (a changed kernel is measured anew)."""
     from gpt2kit import __version__
 
     flags = " ".join(sorted(cpu_flags()))
-    return f"{cpu_info()['cpu']} | flags {flags} | torch {torch.__version__} | gpt2kit {__version__}"
+    return (f"{cpu_info()['cpu']} | flags {flags} | torch {torch.__version__} | gpt2kit {__version__}"
+            f" | kernels {native.sources_digest()}")
 
 
 @dataclass

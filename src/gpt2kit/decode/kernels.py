@@ -186,10 +186,19 @@ class PlainKernels:
         self._slot = _Slot(keep) if _slot is None else _slot
         self._linear = self if _product is F.linear else PlainKernels(_product=F.linear, _slot=self._slot)
         self._f32: PlainKernels | None = None  # single float32 rows on gpt2kit's kernel (use_f32)
+        self.f32_kernel = "torch"  # what this set's single float32 rows run on (decode.f32.KERNELS)
 
     def use_f32(self, kernel: str) -> None:
         """Run single float32 rows on `kernel` (one of decode.f32.KERNELS; "torch": F.linear)."""
         self._f32 = None if kernel == "torch" else PlainKernels(_product=f32.product(kernel), _slot=self._slot)
+        if self._f32 is not None:
+            self._f32.f32_kernel = kernel
+
+    @property
+    def keeps_binding(self) -> bool:
+        """Whether the binding lives between steps (a generation's set; not PLAIN): what a native step
+        built for the binding needs (decode.native_step)."""
+        return self._slot.keep
 
     def bind(self, model: nn.Module) -> Binding:
         return self._slot.bind(model)

@@ -5,8 +5,9 @@ and, where the CPU has it, AVX-512 VNNI (one library holds both; `why_int8act_un
 whether this CPU runs an instruction set, from its flags), and the float32 few-row product of
 csrc/f32_linear.c (gpt2kit/decode/f32.py), for AVX2 + FMA and, where the CPU has avx512f, AVX-512
 (`why_f32_unavailable(isa)`): PyTorch runs a single float32 row's product on one thread, this one
-splits the output columns between the threads. Each library is built, cached and loaded on its
-own, as described below for the first.
+streams each thread's contiguous half of the matrix; and csrc/step.c, the whole batch-1 decode step
+in one call on those products (gpt2kit/decode/native_step.py). Each library is built, cached and
+loaded on its own, as described below for the first.
 
 Why a kernel of our own: a batch-1 decode step reads every weight once, so an int8 model should run
 at the speed of streaming its int8 bytes from memory. PyTorch's `_weight_int8pack_mm` is compute
@@ -61,9 +62,10 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "
 ABI = 1  # csrc/int8_linear.c's gpt2kit_int8_linear_abi(): the signature this module calls
 ABI_INT8ACT = 1  # csrc/int8act_linear.c's gpt2kit_int8act_linear_abi()
 ABI_F32 = 1  # csrc/f32_linear.c's gpt2kit_f32_linear_abi()
+ABI_STEP = 1  # csrc/step.c's gpt2kit_step_abi()
 # The libraries, by their C source's stem: each is built, cached and loaded on its own, so one that
 # fails to build (an old compiler without the AVX-512 VNNI target) leaves the other in use.
-_LIBS = {"int8_linear": ABI, "int8act_linear": ABI_INT8ACT, "f32_linear": ABI_F32}
+_LIBS = {"int8_linear": ABI, "int8act_linear": ABI_INT8ACT, "f32_linear": ABI_F32, "step": ABI_STEP}
 _SOLO_STATS: dict[str, object] = {}  # library -> its C function gpt2kit_<lib>_solo_stats (csrc/solo.h)
 _STATE: dict[str, dict[str, object]] = {}  # library -> {"fn": the loaded function} or {"why": the reason there is none}
 ISAS = {"avx2": 1, "avx512-vnni": 2}  # csrc/int8act_linear.c's isa argument
@@ -79,6 +81,14 @@ def _headers() -> dict[str, bytes]:
     """The headers every kernel source may include (csrc/*.h: solo.h, the thread-count fallback), by name."""
     folder = resources.files("gpt2kit.decode").joinpath("csrc")
     return {f.name: f.read_bytes() for f in sorted(folder.iterdir(), key=lambda f: f.name) if f.name.endswith(".h")}
+
+
+def sources_digest() -> str:
+    """A short hash of every kernel source here (csrc/*.c and *.h): a stored kernel choice names it,
+    so a changed kernel is measured anew (decode/kernel_choice.py)."""
+    folder = resources.files("gpt2kit.decode").joinpath("csrc")
+    files = sorted((f for f in folder.iterdir() if f.name.endswith((".c", ".h"))), key=lambda f: f.name)
+    return hashlib.sha256(b"".join(f.name.encode() + b"\0" + f.read_bytes() + b"\0" for f in files)).hexdigest()[:12]
 
 
 def cache_dir() -> Path:
@@ -160,6 +170,11 @@ def load(directory: Path | None = None, lib: str = "int8_linear"):
     if stats is not None:
         stats.argtypes, stats.restype = [ctypes.c_void_p], None
     _SOLO_STATS[lib] = stats
+    if lib == "step":  # net, x, kv, s_layer, s_kv, s_head, s_pos, P, logits, threads (decode/native_step.py)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                       ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return fn
     if lib == "f32_linear":  # x, M, K, Wt, ldw, N, b, y, threads, isa
         fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                        ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
@@ -273,6 +288,11 @@ def run_int8_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 def f32_linear(reload: bool = False):
     """The float32 few-row C function (csrc/f32_linear.c), as int8_linear() gives the weight-only one."""
     return _function("f32_linear", reload)
+
+
+def step(reload: bool = False):
+    """The batch-1 decode step's C function (csrc/step.c; gpt2kit/decode/native_step.py calls it)."""
+    return _function("step", reload)
 
 
 def why_f32_unavailable(isa: str) -> str | None:

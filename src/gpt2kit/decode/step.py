@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 import gpt2kit.decode.f32 as f32
+import gpt2kit.decode.native_step as native_step
 from gpt2kit.decode.kernels import PLAIN, PlainKernels, choose_half_kernels
 from gpt2kit.decode.packed import PackedWeights, packed_weights
 from gpt2kit.kv_cache import KVCache
@@ -136,6 +137,11 @@ def decode_step(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask: 
     # a swapped wte (int8 rows) looks its rows up
     tok = F.embedding(idx[:, 0], bound.wte) if bound.wte is not None else bound.wte_module(idx[:, 0])
     x = tok + bound.wpe[pos]  # (B, C)
+    if B == 1 and mask is None and getattr(k_set, "keeps_binding", False):
+        native = native_step.for_binding(model, bound, k_set.f32_kernel)  # the whole step in C, where it applies
+        logits = native(x, cache) if native is not None else None
+        if logits is not None:
+            return logits if logits.shape[-1] == cfg.n_vocab else logits[:, :cfg.n_vocab]  # (1, V)
     cudnn = torch.backends.cudnn.enabled  # what F.layer_norm passes, read once
     for i, (ln_1w, ln_1b, c_attn, attn_proj, ln_2w, ln_2b, c_fc, mlp_proj) in enumerate(bound.blocks):
         h = torch.layer_norm(x, (C,), ln_1w, ln_1b, eps, cudnn)
