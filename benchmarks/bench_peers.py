@@ -446,7 +446,7 @@ def format_table(r: dict) -> str:
             at = ", ".join(f"{k.split('/')[0]} {x / lim:.0%}" for k, x in b1.items() if k.endswith(f"/{dtype}"))
             parts.append(f"{dtype} {r['bytes_per_token'][dtype] / 1e6:.0f} MB -> {lim:.1f} tok/s ({at})")
         lines += ["", f"physical limit, batch-1 decode (weights read per token / {r['bandwidth_GBs']:.1f} GB/s, "
-                      f"a 1 GiB float32 sum): " + "; ".join(parts)]
+                      f"a 1 GiB float32 sum on huge pages): " + "; ".join(parts)]
     for k, why in r["skipped"].items():
         lines.append(f"skipped {k}: {why}")
     lines.append("int8 means: gpt2kit int8 weights, float activations; gpt2kit int8-act. (opt-in, ungated here: "

@@ -122,9 +122,15 @@ def weight_bytes_per_token(model: GPT2) -> int:
 
 
 def memory_bandwidth(trials: int = 5, device: torch.device | str = "cpu") -> float:
-    """Bytes/s of a 1 GiB float32 sum on the device (CPU: with the current thread count)."""
+    """Bytes/s of a 1 GiB float32 sum on the device (CPU: with the current thread count, on huge pages
+    where decode/layout.py puts a model's weights, so the figure is what the decode step can stream)."""
     device = torch.device(device)
     x = torch.ones(2**28, device=device)
+    if device.type == "cpu":
+        from gpt2kit.decode.layout import huge_pages_available, on_huge_pages
+
+        if huge_pages_available():
+            x = on_huge_pages(x)
     fn = synced(lambda: x.sum(), device)
     fn()
     best = min(trial(fn)[0] for _ in range(trials))
