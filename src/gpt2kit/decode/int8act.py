@@ -90,6 +90,24 @@ def _int_mm(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(q, weight.t())
 
 
+def _int_mm_native(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """w8a8-int-mm on the CPU with the rows quantized and the sums rescaled by csrc/int8act_linear.c (the
+    same bits as quantize_rows and rescale, without their dozen passes over the rows)."""
+    quantize, rescale_c = native.int8act_rows()
+    R, K = x2.shape
+    N = weight.shape[0]
+    threads = torch.get_num_threads()
+    q, sx = torch.empty(R, K, dtype=torch.int8), torch.empty(R)
+    quantize(x2.data_ptr(), R, K, q.data_ptr(), sx.data_ptr(), threads)
+    acc = _int_mm(q, weight).contiguous()  # (R, N) int32
+    b = bias.float().contiguous() if bias is not None else None
+    y = torch.empty(R, N)
+    rescale_c(acc.data_ptr(), R, N, sx.data_ptr(), scale.data_ptr(), None if b is None else b.data_ptr(),
+              y.data_ptr(), threads)
+    return y
+
+
 def run_kernel(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x2 (R, in) float, weight (out, in) int8, scale (out,) [, bias (out,)] -> (R, out) in x2's dtype,
@@ -107,6 +125,8 @@ def run_kernel(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch
                                       int8._scale_as(scale, torch.float32).contiguous(), bias if plain else None,
                                       _ISA[kernel])
         y = y if plain else y + bias.float()
+    elif kernel == "w8a8-int-mm" and xf.is_cpu and native.int8act_rows() is not None:
+        y = _int_mm_native(xf.contiguous(), weight, int8._scale_as(scale, torch.float32).contiguous(), bias)
     elif kernel in ("w8a8-int-mm", "w8a8-emulated"):
         q, sx = quantize_rows(xf)
         acc = (_int_mm(q, weight) if kernel == "w8a8-int-mm"

@@ -67,6 +67,7 @@ ABI_STEP = 1  # csrc/step.c's gpt2kit_step_abi()
 # fails to build (an old compiler without the AVX-512 VNNI target) leaves the other in use.
 _LIBS = {"int8_linear": ABI, "int8act_linear": ABI_INT8ACT, "f32_linear": ABI_F32, "step": ABI_STEP}
 _SOLO_STATS: dict[str, object] = {}  # library -> its C function gpt2kit_<lib>_solo_stats (csrc/solo.h)
+_ROWS: dict[str, object] = {}  # "quantize", "rescale": csrc/int8act_linear.c's halves around another GEMM
 _STATE: dict[str, dict[str, object]] = {}  # library -> {"fn": the loaded function} or {"why": the reason there is none}
 ISAS = {"avx2": 1, "avx512-vnni": 2}  # csrc/int8act_linear.c's isa argument
 _VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
@@ -170,6 +171,14 @@ def load(directory: Path | None = None, lib: str = "int8_linear"):
     if stats is not None:
         stats.argtypes, stats.restype = [ctypes.c_void_p], None
     _SOLO_STATS[lib] = stats
+    if lib == "int8act_linear":  # x, R, K, q, sx, threads / acc, R, N, sx, s, b, y, threads
+        quantize, rescale = dll.gpt2kit_int8act_quantize, dll.gpt2kit_int8act_rescale
+        quantize.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_int]
+        rescale.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        quantize.restype = rescale.restype = None
+        _ROWS.update(quantize=quantize, rescale=rescale)
     if lib == "step":  # net, x, kv, s_layer, s_kv, s_head, s_pos, P, logits, threads (decode/native_step.py)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                        ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
@@ -267,6 +276,14 @@ def run_int8act_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
                         ISAS[isa]) != 0:
         raise MemoryError(f"the int8-activation kernel could not allocate {R} x {K} bytes of scratch")
     return y
+
+
+def int8act_rows() -> tuple[object, object] | None:
+    """csrc/int8act_linear.c's (quantize, rescale): the int8-activation arithmetic's two halves, for
+    another int8 GEMM between them (decode/int8act.py's torch._int_mm kernel), or None where the
+    library cannot run here."""
+    int8act_linear()
+    return (_ROWS["quantize"], _ROWS["rescale"]) if "quantize" in _ROWS else None
 
 
 def run_int8_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -271,4 +271,57 @@ int gpt2kit_int8act_linear(const float *x, long R, long K, const int8_t *W, long
     return 0;
 }
 
+/* The two halves of the arithmetic above around another int8 GEMM (torch._int_mm, oneDNN's, which is
+ * faster for many rows): q (R, K) int8 and sx (R,) from x, and y from that GEMM's int32 sums acc
+ * (R, N). The same operations as quantize_row and store_row, so the result is the same bits as
+ * gpt2kit_int8act_linear's (and as gpt2kit/decode/int8act.py's torch formulation). Rows in parallel. */
+void gpt2kit_int8act_quantize(const float *x, long R, long K, int8_t *q, float *sx, int threads) {
+    threads = solo_threads(threads);
+    double starts[SOLO_MAX_THREADS] = {0};
+    const double t0 = threads > 1 ? solo_now() : 0.0;
+    #pragma omp parallel num_threads(threads)
+    {
+        if (threads > 1) SOLO_START(starts, threads);
+        #pragma omp for schedule(static)
+        for (long r = 0; r < R; r++) {
+            const float *xr = x + r * K;
+            int8_t *qr = q + r * K;
+            float a = 0.0f;
+            int finite = 1;
+            for (long k = 0; k < K; k++) {
+                float v = fabsf(xr[k]);
+                finite &= isfinite(v) != 0;
+                a = v > a ? v : a;
+            }
+            if (!finite || a < FLT_MIN) {
+                sx[r] = finite ? 0.0f : NAN;
+                memset(qr, 0, (size_t)K);
+                continue;
+            }
+            const float inv = 127.0f / a;
+            sx[r] = a / 127.0f;
+            for (long k = 0; k < K; k++) {
+                float v = rintf(xr[k] * inv);
+                qr[k] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+            }
+        }
+    }
+    solo_after(threads, t0, starts);
+}
+
+void gpt2kit_int8act_rescale(const int32_t *acc, long R, long N, const float *sx, const float *s, const float *b,
+                             float *y, int threads) {
+    threads = solo_threads(threads);
+    double starts[SOLO_MAX_THREADS] = {0};
+    const double t0 = threads > 1 ? solo_now() : 0.0;
+    #pragma omp parallel num_threads(threads)
+    {
+        if (threads > 1) SOLO_START(starts, threads);
+        #pragma omp for schedule(static)
+        for (long r = 0; r < R; r++)
+            for (long n = 0; n < N; n++) store_row(y + r * N, n, acc[r * N + n], sx[r], s, b);
+    }
+    solo_after(threads, t0, starts);
+}
+
 SOLO_EXPORT(int8act_linear)
