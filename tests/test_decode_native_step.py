@@ -152,3 +152,19 @@ def test_a_moved_parameter_rebuilds_the_step(monkeypatch):
     cache.length = 3
     ref = decode_step(m, ids[3:4][None], cache, None, ks)
     assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_an_engine_step_that_writes_elsewhere_too_keeps_the_python_step(monkeypatch):
+    from gpt2kit.engine.batch_cache import StepCache
+
+    _f32_kernel(monkeypatch, "native-avx2")
+    monkeypatch.setenv(native_step.ENV, "1")
+    m = _model()
+    ks = kernels_for(m, 1)
+    kv = KVCache.for_model(m, 1, 8).kv
+    home = (torch.tensor([0]), torch.tensor([1]))  # a shorter row: its own column too
+    before = _native_calls()
+    decode_step(m, torch.tensor([[3]]), StepCache(kv, 2, None, home), None, ks)
+    assert _native_calls() == before
+    decode_step(m, torch.tensor([[3]]), StepCache(kv, 2, None, None), None, ks)  # plain: native
+    assert _native_calls() > before

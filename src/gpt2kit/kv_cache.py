@@ -48,6 +48,8 @@ class KVCache:
         cache.length = P
         return cache
 
+    plain = True  # a new column is written at `length` alone (engine.StepCache may write elsewhere too)
+
     @property
     def batch_size(self) -> int:
         return self.kv.shape[1]

@@ -144,11 +144,12 @@ class NativeStep:
 
     def __call__(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
         """Logits (1, V rows of the head) for the embedded token x (1, C) at position cache.length, the
-        cache written there and advanced; None (nothing advanced) where the cache's layout or the
-        C side refuses (the caller runs the Python step)."""
+        cache written there and advanced; None (nothing advanced) where the cache is not a plain one
+        (`cache.plain`: KVCache, or an engine step that writes at P alone), its layout does not fit,
+        or the C side refuses (the caller runs the Python step)."""
         kv = cache.kv
-        if (kv.dtype != torch.float32 or not kv.is_cpu or kv.shape[1] != 1 or kv.stride(-1) != 1
-                or x.dtype != torch.float32 or cache.length >= kv.shape[4]):
+        if (not getattr(cache, "plain", False) or kv.dtype != torch.float32 or not kv.is_cpu or kv.shape[1] != 1
+                or kv.stride(-1) != 1 or x.dtype != torch.float32 or cache.length >= kv.shape[4]):
             return None
         x = x.contiguous().clone()  # (1, C) float32, clobbered by C
         logits = torch.empty(1, self._n_head_rows)

@@ -56,6 +56,12 @@ class StepCache:
     def max_len(self) -> int:
         return self.kv.shape[4]
 
+    @property
+    def plain(self) -> bool:
+        """Whether this step writes every row's new column at P alone, as KVCache does (no row left
+        out, none shorter): what a writer of kv that bypasses update_kv may assume (decode.native_step)."""
+        return self._write is None and self._home is None
+
     def update_kv(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write kv (B, 2, nh, 1, hs) as described above; return views (B, nh, P + 1, hs)."""
         P = self.length
