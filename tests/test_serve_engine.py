@@ -243,3 +243,36 @@ def test_engine_loop_steps_a_generator_between_steps_and_closes_it_when_cancelle
     finally:
         loop.stop()
     assert row.tokens == _alone(model, PROMPTS[1], SETTINGS[0])
+
+
+def test_an_idle_engine_loop_gathers_arrivals_within_its_admission_window_into_one_first_step():
+    import threading
+    import time
+
+    from gpt2kit.engine import EngineLoop
+
+    model = random_model(SMALL)
+    first_step_rows, finished, lock = [], [], threading.Lock()
+    done = threading.Event()
+
+    def on_events(events):
+        with lock:
+            if not first_step_rows:
+                first_step_rows.append({id(e.row) for e in events if e.token >= 0})
+            finished.extend(e.row for e in events if e.finish_reason)
+            if len(finished) == 2:
+                done.set()
+
+    engine = Engine(model, max_batch=4)
+    loop = EngineLoop(engine, on_events, lambda rows, e: None, admission_window=2.0).start()
+    try:
+        s = SamplingSettings(temperature=0, max_new_tokens=2, stop_token_ids=())
+        a, b = engine.new_row([1, 2, 3], s), engine.new_row([4, 5], s)
+        loop.submit([a])
+        time.sleep(0.05)  # well inside the window: b joins a's first step
+        loop.submit([b])
+        assert done.wait(60)
+    finally:
+        loop.stop()
+    assert first_step_rows == [{id(a), id(b)}]
+    assert a.tokens == _alone(model, [1, 2, 3], s) and b.tokens == _alone(model, [4, 5], s)

@@ -18,6 +18,8 @@ from gpt2kit.serve.options import ServeOptions
     ("max_body_bytes", 0, "max_body_bytes must be an integer >= 1, got 0"),
     ("prefix_cache_tokens", -1, "prefix_cache_tokens must be an integer >= 0"),
     ("read_timeout", 0.0, "read_timeout must be a finite number of seconds >= 0.001"),
+    ("admission_window", -0.1, "admission_window must be seconds in [0, 1], got -0.1"),
+    ("admission_window", 2, "admission_window must be seconds in [0, 1], got 2"),
 ])
 def test_bad_values_raise_naming_the_value_and_the_limit(field, value, needle):
     with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("(", r"\(")):

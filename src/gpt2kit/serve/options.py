@@ -31,6 +31,10 @@ class ServeOptions:
               "prompts joining an idle server gets its first tokens after one step; at least --prefill-chunk, each "
               "prompt still cut in chunks of --prefill-chunk (default: one chunk of every joining row, i.e. up to "
               "--max-batch x --prefill-chunk)", metavar="TOKENS")
+    admission_window: float = _setting(
+        0.008, "seconds an idle engine waits after a request arrives for others to join its first step, so a "
+               "burst is prefilled in one forward instead of the first request alone then the rest (default 0.008; "
+               "0: start at once)", metavar="SECONDS")
     max_tokens_per_request: int | None = _setting(None, "cap on max_tokens (default: n_ctx)")
     api_key: str | None = _setting(
         None, "require 'Authorization: Bearer KEY' (all but /health); visible in the process list: prefer "
@@ -81,6 +85,8 @@ class ServeOptions:
                       lambda v: v >= 1)
         check_int("ServeOptions.prefix_cache_tokens", self.prefix_cache_tokens, ">= 0 (0: off)", lambda v: v >= 0)
         check_int("ServeOptions.max_body_bytes", self.max_body_bytes, ">= 1", lambda v: v >= 1)
+        if not isinstance(self.admission_window, int | float) or not 0.0 <= self.admission_window <= 1.0:
+            raise ValueError(f"ServeOptions.admission_window must be seconds in [0, 1], got {self.admission_window!r}")
         for name, least in (("shutdown_grace", 0.0), ("read_timeout", 1e-3), ("keep_alive_timeout", 1e-3)):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not least <= value < math.inf:

@@ -70,7 +70,8 @@ class Server:
             engine = serve_engine(model, tokenizer, max_batch=o.max_batch, pack_weights=o.pack_weights,
                                   draft_model=o.draft_model, draft_tokens=o.draft_tokens, prompt_lookup=o.prompt_lookup,
                                   prefill_chunk=o.prefill_chunk, prefill_idle_budget=o.prefill_idle_budget)
-            self.engine_loop = EngineLoop(engine, self._on_events, self._on_error).start()
+            self.engine_loop = EngineLoop(engine, self._on_events, self._on_error,
+                                          admission_window=o.admission_window).start()
             self.model, self.tokenizer = model, tokenizer
             self.ready = True
         except Exception as e:  # reported by /health and to the CLI
