@@ -10,6 +10,13 @@ two servers, interleaved:
 continuous batching (--max-batch = clients) and one request at a time (--max-batch 1); the ratio
 of their token throughputs is printed last. Each server is a `gpt2kit serve` subprocess on
 127.0.0.1 with a random-weight model of the preset's shape (the speed does not depend on values).
+
+--url adds an already-running OpenAI-compatible server (vLLM's, say) as a third row, named by
+--url-name, sent --url-model as the model: the same requests, interleaved round by round with
+gpt2kit's; --only-url leaves out the one-at-a-time server. A streamed chunk counts as many output
+tokens as its choice's `logprobs.tokens` lists, or one when it has none but non-empty `text`; a
+chunk with neither (a finish_reason-only or usage-only chunk) counts none (`chunk_tokens`), so
+gpt2kit's chunks and vLLM's are counted alike.
 """
 
 from __future__ import annotations
@@ -67,9 +74,21 @@ def _start(model_dir: str, max_batch: int, clients: int, threads: int | None, ex
                         env={**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None)
 
 
-async def _one(client, url: str, prompt: str, max_tokens: int, arrived: float) -> dict:
+def chunk_tokens(chunk: dict) -> int:
+    """How many output tokens one streamed /v1/completions chunk carries: the length of its first
+    choice's `logprobs.tokens` when that is non-empty (a token whose bytes are not yet whole text
+    has `text` "" but is listed there), else 1 for a non-empty `text`, else 0 (finish_reason- or
+    usage-only chunks, `choices` empty)."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return 0
+    tokens = (choices[0].get("logprobs") or {}).get("tokens") or []
+    return len(tokens) if tokens else int(bool(choices[0].get("text")))
+
+
+async def _one(client, url: str, prompt: str, max_tokens: int, arrived: float, model: str = "bench") -> dict:
     sent = time.perf_counter()
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "logprobs": 0, "logit_bias": {"50256": -100}}
     times = []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -77,16 +96,15 @@ async def _one(client, url: str, prompt: str, max_tokens: int, arrived: float) -
             return {"ok": False, "status": r.status_code}
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["logprobs"]["tokens"]:
-                    times.append(time.perf_counter())
+                times.extend([time.perf_counter()] * chunk_tokens(json.loads(line[6:])))
     ok = len(times) == max_tokens
     return {"ok": ok, "ttft": times[0] - arrived if times else None, "sent_ttft": times[0] - sent if times else None,
             "times": times, "arrived": arrived,
             "tokens": len(times)}
 
 
-async def _load(url: str, n: int, clients: int, rate: float, max_tokens: int, seed: int) -> dict:
+async def _load(url: str, n: int, clients: int, rate: float, max_tokens: int, seed: int, model: str = "bench"
+                ) -> dict:
     import httpx
 
     rng = random.Random(seed)
@@ -99,7 +117,7 @@ async def _load(url: str, n: int, clients: int, rate: float, max_tokens: int, se
             await asyncio.sleep(max(0.0, at - time.perf_counter()))
             arrived = time.perf_counter()
             async with sem:
-                return await _one(client, url, prompts[i], max_tokens, arrived)
+                return await _one(client, url, prompts[i], max_tokens, arrived, model)
 
         start = time.perf_counter()
         at, tasks = start, []
@@ -127,7 +145,7 @@ def _stats(xs: list[float]) -> dict:
             "p99": xs[min(len(xs) - 1, round(0.99 * (len(xs) - 1)))]}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt2", help="model shape (random weights), default gpt2 (124M)")
     p.add_argument("--model", default=None, help="a checkpoint directory instead of a random preset")
@@ -135,12 +153,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=32, help="requests per run (default 32)")
     p.add_argument("--rate", type=float, default=16.0, help="Poisson arrival rate, requests/s (default 16)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default 32)")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the two servers (default 2)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the servers (default 2)")
     p.add_argument("--threads", type=int, default=None, help="torch threads in the servers (OMP_NUM_THREADS)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--serve-args", default="", help="extra `gpt2kit serve` flags for both servers, one string "
                                                     "(e.g. \"--prefill-idle-budget 128\")")
+    p.add_argument("--url", default=None, help="also measure this running OpenAI-compatible server "
+                                               "(e.g. http://127.0.0.1:8011, vLLM's), interleaved with gpt2kit's")
+    p.add_argument("--url-name", default="external", help="its row's name in the table (default external)")
+    p.add_argument("--url-model", default="bench", help="the model name sent to it (default bench)")
+    p.add_argument("--only-url", action="store_true", help="with --url: leave out the one-at-a-time server "
+                                                           "(--url's server and continuous batching only)")
     args = p.parse_args(argv)
+    if args.only_url and not args.url:
+        p.error("--only-url needs --url")
+    if args.url and args.url_name in ("continuous batching", "one at a time"):
+        p.error(f"--url-name must differ from gpt2kit's rows, got {args.url_name!r}")
+    args.url = args.url.rstrip("/") if args.url else None
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     extra = tuple(args.serve_args.split())
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,25 +185,34 @@ def main(argv: list[str] | None = None) -> int:
 
             model_dir = os.path.join(tmp, args.preset)
             save_model(GPT2.from_name(args.preset), model_dir)
-        servers = {"continuous batching": _start(model_dir, args.clients, args.clients, args.threads, extra),
-                   "one at a time": _start(model_dir, 1, args.clients, args.threads, extra)}
-        runs: dict[str, list[dict]] = {k: [] for k in servers}
+        procs, servers = [], {}  # servers: row name -> (URL, model name), in the order each round runs them
         try:
-            for _, url in servers.values():  # warm-up (first-use allocations, packing)
-                asyncio.run(_load(url, 2, 2, 100.0, 4, seed=0))
+            kinds = {"continuous batching": args.clients} if args.only_url else \
+                {"continuous batching": args.clients, "one at a time": 1}
+            for k, max_batch in kinds.items():
+                proc, url = _start(model_dir, max_batch, args.clients, args.threads, extra)
+                procs.append(proc)
+                servers[k] = (url, "bench")
+            if args.url:
+                servers[args.url_name] = (args.url, args.url_model)
+            runs: dict[str, list[dict]] = {k: [] for k in servers}
+            for url, model in servers.values():  # warm-up (first-use allocations, packing)
+                asyncio.run(_load(url, 2, 2, 100.0, 4, seed=0, model=model))
             for rnd in range(args.rounds):
-                for k, (_, url) in servers.items():
-                    r = asyncio.run(_load(url, args.requests, args.clients, args.rate, args.max_tokens, seed=rnd))
+                for k, (url, model) in servers.items():
+                    r = asyncio.run(_load(url, args.requests, args.clients, args.rate, args.max_tokens, seed=rnd,
+                                          model=model))
                     runs[k].append(r)
                     print(f"round {rnd + 1} {k}: {r['tok_per_s']:.1f} tok/s, {r['failed']} failed", file=sys.stderr)
         finally:
-            for proc, _ in servers.values():
+            for proc in procs:
                 proc.terminate()
                 proc.wait(30)
 
     print(f"# bench_serve: {args.model or args.preset + ' (random weights)'}, {args.clients} clients, "
           f"{args.requests} requests x {args.max_tokens} tokens, Poisson {args.rate}/s, {args.rounds} rounds, "
-          f"serve flags: {args.serve_args or '(none)'}")
+          f"serve flags: {args.serve_args or '(none)'}"
+          + (f"; {args.url_name}: {args.url} (model {args.url_model})" if args.url else ""))
     print(f"# CPU: {describe_cpu()}; torch threads: {args.threads or 'default'}; "
           f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     print("| server | req/s | tok/s | TTFT mean / median / p99 (ms) | sent-TTFT mean / median / p99 (ms) | "
@@ -183,11 +226,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {k} | {r['req_per_s']:.2f} | {r['tok_per_s']:.1f} | {ms(r['ttft'])} | {ms(r['sent_ttft'])} | "
               f"{ms(r['tpot'])} | "
               f"{ms(r['itl'])} | {sum(x['failed'] for x in rs)} |")
-    ratio = best["continuous batching"]["tok_per_s"] / best["one at a time"]["tok_per_s"]
-    print(f"\ncontinuous batching / one at a time, token throughput: {ratio:.2f}x")
+    ratios = {f"continuous batching / {k}": best["continuous batching"]["tok_per_s"] / best[k]["tok_per_s"]
+              if best[k]["tok_per_s"] else float("nan") for k in best if k != "continuous batching"}
+    print()
+    for name, ratio in ratios.items():
+        print(f"{name}, token throughput: {ratio:.2f}x")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "runs": runs, "ratio": ratio, "cpu": describe_cpu()}, f, indent=1)
+        from gpt2kit._io import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps({"args": vars(args), "runs": runs, "ratios": ratios,
+                                                 "ratio": ratios.get("continuous batching / one at a time"),
+                                                 "cpu": describe_cpu()}, indent=1))
     return 0
 
 
