@@ -8,12 +8,15 @@ The cache: one left-padded KVCache per model (the target's and, with a draft mod
 columns shared, one mask for both. A step writes k + 1 columns for every row ([the row's pending
 token, its drafts], padded to the batch's widest draft); the columns of the drafts a row did not
 keep are masked out, leaving holes that positions (counted from the mask) skip, so each row
-computes what it would alone. When the cache fills, every row's real columns are packed
-right-aligned into a new one.
+computes what it would alone. The first rows' prefill caches are the batch's (their real columns
+are right-aligned already), sized for every step the rows may still take (up to n_ctx: columns
+never written cost no memory on CPU); rows that finish are dropped in place (KVCache.keep). Only
+when the cache fills, or rows join running ones, are every row's real columns packed right-aligned
+into a new one.
 
 Rows join as in gpt2kit.engine.scheduler: at the next step after a prefill of their own (their
-first token from it), at most max_batch running; the running and joining rows' real columns are
-then packed into new caches. The whole sequence stays in the context: prompt + max_new_tokens +
+first token from it), at most max_batch running; rows joining running ones: both parts' real
+columns are then packed into new caches. The whole sequence stays in the context: prompt + max_new_tokens +
 draft tokens must fit in n_ctx (checked before anything runs: gpt2kit.generate, the server's routing).
 
 Legend: L layers, B rows, K drafts per row this step, P cache columns, M cache size, V vocab.
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpt2kit.config import EOT_ID
-from gpt2kit.decode import decode_step, decode_tokens, kernels_for, prefill
+from gpt2kit.decode import Kernels, decode_step, decode_tokens, kernels_for, prefill
 from gpt2kit.engine.outputs import advance, token_logprobs
 from gpt2kit.engine.rows import Row, RowEvent
 from gpt2kit.engine.scheduler import Engine
@@ -77,6 +80,7 @@ class SpeculativeEngine:
         self._pending: torch.Tensor | None = None  # (B,) each row's newest token, not yet fed
         self._P = 0  # cache columns written
         self._draft_q: list[list[torch.Tensor]] = []  # this step's draft distributions per row (sampled)
+        self._kernel_sets: dict[tuple[int, int], Kernels | None] = {}  # (model's index, rows) -> its set
 
     def new_row(self, prompt: Sequence[int], settings: SamplingSettings, **kw) -> Row:
         return self._rows_from.new_row(prompt, settings, **kw)
@@ -106,6 +110,7 @@ class SpeculativeEngine:
             dropped = self.rows + list(self._waiting)
             self._waiting.clear()
         self.rows, self._caches, self._mask, self._pending, self._P = [], [], None, None, 0
+        self._kernel_sets = {}
         return dropped
 
     @torch.inference_mode()
@@ -164,6 +169,7 @@ class SpeculativeEngine:
                     rows.append(row)
         if not rows:
             return []
+        self._kernel_sets = {}
         T = max(len(row.prompt) for row in rows)
         M = T if self.rows else self._columns(T, rows)  # alone, the prefill's caches are the batch's
         caches, mask, logits = _prefill_rows([m for m in (self.model, self.draft) if m is not None], rows, M)
@@ -209,7 +215,7 @@ class SpeculativeEngine:
         if max(caps) > 0:
             self._room(max(caps) + 1)
             self._mask[:, self._P:self._P + max(caps) + 1] = 1
-            kernels = kernels_for(self.draft, len(self.rows), self.pack_weights)
+            kernels = self._kernels(1, len(self.rows))
             return _draft_tokens(self.draft, self._caches[1], self._mask[:, :self._P + max(caps) + 1], self._pending,
                                  self.rows, caps, self._draft_q, kernels)
         return [[] for _ in self.rows]
@@ -228,8 +234,17 @@ class SpeculativeEngine:
         self._mask[:, P:P + K + 1] = 1
         mask = self._mask[:, :P + K + 1]
         # the flat step on B * (K + 1) rows: the weights read about once, as for one token a row
-        kernels = kernels_for(self.model, B * (K + 1), self.pack_weights)
-        return decode_tokens(self.model, idx, cache, mask, kernels)  # (B, K + 1, V)
+        return decode_tokens(self.model, idx, cache, mask, self._kernels(0, B * (K + 1)))  # (B, K + 1, V)
+
+    def _kernels(self, which: int, rows: int) -> Kernels | None:
+        """The kernel set of the target (which 0) or the draft (1) for steps of `rows` rows, chosen
+        once per row count between admissions (as Engine keeps its own per batch size): a set keeps
+        its model's binding, and rows joining choose again (a model given hooks since, say)."""
+        key = (which, rows)
+        if key not in self._kernel_sets:
+            model = self.model if which == 0 else self.draft
+            self._kernel_sets[key] = kernels_for(model, rows, self.pack_weights)
+        return self._kernel_sets[key]
 
     # -- the cache --
 
