@@ -203,6 +203,38 @@ def test_decode_step_equals_forward(dtype, padded):
         decode_step(model.train(), tok, caches[1])
 
 
+@pytest.mark.parametrize("rows", [[0, 2, 3], [1, 2, 3, 4], [0, 1], [4], [0, 1, 2, 3, 4]])
+def test_cache_keep_is_select_in_place(rows):
+    """keep(rows) leaves the cache select() leaves, in the same storage (nothing allocated)."""
+    a, b = KVCache(2, 5, 3, 7, 4), KVCache(2, 5, 3, 7, 4)
+    a.kv.copy_(torch.randn(a.kv.shape))
+    b.kv.copy_(a.kv)
+    ptr = b.kv.data_ptr()
+    a.select(torch.tensor(rows))
+    b.keep(rows)
+    assert torch.equal(a.kv, b.kv) and b.batch_size == len(rows) and b.kv.data_ptr() == ptr
+    k, _ = b.update_kv(1, torch.ones(len(rows), 2, 3, 1, 4))  # the view is written and read as a cache
+    assert torch.equal(k[:, :, 0], torch.ones(len(rows), 3, 4))
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
+def test_decode_step_without_head_writes_the_same_cache(pack):
+    """head=False (a draft's last token) writes the cache decode_step writes and returns no logits."""
+    model = random_model()
+    x, tok = _ids(TINY, 2, 6), _ids(TINY, 2, 1, seed=1)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :2] = 0
+    kernels = kernels_for(model, 2, pack)
+    caches = [KVCache.for_model(model, 2, 7) for _ in range(2)]
+    with torch.inference_mode():
+        for c in caches:
+            model(x, cache=c, attention_mask=mask[:, :6])
+        assert decode_step(model, tok, caches[0], mask, kernels) is not None
+        assert decode_step(model, tok, caches[1], mask, kernels, head=False) is None
+        assert decode_step(model, tok, KVCache.for_model(model, 2, 7), None, None, head=False) is None
+    assert caches[1].length == 7 and torch.equal(caches[0].kv, caches[1].kv)
+
+
 @pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("case", ["unpadded", "padded", "holes"])
 def test_decode_tokens_equals_forward(pack, case):

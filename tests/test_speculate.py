@@ -73,6 +73,23 @@ def test_draft_model_greedy_is_the_targets_greedy_for_200_tokens(target, draft_k
         assert all(c.acceptance_rate == 1.0 for c in spec)
 
 
+@pytest.mark.parametrize("draft_kind", ["other", "self"])  # every draft dropped / every draft kept
+def test_draft_model_rows_that_finish_apart_and_join_late_are_plain_greedy(target, draft_kind):
+    """Rows finishing at different steps leave (the caches compacted in place), a waiting row joins
+    the running ones (their columns packed together), and a long run outgrows the first cache: each
+    row's tokens are still plain greedy's."""
+    prompts = PROMPTS + [[5, 6, 7], [900, 901]]
+    free = generate(target, prompts, _greedy(40))
+    stops = {free[0].tokens[5], free[3].tokens[20]}  # two rows stop early, at different steps
+    kw = dict(temperature=0, stop_token_ids=tuple(t for t in stops if all(t not in c.tokens[:3] for c in free)))
+    for n in (12, 60, 230):  # 230: more columns than the first cache's room (drafts' columns too)
+        plain = generate(target, prompts, SamplingSettings(max_new_tokens=n, **kw))
+        spec = generate(target, prompts, SamplingSettings(max_new_tokens=n, draft_tokens=4, **kw),
+                        draft_model=varied_model(CTX, seed=1) if draft_kind == "other" else target, batch_size=3)
+        assert [(c.tokens, c.finish_reason) for c in spec] == [(c.tokens, c.finish_reason) for c in plain]
+        assert n < 60 or len({len(c.tokens) for c in plain}) > 2  # the rows did finish apart
+
+
 def test_streamed_speculative_steps_give_each_row_its_tokens_in_order(target):
     plain = generate(target, PROMPTS, _greedy(40))
     got = {k: [] for k in range(len(PROMPTS))}

@@ -113,13 +113,16 @@ def _f32_matrices(model: GPT2) -> list[tuple[torch.Tensor, torch.Tensor | None]]
 
 @torch.inference_mode()
 def decode_step(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None,
-                kernels: Kernels | None = PLAIN) -> torch.Tensor:
+                kernels: Kernels | None = PLAIN, *, head: bool = True) -> torch.Tensor | None:
     """One new token per row: idx (B, 1) at position P = cache.length -> logits (B, V).
 
     attention_mask (B, P + 1) as in forward, or None. No input checks: for callers whose ids, cache
-    and mask are valid by construction (generation)."""
+    and mask are valid by construction (generation). head=False: only the cache is written (a
+    speculative draft's last token, whose logits nobody reads), the final norm and LM head skipped;
+    returns None (the model's own forward, kernels=None, still computes them)."""
     if kernels is None:
-        return model(idx, cache=cache, attention_mask=attention_mask, last_logits_only=True).logits[:, -1]
+        logits = model(idx, cache=cache, attention_mask=attention_mask, last_logits_only=True).logits[:, -1]
+        return logits if head else None
     if model.training:
         raise ValueError("decode_step with kernels is for inference: call model.eval() first (it skips dropout)")
     cfg = model.config
@@ -137,7 +140,7 @@ def decode_step(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask: 
     # a swapped wte (int8 rows) looks its rows up
     tok = F.embedding(idx[:, 0], bound.wte) if bound.wte is not None else bound.wte_module(idx[:, 0])
     x = tok + bound.wpe[pos]  # (B, C)
-    if B == 1 and mask is None and getattr(k_set, "keeps_binding", False):
+    if B == 1 and mask is None and head and getattr(k_set, "keeps_binding", False):
         native = native_step.for_binding(model, bound, k_set.f32_kernel)  # the whole step in C, where it applies
         logits = native(x, cache) if native is not None else None
         if logits is not None:
@@ -152,6 +155,8 @@ def decode_step(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask: 
         h = torch.layer_norm(x, (C,), ln_2w, ln_2b, eps, cudnn)
         x = k_set.linear_add(k_set.linear_gelu(h, c_fc), mlp_proj, x)  # (B, C)
     cache.length = P + 1
+    if not head:
+        return None
     x = torch.layer_norm(x, (C,), bound.ln_f_weight, bound.ln_f_bias, eps, cudnn)
     if bound.head is None:
         return model.lm_head(x)  # (B, V): the swapped embedding's own product (gpt2kit.quant)

@@ -8,12 +8,15 @@ The cache: one left-padded KVCache per model (the target's and, with a draft mod
 columns shared, one mask for both. A step writes k + 1 columns for every row ([the row's pending
 token, its drafts], padded to the batch's widest draft); the columns of the drafts a row did not
 keep are masked out, leaving holes that positions (counted from the mask) skip, so each row
-computes what it would alone. When the cache fills, every row's real columns are packed
-right-aligned into a new one.
+computes what it would alone. The first rows' prefill caches are the batch's (their real columns
+are right-aligned already), sized for every step the rows may still take (up to n_ctx: columns
+never written cost no memory on CPU); rows that finish are dropped in place (KVCache.keep). Only
+when the cache fills, or rows join running ones, are every row's real columns packed right-aligned
+into a new one.
 
 Rows join as in gpt2kit.engine.scheduler: at the next step after a prefill of their own (their
-first token from it), at most max_batch running; the running and joining rows' real columns are
-then packed into new caches. The whole sequence stays in the context: prompt + max_new_tokens +
+first token from it), at most max_batch running; rows joining running ones: both parts' real
+columns are then packed into new caches. The whole sequence stays in the context: prompt + max_new_tokens +
 draft tokens must fit in n_ctx (checked before anything runs: gpt2kit.generate, the server's routing).
 
 Legend: L layers, B rows, K drafts per row this step, P cache columns, M cache size, V vocab.
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpt2kit.config import EOT_ID
-from gpt2kit.decode import decode_step, decode_tokens, kernels_for, prefill
+from gpt2kit.decode import Kernels, decode_step, decode_tokens, kernels_for, prefill
 from gpt2kit.engine.outputs import advance, token_logprobs
 from gpt2kit.engine.rows import Row, RowEvent
 from gpt2kit.engine.scheduler import Engine
@@ -77,6 +80,7 @@ class SpeculativeEngine:
         self._pending: torch.Tensor | None = None  # (B,) each row's newest token, not yet fed
         self._P = 0  # cache columns written
         self._draft_q: list[list[torch.Tensor]] = []  # this step's draft distributions per row (sampled)
+        self._kernel_sets: dict[tuple[int, int], Kernels | None] = {}  # (model's index, rows) -> its set
 
     def new_row(self, prompt: Sequence[int], settings: SamplingSettings, **kw) -> Row:
         return self._rows_from.new_row(prompt, settings, **kw)
@@ -106,6 +110,7 @@ class SpeculativeEngine:
             dropped = self.rows + list(self._waiting)
             self._waiting.clear()
         self.rows, self._caches, self._mask, self._pending, self._P = [], [], None, None, 0
+        self._kernel_sets = {}
         return dropped
 
     @torch.inference_mode()
@@ -119,9 +124,10 @@ class SpeculativeEngine:
     def _speculate(self) -> list[RowEvent]:
         drafts = self._drafts()
         logits = self._verify(drafts)  # (B, K + 1, V)
-        argmax = None  # plain greedy rows: one batched argmax
-        if all(row.settings.plain_greedy for row in self.rows) and torch.isfinite(logits.amax(-1)).all():
-            argmax = logits.argmax(-1).tolist()  # (B, K + 1)
+        argmax = None  # plain greedy rows: one batched argmax (the maxima checked finite from the same pass)
+        if all(row.settings.plain_greedy for row in self.rows):
+            top, at = logits.max(-1)  # (B, K + 1) each
+            argmax = at.tolist() if torch.isfinite(top).all() else None
         events, keep, last = [], [], []
         for r, row in enumerate(self.rows):
             q = self._draft_q[r] if self.draft is not None else None
@@ -163,7 +169,10 @@ class SpeculativeEngine:
                     rows.append(row)
         if not rows:
             return []
-        caches, mask, logits = _prefill_rows([m for m in (self.model, self.draft) if m is not None], rows)
+        self._kernel_sets = {}
+        T = max(len(row.prompt) for row in rows)
+        M = T if self.rows else self._columns(T, rows)  # alone, the prefill's caches are the batch's
+        caches, mask, logits = _prefill_rows([m for m in (self.model, self.draft) if m is not None], rows, M)
         failed = {}
         tok = next_tokens(logits, [row.sampler for row in rows], failed)  # (B,)
         events, keep = [], []
@@ -177,13 +186,18 @@ class SpeculativeEngine:
                 keep.append(r)
         if keep:
             sel = torch.tensor(keep, device=mask.device)
-            parts = [(caches, mask)] if not self.rows else [(self._caches, self._mask[:, :self._P]), (caches, mask)]
-            for c in caches:
-                c.select(sel)
-            parts[-1] = (caches, mask[sel])
-            W = max(int(m.sum(-1).max()) for _, m in parts)
-            M = min(self.model.config.n_ctx, W + 1 + ROOM)
-            self._caches, self._mask, self._P = pack_columns(parts, M)
+            if len(keep) < len(rows):
+                for c in caches:
+                    c.keep(keep)
+                mask = mask[sel]
+            if not self.rows:  # the prefill's caches as they are: real columns already right-aligned
+                self._caches, self._P = caches, T
+                self._mask = torch.zeros(len(keep), M, dtype=torch.long, device=mask.device)  # (B, M)
+                self._mask[:, :T] = mask
+            else:
+                parts = [(self._caches, self._mask[:, :self._P]), (caches, mask)]
+                W = max(int(m.sum(-1).max()) for _, m in parts)
+                self._caches, self._mask, self._P = pack_columns(parts, self._columns(W, self.rows + rows))
             self._pending = tok[sel] if not self.rows else torch.cat([self._pending, tok[sel]])
             self.rows = self.rows + [rows[r] for r in keep]
         return events
@@ -201,7 +215,7 @@ class SpeculativeEngine:
         if max(caps) > 0:
             self._room(max(caps) + 1)
             self._mask[:, self._P:self._P + max(caps) + 1] = 1
-            kernels = kernels_for(self.draft, len(self.rows), self.pack_weights)
+            kernels = self._kernels(1, len(self.rows))
             return _draft_tokens(self.draft, self._caches[1], self._mask[:, :self._P + max(caps) + 1], self._pending,
                                  self.rows, caps, self._draft_q, kernels)
         return [[] for _ in self.rows]
@@ -220,16 +234,36 @@ class SpeculativeEngine:
         self._mask[:, P:P + K + 1] = 1
         mask = self._mask[:, :P + K + 1]
         # the flat step on B * (K + 1) rows: the weights read about once, as for one token a row
-        kernels = kernels_for(self.model, B * (K + 1), self.pack_weights)
-        return decode_tokens(self.model, idx, cache, mask, kernels)  # (B, K + 1, V)
+        return decode_tokens(self.model, idx, cache, mask, self._kernels(0, B * (K + 1)))  # (B, K + 1, V)
+
+    def _kernels(self, which: int, rows: int) -> Kernels | None:
+        """The kernel set of the target (which 0) or the draft (1) for steps of `rows` rows, chosen
+        once per row count between admissions (as Engine keeps its own per batch size): a set keeps
+        its model's binding, and rows joining choose again (a model given hooks since, say)."""
+        key = (which, rows)
+        if key not in self._kernel_sets:
+            model = self.model if which == 0 else self.draft
+            self._kernel_sets[key] = kernels_for(model, rows, self.pack_weights)
+        return self._kernel_sets[key]
 
     # -- the cache --
 
     def _room(self, n: int) -> None:
         """Make room for n more columns: pack every row's real columns right-aligned when full."""
         if self._P + n > self._caches[0].max_len:
-            M = min(self.model.config.n_ctx, int(self._mask[:, :self._P].sum(-1).max()) + n + ROOM)
+            M = self._columns(int(self._mask[:, :self._P].sum(-1).max()) + n - 1, self.rows)
             self._caches, self._mask, self._P = pack_columns([(self._caches, self._mask[:, :self._P])], M)
+
+    def _columns(self, W: int, rows: Sequence[Row]) -> int:
+        """Cache columns for rows whose longest holds W: room for every step they may still take
+        (a step writes its drafts + 1 columns and gives a row at least one token), at least ROOM,
+        at most n_ctx. Columns past those written are never touched: on CPU their pages are not
+        committed, so the room costs no memory until it is used, and no repack while it lasts."""
+        per_step = [(row.settings.draft_tokens if self.draft is not None else self.lookup or row.settings.prompt_lookup)
+                    + 1 for row in rows]
+        need = max((k * (row.settings.max_new_tokens - len(row.tokens)) for k, row in zip(per_step, rows, strict=True)),
+                   default=0)
+        return min(self.model.config.n_ctx, W + 1 + max(ROOM, need))
 
     def _keep(self, keep: list[int], pending: torch.Tensor | None = None) -> None:
         """Keep batch rows `keep` (with each one's pending token, when given)."""
@@ -245,7 +279,7 @@ class SpeculativeEngine:
             return
         sel = torch.tensor(keep, device=self._mask.device)
         for c in self._caches:
-            c.select(sel)
+            c.keep(keep)  # in place: no new cache for the rows that stay
         self._mask = self._mask[sel]
         if pending is None:
             self._pending = self._pending[sel]
@@ -265,7 +299,7 @@ def pack_columns(parts: list[tuple[list[KVCache], torch.Tensor]], M: int
     for i, first in enumerate(parts[0][0]):
         L, _, _, nh, _, hs = first.kv.shape
         new = KVCache(L, B, nh, M, hs, device=first.kv.device, dtype=first.kv.dtype)
-        new.kv.zero_()
+        new.kv[:, :, :, :, :W].zero_()  # the padding before short rows; the columns past W are written before read
         b = 0
         for caches, mask in parts:
             real = mask.bool()  # (b, P)
@@ -278,9 +312,9 @@ def pack_columns(parts: list[tuple[list[KVCache], torch.Tensor]], M: int
     return packed, out, W
 
 
-def _prefill_rows(models: list[GPT2], rows: list[Row]) -> tuple[list[KVCache], torch.Tensor, torch.Tensor]:
-    """Each model's cache of the rows' prompts (left-padded among themselves), their mask (b, T) and
-    the first model's logits (b, V) after them."""
+def _prefill_rows(models: list[GPT2], rows: list[Row], M: int) -> tuple[list[KVCache], torch.Tensor, torch.Tensor]:
+    """Each model's cache (M >= T columns) of the rows' prompts (left-padded among themselves), their
+    mask (b, T) and the first model's logits (b, V) after them."""
     B, T = len(rows), max(len(row.prompt) for row in rows)
     idx = torch.full((B, T), EOT_ID % models[0].config.n_vocab, dtype=torch.long)  # (b, T)
     mask = torch.zeros(B, T, dtype=torch.long)  # (b, T)
@@ -292,7 +326,7 @@ def _prefill_rows(models: list[GPT2], rows: list[Row]) -> tuple[list[KVCache], t
     padded = bool((mask == 0).any())
     caches, logits = [], None
     for m in models:
-        cache = KVCache.for_model(m, B, T)
+        cache = KVCache.for_model(m, B, M)
         out = prefill(m, idx, mask if padded else None, cache)  # (b, V)
         logits = out if logits is None else logits
         caches.append(cache)
@@ -307,9 +341,10 @@ def _draft_tokens(draft: GPT2, cache: KVCache, mask: torch.Tensor, pending: torc
     K, P, out = max(caps), cache.length, [[] for _ in rows]
     tok = pending
     for j in range(K + 1):  # the pending token, then each draft
-        dl = decode_step(draft, tok[:, None], cache, mask[:, :P + j + 1], kernels)  # (B, V)
-        if j == K:
+        if j == K:  # the last draft only fills its cache column: no logits
+            decode_step(draft, tok[:, None], cache, mask[:, :P + j + 1], kernels, head=False)
             break
+        dl = decode_step(draft, tok[:, None], cache, mask[:, :P + j + 1], kernels)  # (B, V)
         if all(row.settings.greedy for row in rows):
             tok = dl.argmax(-1)  # (B,)
         else:
