@@ -51,7 +51,8 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from gpt2kit.decode import kernel_choice, native
+import gpt2kit.decode.kernel_choice as kernel_choice
+import gpt2kit.decode.native as native
 
 KERNELS = ("native-avx2", "i8pack-bf16", "i8pack", "dequant")
 ENV = "GPT2KIT_INT8_KERNEL"

@@ -47,7 +47,9 @@ from collections.abc import Mapping
 
 import torch
 
-from gpt2kit.decode import int8, kernel_choice, native
+import gpt2kit.decode.int8 as int8
+import gpt2kit.decode.kernel_choice as kernel_choice
+import gpt2kit.decode.native as native
 
 KERNELS = ("w8a8-vnni", "w8a8-avx2", "w8a8-int-mm", "w8a8-emulated")
 ENV = "GPT2KIT_INT8ACT_KERNEL"

@@ -109,8 +109,7 @@ class SpeculativeEngine:
         with self._lock:
             dropped = self.rows + list(self._waiting)
             self._waiting.clear()
-        self.rows, self._caches, self._mask, self._pending, self._P = [], [], None, None, 0
-        self._kernel_sets = {}
+        self.rows, self._caches, self._mask, self._pending, self._P, self._kernel_sets = [], [], None, None, 0, {}
         return dropped
 
     @torch.inference_mode()
@@ -124,10 +123,7 @@ class SpeculativeEngine:
     def _speculate(self) -> list[RowEvent]:
         drafts = self._drafts()
         logits = self._verify(drafts)  # (B, K + 1, V)
-        argmax = None  # plain greedy rows: one batched argmax (the maxima checked finite from the same pass)
-        if all(row.settings.plain_greedy for row in self.rows):
-            top, at = logits.max(-1)  # (B, K + 1) each
-            argmax = at.tolist() if torch.isfinite(top).all() else None
+        argmax = _greedy_argmax(self.rows, logits)
         events, keep, last = [], [], []
         for r, row in enumerate(self.rows):
             q = self._draft_q[r] if self.draft is not None else None
@@ -162,11 +158,7 @@ class SpeculativeEngine:
         go on to the running rows (both parts' real columns packed into new caches)."""
         with self._lock:
             room = len(self._waiting) if self.max_batch is None else self.max_batch - len(self.rows)
-            rows = []
-            while self._waiting and len(rows) < room:
-                row = self._waiting.popleft()
-                if not row.cancelled:
-                    rows.append(row)
+            rows = _take(self._waiting, room)
         if not rows:
             return []
         self._kernel_sets = {}
@@ -224,12 +216,8 @@ class SpeculativeEngine:
         """The target's logits (B, K + 1, V) at [pending token, drafts...] (short rows padded)."""
         K = max(map(len, drafts))
         self._room(K + 1)
-        B, device = len(self.rows), self._mask.device
-        idx = torch.full((B, K + 1), EOT_ID % self.model.config.n_vocab, dtype=torch.long)  # (B, K + 1)
-        for r, d in enumerate(drafts):
-            idx[r, 1:1 + len(d)] = torch.tensor(d, dtype=torch.long)
-        idx[:, 0] = self._pending.cpu()
-        idx = idx.to(device)
+        B = len(self.rows)
+        idx = _verify_ids(drafts, self._pending, self.model.config.n_vocab, K).to(self._mask.device)
         P, cache = self._P, self._caches[0]
         self._mask[:, P:P + K + 1] = 1
         mask = self._mask[:, :P + K + 1]
@@ -237,9 +225,8 @@ class SpeculativeEngine:
         return decode_tokens(self.model, idx, cache, mask, self._kernels(0, B * (K + 1)))  # (B, K + 1, V)
 
     def _kernels(self, which: int, rows: int) -> Kernels | None:
-        """The kernel set of the target (which 0) or the draft (1) for steps of `rows` rows, chosen
-        once per row count between admissions (as Engine keeps its own per batch size): a set keeps
-        its model's binding, and rows joining choose again (a model given hooks since, say)."""
+        """The target's (which 0) or draft's (1) kernel set for `rows` rows, chosen once per row count
+        between admissions (it keeps its model's binding; rows joining choose again)."""
         key = (which, rows)
         if key not in self._kernel_sets:
             model = self.model if which == 0 else self.draft
@@ -255,23 +242,12 @@ class SpeculativeEngine:
             self._caches, self._mask, self._P = pack_columns([(self._caches, self._mask[:, :self._P])], M)
 
     def _columns(self, W: int, rows: Sequence[Row]) -> int:
-        """Cache columns for rows whose longest holds W: room for every step they may still take
-        (a step writes its drafts + 1 columns and gives a row at least one token), at least ROOM,
-        at most n_ctx. Columns past those written are never touched: on CPU their pages are not
-        committed, so the room costs no memory until it is used, and no repack while it lasts."""
-        per_step = [(row.settings.draft_tokens if self.draft is not None else self.lookup or row.settings.prompt_lookup)
-                    + 1 for row in rows]
-        need = max((k * (row.settings.max_new_tokens - len(row.tokens)) for k, row in zip(per_step, rows, strict=True)),
-                   default=0)
-        return min(self.model.config.n_ctx, W + 1 + max(ROOM, need))
+        return _cache_columns(W, rows, self.model.config.n_ctx, self.draft is not None, self.lookup)
 
     def _keep(self, keep: list[int], pending: torch.Tensor | None = None) -> None:
         """Keep batch rows `keep` (with each one's pending token, when given)."""
-        if pending is not None:
-            self._pending = pending
-            if len(keep) == len(self.rows):
-                return
-        elif len(keep) == len(self.rows):
+        self._pending = pending if pending is not None else self._pending
+        if len(keep) == len(self.rows):
             return
         self.rows = [self.rows[r] for r in keep]
         if not keep:
@@ -283,6 +259,27 @@ class SpeculativeEngine:
         self._mask = self._mask[sel]
         if pending is None:
             self._pending = self._pending[sel]
+
+
+def _take(waiting: deque[Row], room: int) -> list[Row]:
+    """Up to `room` rows from the front of `waiting`, the cancelled ones dropped on the way."""
+    rows = []
+    while waiting and len(rows) < room:
+        row = waiting.popleft()
+        if not row.cancelled:
+            rows.append(row)
+    return rows
+
+
+def _cache_columns(W: int, rows: Sequence[Row], n_ctx: int, drafting: bool, lookup: int | None) -> int:
+    """Cache columns for rows whose longest holds W: room for every step they may still take (a step
+    writes its drafts + 1 columns and gives a row at least one token), at least ROOM, at most n_ctx.
+    Columns past those written are never touched: on CPU their pages are not committed, so the room
+    costs no memory until it is used, and no repack while it lasts."""
+    per_step = [(row.settings.draft_tokens if drafting else lookup or row.settings.prompt_lookup) + 1 for row in rows]
+    need = max((k * (row.settings.max_new_tokens - len(row.tokens)) for k, row in zip(per_step, rows, strict=True)),
+               default=0)
+    return min(n_ctx, W + 1 + max(ROOM, need))
 
 
 def pack_columns(parts: list[tuple[list[KVCache], torch.Tensor]], M: int
@@ -354,6 +351,24 @@ def _draft_tokens(draft: GPT2, cache: KVCache, mask: torch.Tensor, pending: torc
     for r, c in enumerate(caps):
         out[r], qs[r][:] = out[r][:c], qs[r][:c]
     return out
+
+
+def _verify_ids(drafts: list[list[int]], pending: torch.Tensor, n_vocab: int, K: int) -> torch.Tensor:
+    """[pending token, drafts..., padding] per row (B, K + 1), short rows padded with EOT."""
+    idx = torch.full((len(drafts), K + 1), EOT_ID % n_vocab, dtype=torch.long)  # (B, K + 1)
+    for r, d in enumerate(drafts):
+        idx[r, 1:1 + len(d)] = torch.tensor(d, dtype=torch.long)
+    idx[:, 0] = pending.cpu()
+    return idx
+
+
+def _greedy_argmax(rows: list[Row], logits: torch.Tensor) -> list[list[int]] | None:
+    """Where every row is plain greedy, their argmax tokens (B, K + 1) from one pass over logits
+    (B, K + 1, V), the maxima checked finite in the same pass; else None."""
+    if not all(row.settings.plain_greedy for row in rows):
+        return None
+    top, at = logits.max(-1)  # (B, K + 1) each
+    return at.tolist() if torch.isfinite(top).all() else None
 
 
 def _draw_draft(row: Row, logits: torch.Tensor, qs: list[torch.Tensor]) -> torch.Tensor:

@@ -9,13 +9,13 @@
  *
  * How: Wt's rows are cut into PARTS contiguous halves (k < K/2 and the rest, on a multiple of KR), so a
  * thread streams one contiguous block of memory, whole rows at a time: measured on a 2-core EPYC
- * (docs/benchmarks.md), this reads a step's matrices 20-30% faster than giving each thread half of
+ * (docs/benchmarks.md), this reads a step's matrices faster than giving each thread half of
  * every row (the previous design), which cut every row into two short runs the prefetcher restarts on.
  * A part adds its rows into its own partial y (part 0 into y itself, after the bias; the others into
  * scratch), chunk by chunk of CHUNK / M columns (a chunk of y stays in L2), KR rows of Wt at a time:
  * for each 16 (AVX-512) or 8 (AVX2) columns, KR weight vectors are loaded once and feed KR * M FMAs
  * into one accumulator per row, loaded and stored once, while the same columns of the next KR rows
- * are prefetched into L2 (the hardware prefetcher alone left the 8 streams ~7% slower). Then
+ * are prefetched into L2 (the hardware prefetcher alone left the 8 streams slower). Then
  * y += partial, column by column.
  * Threads take the (part, column group) items of an OpenMP loop: with 2 threads one part each; with
  * more, the columns are split too; with one, it runs both parts in turn. Each output is summed the

@@ -36,8 +36,9 @@
 
 /* --- per-row quantization (plain C: it reads R * K floats once, against N * K weights) ------------- */
 
-/* sx[r] and q as the row's codes: as int16 (AVX2 kernel) or as q + 128 in a byte (VNNI kernel). */
-static void quantize_row(const float *x, long K, float *sx, int16_t *q16, uint8_t *qu8) {
+/* sx[r] and q as the row's codes: as int16 (AVX2 kernel), as q + 128 in a byte (VNNI kernel), or as
+ * int8 (for another GEMM: gpt2kit_int8act_quantize); the outputs not wanted are NULL. */
+static void quantize_row(const float *x, long K, float *sx, int16_t *q16, uint8_t *qu8, int8_t *q8) {
     float a = 0.0f;
     int finite = 1;
     for (long k = 0; k < K; k++) {
@@ -49,6 +50,7 @@ static void quantize_row(const float *x, long K, float *sx, int16_t *q16, uint8_
         *sx = finite ? 0.0f : NAN;
         if (q16) memset(q16, 0, K * sizeof(int16_t));
         if (qu8) memset(qu8, 128, K);
+        if (q8) memset(q8, 0, K);
         return;
     }
     const float inv = 127.0f / a;
@@ -58,6 +60,7 @@ static void quantize_row(const float *x, long K, float *sx, int16_t *q16, uint8_
         v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
         if (q16) q16[k] = (int16_t)v;
         if (qu8) qu8[k] = (uint8_t)((int)v + 128);
+        if (q8) q8[k] = (int8_t)v;
     }
 }
 
@@ -257,7 +260,7 @@ int gpt2kit_int8act_linear(const float *x, long R, long K, const int8_t *W, long
         #pragma omp for schedule(static)
         for (long r = 0; r < R; r++)
             quantize_row(x + r * K, K, sx + r, isa == 2 ? NULL : (int16_t *)q + r * K,
-                         isa == 2 ? (uint8_t *)q + r * K : NULL);
+                         isa == 2 ? (uint8_t *)q + r * K : NULL, NULL);
         #pragma omp for schedule(static)
         for (long i = 0; i < blocks; i++) {
             const long n0 = 4 * i, width = N - n0 >= 4 ? 4 : N - n0;
@@ -283,28 +286,7 @@ void gpt2kit_int8act_quantize(const float *x, long R, long K, int8_t *q, float *
     {
         if (threads > 1) SOLO_START(starts, threads);
         #pragma omp for schedule(static)
-        for (long r = 0; r < R; r++) {
-            const float *xr = x + r * K;
-            int8_t *qr = q + r * K;
-            float a = 0.0f;
-            int finite = 1;
-            for (long k = 0; k < K; k++) {
-                float v = fabsf(xr[k]);
-                finite &= isfinite(v) != 0;
-                a = v > a ? v : a;
-            }
-            if (!finite || a < FLT_MIN) {
-                sx[r] = finite ? 0.0f : NAN;
-                memset(qr, 0, (size_t)K);
-                continue;
-            }
-            const float inv = 127.0f / a;
-            sx[r] = a / 127.0f;
-            for (long k = 0; k < K; k++) {
-                float v = rintf(xr[k] * inv);
-                qr[k] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
-            }
-        }
+        for (long r = 0; r < R; r++) quantize_row(x + r * K, K, sx + r, NULL, NULL, q + r * K);
     }
     solo_after(threads, t0, starts);
 }
