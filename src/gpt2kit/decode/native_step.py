@@ -93,7 +93,6 @@ class NativeStep:
                          self._vec(bound.ln_f_bias, C), head, _address(f32_fn), _address(int8_fn),
                          self._f32_isa or 0)
         self._n_head_rows = head.N
-        self._C = C
 
     # --- what C is given, checked -------------------------------------------------------------------
 

@@ -153,9 +153,6 @@ int gpt2kit_f32_linear_abi(void) { return 1; } /* bumped when the signature belo
 void gpt2kit_f32_linear(const float *x, long M, long K, const float *W, long ldw, long N, const float *b,
                         float *y, int threads, int isa) {
     const long units = (N + 15) / 16; /* columns are split in units of 16 (one cache line) */
-    threads = solo_threads(threads);
-    /* column groups: 1 while the parts keep the threads busy, else enough for one item per thread */
-    const long groups = threads <= PARTS ? 1 : (threads + PARTS - 1) / PARTS;
     float *scratch = (float *)malloc(sizeof(float) * (size_t)((PARTS - 1) * M * N));
     if (!scratch) { /* no memory for the partials: one part's worth of work, in k order, into y */
         for (long m = 0; m < M; m++)
@@ -167,11 +164,13 @@ void gpt2kit_f32_linear(const float *x, long M, long K, const float *W, long ldw
         }
         return;
     }
-    double starts[SOLO_MAX_THREADS] = {0};
-    const double t0 = threads > 1 ? solo_now() : 0.0;
+    solo_call sc = {0};
+    threads = solo_begin(&sc, threads);
+    /* column groups: 1 while the parts keep the threads busy, else enough for one item per thread */
+    const long groups = threads <= PARTS ? 1 : (threads + PARTS - 1) / PARTS;
     #pragma omp parallel num_threads(threads)
     {
-        if (threads > 1) SOLO_START(starts, threads);
+        SOLO_MARK(&sc);
         #pragma omp for schedule(static)
         for (long it = 0; it < PARTS * groups; it++) {
             const long p = it % PARTS, g = it / PARTS;
@@ -188,7 +187,7 @@ void gpt2kit_f32_linear(const float *x, long M, long K, const float *W, long ldw
                 }
         }
     }
-    solo_after(threads, t0, starts);
+    solo_end(&sc);
     free(scratch);
 }
 

@@ -145,19 +145,18 @@ int gpt2kit_int8_linear_abi(void) { return 1; } /* bumped when the signature bel
 void gpt2kit_int8_linear(const float *x, long R, long K, const int8_t *W, long N, const float *s,
                          const float *b, float *y, int threads) {
     const long blocks = N / 4;
-    threads = solo_threads(threads);
-    double starts[SOLO_MAX_THREADS] = {0};
-    const double t0 = threads > 1 ? solo_now() : 0.0;
+    solo_call sc = {0};
+    threads = solo_begin(&sc, threads);
     #pragma omp parallel num_threads(threads)
     {
-        if (threads > 1) SOLO_START(starts, threads);
+        SOLO_MARK(&sc);
         #pragma omp for schedule(static)
         for (long i = 0; i < blocks + N % 4; i++) {
             if (i < blocks) block4(x, R, K, W, N, s, b, y, 4 * i);
             else channel(x, R, K, W, N, s, b, y, 4 * blocks + (i - blocks));
         }
     }
-    solo_after(threads, t0, starts);
+    solo_end(&sc);
 }
 
 SOLO_EXPORT(int8_linear)

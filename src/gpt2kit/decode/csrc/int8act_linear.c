@@ -251,12 +251,11 @@ int gpt2kit_int8act_linear(const float *x, long R, long K, const int8_t *W, long
         return -1;
     }
     const long blocks = (N + 3) / 4;
-    threads = solo_threads(threads);
-    double starts[SOLO_MAX_THREADS] = {0};
-    const double t0 = threads > 1 ? solo_now() : 0.0;
+    solo_call sc = {0};
+    threads = solo_begin(&sc, threads);
     #pragma omp parallel num_threads(threads)
     {
-        if (threads > 1) SOLO_START(starts, threads);
+        SOLO_MARK(&sc);
         #pragma omp for schedule(static)
         for (long r = 0; r < R; r++)
             quantize_row(x + r * K, K, sx + r, isa == 2 ? NULL : (int16_t *)q + r * K,
@@ -268,7 +267,7 @@ int gpt2kit_int8act_linear(const float *x, long R, long K, const int8_t *W, long
             else block_avx2(q, sx, R, K, W, N, s, b, y, n0, width);
         }
     }
-    solo_after(threads, t0, starts);
+    solo_end(&sc);
     free(sx);
     free(q);
     return 0;
@@ -279,31 +278,29 @@ int gpt2kit_int8act_linear(const float *x, long R, long K, const int8_t *W, long
  * (R, N). The same operations as quantize_row and store_row, so the result is the same bits as
  * gpt2kit_int8act_linear's (and as gpt2kit/decode/int8act.py's torch formulation). Rows in parallel. */
 void gpt2kit_int8act_quantize(const float *x, long R, long K, int8_t *q, float *sx, int threads) {
-    threads = solo_threads(threads);
-    double starts[SOLO_MAX_THREADS] = {0};
-    const double t0 = threads > 1 ? solo_now() : 0.0;
+    solo_call sc = {0};
+    threads = solo_begin(&sc, threads);
     #pragma omp parallel num_threads(threads)
     {
-        if (threads > 1) SOLO_START(starts, threads);
+        SOLO_MARK(&sc);
         #pragma omp for schedule(static)
         for (long r = 0; r < R; r++) quantize_row(x + r * K, K, sx + r, NULL, NULL, q + r * K);
     }
-    solo_after(threads, t0, starts);
+    solo_end(&sc);
 }
 
 void gpt2kit_int8act_rescale(const int32_t *acc, long R, long N, const float *sx, const float *s, const float *b,
                              float *y, int threads) {
-    threads = solo_threads(threads);
-    double starts[SOLO_MAX_THREADS] = {0};
-    const double t0 = threads > 1 ? solo_now() : 0.0;
+    solo_call sc = {0};
+    threads = solo_begin(&sc, threads);
     #pragma omp parallel num_threads(threads)
     {
-        if (threads > 1) SOLO_START(starts, threads);
+        SOLO_MARK(&sc);
         #pragma omp for schedule(static)
         for (long r = 0; r < R; r++)
             for (long n = 0; n < N; n++) store_row(y + r * N, n, acc[r * N + n], sx[r], s, b);
     }
-    solo_after(threads, t0, starts);
+    solo_end(&sc);
 }
 
 SOLO_EXPORT(int8act_linear)

@@ -64,13 +64,35 @@ static int solo_threads(int threads) {
     return threads;
 }
 
-/* After a call on `threads` > 1 threads whose region was entered at t0: starts[i] is when thread i
- * started (0: it did not). */
-static void solo_after(int threads, double t0, const double *starts) {
+/* One call's bookkeeping, around its OpenMP region:
+ *     solo_call sc = {0};
+ *     threads = solo_begin(&sc, threads);            the count to run on; the clock starts
+ *     #pragma omp parallel num_threads(threads) { SOLO_MARK(&sc); ... }
+ *     solo_end(&sc);                                 the latest start recorded, the next calls decided */
+typedef struct {
+    int threads;
+    double t0;
+    double starts[SOLO_MAX_THREADS]; /* when thread i started (0: it did not) */
+} solo_call;
+
+static int solo_begin(solo_call *c, int threads) {
+    c->threads = solo_threads(threads);
+    c->t0 = c->threads > 1 ? solo_now() : 0.0;
+    return c->threads;
+}
+
+/* Inside the region: this thread records its start. */
+#define SOLO_MARK(c) \
+    do { \
+        if ((c)->threads > 1 && (c)->threads <= SOLO_MAX_THREADS) (c)->starts[omp_get_thread_num()] = solo_now(); \
+    } while (0)
+
+static void solo_end(const solo_call *c) {
+    const int threads = c->threads;
     if (threads <= 1 || threads > SOLO_MAX_THREADS || solo_threshold() < 0) return;
     double late = 0.0;
     for (int i = 1; i < threads; i++)
-        if (starts[i] - t0 > late) late = starts[i] - t0;
+        if (c->starts[i] - c->t0 > late) late = c->starts[i] - c->t0;
     const double us = late * 1e6;
     const int bucket = us < 10 ? 3 : us < 50 ? 4 : us < 100 ? 5 : us < 250 ? 6 : us < 1000 ? 7 : 8;
     __atomic_add_fetch(&solo_counts[bucket], 1, __ATOMIC_RELAXED);
@@ -84,10 +106,6 @@ static void solo_after(int threads, double t0, const double *starts) {
         solo_span = SOLO_SPAN_MIN;
     }
 }
-
-/* Inside the region: thread t records its start. */
-#define SOLO_START(starts, threads) \
-    do { const int t_ = omp_get_thread_num(); if (threads <= SOLO_MAX_THREADS) starts[t_] = solo_now(); } while (0)
 
 #define SOLO_EXPORT(lib) \
     void gpt2kit_##lib##_solo_stats(long *out) { for (int i = 0; i < 9; i++) out[i] = __atomic_load_n(&solo_counts[i], __ATOMIC_RELAXED); }

@@ -184,17 +184,16 @@ int gpt2kit_step(const Net *net, float *x, float *kv, long s_layer, long s_kv, l
             memcpy(K + i * s_head + P * s_pos, wide + C + i * hs, sizeof(float) * (size_t)hs);
             memcpy(V + i * s_head + P * s_pos, wide + 2 * C + i * hs, sizeof(float) * (size_t)hs);
         }
-        const int t = solo_threads(threads);
-        double starts[SOLO_MAX_THREADS] = {0};
-        const double t0 = t > 1 ? solo_now() : 0.0;
+        solo_call call = {0};
+        const int t = solo_begin(&call, threads);
         #pragma omp parallel num_threads(t)
         {
-            if (t > 1) SOLO_START(starts, t);
+            SOLO_MARK(&call);
             #pragma omp for schedule(static)
             for (long i = 0; i < nh; i++)
                 head(wide + i * hs, K + i * s_head, V + i * s_head, s_pos, n, hs, sc + i * (n + 8), y + i * hs);
         }
-        solo_after(t, t0, starts);
+        solo_end(&call);
         product(net, &b->proj, y, a, threads);
         for (long i = 0; i < C; i++) x[i] += a[i];
         layer_norm(x, C, b->ln2_w, b->ln2_b, net->eps, h);
