@@ -207,3 +207,72 @@ def test_rows_joining_beside_a_row_mid_prompt_are_apart_and_exact():
     assert long_row.tokens == generate(model, [long_row.prompt], RUN)[0].tokens
     for row in short:
         assert row.tokens == generate(model, [row.prompt], JOIN)[0].tokens
+
+
+# -- the flat prefill: a batching engine's prompts run on its kernel set (prepacked where packing applies) --
+
+
+def _flat_engine_rows(engine):
+    """A burst of prompts of different lengths, a long prompt in chunks beside running rows, and a
+    burst into slots left apart: the shapes every prefill path takes."""
+    first = [engine.new_row([5, 6, 7], RUN), engine.new_row([8, 9], SamplingSettings(
+        temperature=0, max_new_tokens=1, stop_token_ids=())), engine.new_row(list(range(300, 313)), JOIN, seed=7),
+        engine.new_row([11, 12, 13, 14], SamplingSettings(temperature=0, max_new_tokens=1, stop_token_ids=()))]
+    engine.submit(first)
+    engine.step()
+    engine.step()
+    later = [engine.new_row([13, 14, 15], JOIN, seed=7), engine.new_row([16, 17, 18, 19, 20], RUN)]
+    engine.submit(later)
+    while engine.has_work:
+        engine.step()
+    return first + later
+
+
+@pytest.mark.parametrize("pack", [None, False])
+def test_a_batching_engines_flat_prefill_gives_each_row_its_own_tokens(pack):
+    from gpt2kit.decode import PackedWeights, PlainKernels
+
+    model = varied_model(SMALL, seed=0).eval()  # no hooks: the flat network runs the prompts
+    engine = Engine(model, max_batch=4, prefill_chunk=4, pack_weights=pack)
+    assert isinstance(engine.kernels.prefill(), PackedWeights if pack is None else PlainKernels)
+    for row in _flat_engine_rows(engine):  # against one row alone, prefilled by the model's own forward
+        alone = generate(model, [row.prompt], row.settings)[0].tokens
+        assert row.tokens == alone
+
+
+def test_flat_prefill_logits_and_cache_equal_the_models_forward():
+    import torch
+
+    from gpt2kit.decode import kernels_for
+    from gpt2kit.decode.step import prefill_ragged
+    from gpt2kit.kv_cache import KVCache
+
+    model = varied_model(SMALL, seed=1).eval()
+    idx = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0], [13, 0, 0, 0, 0]])
+    last = [4, 2, 0]
+    for k_set in (kernels_for(model, 8), kernels_for(model, 8, False)):
+        for P in (0, 3):  # a first chunk, and a later one after P cached tokens
+            ref, got = KVCache.for_model(model, 3, 16), KVCache.for_model(model, 3, 16)
+            if P:
+                head = torch.tensor([[1, 2, 3]] * 3)
+                prefill_ragged(model, head, [2, 2, 2], ref)
+                prefill_ragged(model, head, [2, 2, 2], got)
+            want = prefill_ragged(model, idx, last, ref)  # the modules' forward
+            have = prefill_ragged(model, idx, last, got, k_set)  # (3, V)
+            assert have.shape == want.shape == (3, model.config.n_vocab)
+            assert torch.allclose(have, want, atol=1e-5, rtol=1e-5)
+            assert got.length == ref.length == P + 5
+            for b, n in enumerate(last):  # each row's real columns (the padding's are never read)
+                cols = P + n + 1
+                assert torch.allclose(got.kv[:, b, :, :, :cols], ref.kv[:, b, :, :, :cols], atol=1e-5)
+
+
+def test_a_one_row_engine_keeps_the_models_forward_and_the_server_warms_up():
+    from gpt2kit.decode import is_packed, release
+
+    model = varied_model(SMALL, seed=2).eval()
+    release(model)
+    assert Engine(model, max_batch=1).kernels.prefill() is None  # no second copy for one row's prompts
+    assert not is_packed(model)
+    serve_engine(model, None, max_batch=4, pack_weights=None)  # the server's: kernels chosen at start-up
+    assert is_packed(model)

@@ -32,22 +32,31 @@ Kernels = PlainKernels | PackedWeights
 
 
 @torch.inference_mode()
-def prefill(model: GPT2, idx: torch.Tensor, attention_mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
+def prefill(model: GPT2, idx: torch.Tensor, attention_mask: torch.Tensor | None, cache: KVCache,
+            kernels: Kernels | None = None) -> torch.Tensor:
     """Encode idx (B, T) into the cache after the tokens it holds (a prompt in chunks: the engine's
-    chunked prefill); logits of the last position (B, V)."""
+    chunked prefill); logits of the last position (B, V). kernels: a kernel set (kernels_for) runs
+    the flat network on it (decode_tokens, logits at the last position only); None: the model's
+    own forward."""
+    if kernels is not None:
+        return decode_tokens(model, idx, cache, attention_mask, kernels, last=[idx.shape[1] - 1] * idx.shape[0])
     return model(idx, attention_mask=attention_mask, cache=cache, last_logits_only=True).logits[:, -1]
 
 
-def prefill_ragged(model: GPT2, idx: torch.Tensor, last: list[int], cache: KVCache) -> torch.Tensor:
+def prefill_ragged(model: GPT2, idx: torch.Tensor, last: list[int], cache: KVCache,
+                   kernels: Kernels | None = None) -> torch.Tensor:
     """Encode rows of different lengths in one forward: row b's tokens are idx[b, :last[b] + 1],
     right-padded to T (B, T), after the P tokens the cache holds for every row; logits at each row's
     last token (B, V). Causal attention keeps a row's tokens from seeing the padding after them, so
     each row's keys, values and logits are the ones it gets alone; the padding's own keys and values
     land in the cache past the row's length (columns a row never reads before they are rewritten:
-    the engine's slots track that). The same modules as the model's forward (hooks on them fire),
-    only the logits taken at each row's own last position instead of the last column; rows of one
-    length go through the model's forward itself (prefill)."""
+    the engine's slots track that). kernels: the flat network on that kernel set (decode_tokens,
+    the LM head at each row's last token only), e.g. prepacked matrices; None: the same modules as
+    the model's forward (hooks on them fire), only the logits taken at each row's own last position
+    instead of the last column; rows of one length go through the model's forward itself (prefill)."""
     B, T = idx.shape
+    if kernels is not None:
+        return decode_tokens(model, idx, cache, None, kernels, last=last)
     if all(n == T - 1 for n in last):
         return prefill(model, idx, None, cache)
     P = cache.length
@@ -165,9 +174,10 @@ def decode_step(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask: 
 
 @torch.inference_mode()
 def decode_tokens(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None,
-                  kernels: Kernels | None = PLAIN) -> torch.Tensor:
+                  kernels: Kernels | None = PLAIN, *, last: list[int] | None = None) -> torch.Tensor:
     """A few new tokens per row (a speculative step's [pending token, drafts...]): idx (B, T) at
-    positions from P = cache.length -> logits (B, T, V) at every one of them.
+    positions from P = cache.length -> logits (B, T, V) at every one of them; with last (B,) only
+    at row b's position last[b] -> (B, V) (a prefill: the final norm and LM head on B rows, not B * T).
 
     decode_step's flat network on B * T rows of products, so checking T drafts costs about one
     step of the kernel set (the weights read once) rather than a spec forward's general products.
@@ -176,9 +186,11 @@ def decode_tokens(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask
     computes (equal to float rounding; tests/test_model.py). kernels=None: the model's own forward."""
     B, T = idx.shape
     if kernels is None:
-        return model(idx, cache=cache, attention_mask=attention_mask).logits
+        logits = model(idx, cache=cache, attention_mask=attention_mask).logits
+        return logits if last is None else logits[torch.arange(B, device=idx.device), torch.tensor(last)]
     if T == 1:
-        return decode_step(model, idx, cache, attention_mask, kernels)[:, None]  # (B, 1, V)
+        logits = decode_step(model, idx, cache, attention_mask, kernels)  # (B, V)
+        return logits if last is not None else logits[:, None]  # (B, V) or (B, 1, V)
     if model.training:
         raise ValueError("decode_tokens with kernels is for inference: call model.eval() first (it skips dropout)")
     cfg = model.config
@@ -206,9 +218,11 @@ def decode_tokens(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask
         h = torch.layer_norm(x, (C,), ln_2w, ln_2b, eps, cudnn)
         x = k_set.linear_add(k_set.linear_gelu(h, c_fc), mlp_proj, x)  # (R, C)
     cache.length = P + T
+    if last is not None:  # each row's one position: (B, C)
+        x = x.view(B, T, C)[torch.arange(B, device=idx.device), torch.tensor(last, device=idx.device)]
     x = torch.layer_norm(x, (C,), bound.ln_f_weight, bound.ln_f_bias, eps, cudnn)
     logits = model.lm_head(x) if bound.head is None else k_set.lm_head(x, bound.head, cfg.n_vocab)  # (R, V)
-    return logits.view(B, T, -1)
+    return logits if last is not None else logits.view(B, T, -1)
 
 
 def _has_hooks(model: nn.Module) -> bool:

@@ -104,6 +104,12 @@ class FirstChunkCache:
         self.kv[layer][self.slots, :, :, :k.shape[2]] = torch.stack((k, v), 1)  # (b, 2, nh, T, hs)
         return k, v
 
+    def update_kv(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """update() with keys and values stacked, kv (b, 2, nh, T, hs) (the flat prefill's form)."""
+        assert self.length == 0, "a FirstChunkCache takes a first chunk only"
+        self.kv[layer][self.slots, :, :, :kv.shape[3]] = kv
+        return kv[:, 0], kv[:, 1]
+
 
 class SlotPool:
     """S slots of M columns, one per row; lengths[s] tokens cached in slot s (0 when free)."""

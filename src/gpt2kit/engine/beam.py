@@ -160,11 +160,11 @@ def beam_search(model: GPT2, prompts: list[list[int]], settings: SamplingSetting
     padded = any(len(p) < T for p in prompts)
     idx, mask = idx.to(device), mask.to(device)
     cache = KVCache.for_model(model, B, T + N)
-    logits = prefill(model, idx, mask[:, :T] if padded else None, cache)  # (B, V)
+    kernels = kernels_for(model, B * nb, s.pack_weights)  # the beams' steps' set, the prompts' prefill's too
+    logits = prefill(model, idx, mask[:, :T] if padded else None, cache, kernels)  # (B, V)
     rows = torch.arange(B, device=device).repeat_interleave(nb)  # (B * nb,): every beam starts from its prompt
     cache.select(rows)
     mask, logits = mask[rows], logits[rows]  # (B * nb, T + N), (B * nb, V)
-    kernels = kernels_for(model, B * nb, s.pack_weights)
     state = BeamState(B, s, device)
     while (moves := state.step(logits)) is not None:
         tok, beam_rows = moves  # (B * nb,) each

@@ -35,6 +35,7 @@ from gpt2kit.config import EOT_ID
 from gpt2kit.decode.step import prefill_ragged
 
 if TYPE_CHECKING:
+    from gpt2kit.decode import Kernels
     from gpt2kit.engine.batch_cache import SlotPool
     from gpt2kit.engine.rows import Row
     from gpt2kit.model import GPT2
@@ -91,11 +92,13 @@ class ChunkedPrefill:
                         pool.release(s)
             self.rows = deque(j for j in self.rows if not j.row.dropped)
 
-    def step(self, model: GPT2, pool: SlotPool, budget: int | None) -> list[tuple[Joining, torch.Tensor]]:
+    def step(self, model: GPT2, pool: SlotPool, budget: int | None, kernels: Kernels | None = None
+             ) -> list[tuple[Joining, torch.Tensor]]:
         """One step's chunks (module doc): each joining row's next chunk, oldest first, while they
         fit in `budget` prompt tokens (None: every row's), the first always; returns the rows now
         wholly prefilled, each with the logits (1, V) of its next token (a beam group's every row
-        has them)."""
+        has them). kernels: the kernel set the forwards run on (decode.prefill_ragged; None: the
+        model's own forward)."""
         used, work = 0, []  # work: (joining row, its chunk's length T)
         for j in self.rows:
             T = min(self.chunk, len(j.context) - j.done)
@@ -138,7 +141,8 @@ def same_shape_runs(work: list[tuple[Joining, int]]) -> list[list[tuple[Joining,
     return groups + runs
 
 
-def prefill_slots(model: GPT2, pool: SlotPool, group: list[tuple[Joining, int]]) -> list[torch.Tensor]:
+def prefill_slots(model: GPT2, pool: SlotPool, group: list[tuple[Joining, int]], kernels: Kernels | None = None
+                  ) -> list[torch.Tensor]:
     """One forward of a group's chunks, right-padded to the longest (decode.prefill_ragged),
     through a view of their slots (or, for first chunks in slots apart, a cache writing each
     row's own slot), written in place; each row's logits (1, V)."""
@@ -152,7 +156,7 @@ def prefill_slots(model: GPT2, pool: SlotPool, group: list[tuple[Joining, int]])
     pad = EOT_ID % model.config.n_vocab
     idx = torch.tensor([j.context[done:done + t] + [pad] * (T - t) for j, t in group], dtype=torch.long,
                        device=pool.kv.device)  # (b, T)
-    logits = prefill_ragged(model, idx, [t - 1 for _, t in group], cache)  # (b, V)
+    logits = prefill_ragged(model, idx, [t - 1 for _, t in group], cache, kernels)  # (b, V)
     for j, t in group:
         pool.prefilled(j.slot, done + t)
     return list(logits.split(1))

@@ -75,6 +75,7 @@ def serve_engine(model, tokenizer, *, max_batch: int | None, pack_weights: bool 
                    prefill_chunk=prefill_chunk or DEFAULT_PREFILL_CHUNK, prefill_idle_budget=prefill_idle_budget)
     if max_batch is not None:
         plain.reserve()  # its slots now: a cache that cannot be had fails the start-up, not a request
+    plain.kernels.warm_up()  # its kernel choices and packed copy before the server answers ready, not in a request
     if draft_model is None and not prompt_lookup:
         return plain
     draft = None

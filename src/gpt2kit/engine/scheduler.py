@@ -88,8 +88,7 @@ class Engine:
         self._lock = threading.Lock()
         self._logits: torch.Tensor | None = None  # (B, V): each decoding row's next-token logits
         self._unfed: torch.Tensor | None = None  # (B,): tokens sampled last step, fed at the next
-        self._kernels: Kernels | None = None  # the decode kernel set (gpt2kit.decode.kernels_for)
-        self._kernels_for: int | None = None  # the batch size _kernels was chosen for
+        self.kernels = KernelSets(model, max_batch, pack_weights)  # the steps' and the prefill's kernel sets
 
     # -- rows in and out (any thread) --
 
@@ -154,6 +153,7 @@ class Engine:
         if self.pool is not None:
             self.pool.release_all()
         self._logits = self._unfed = None
+        self.kernels.forget()  # chosen again (the model may have changed: hooks, training)
         return dropped
 
     # -- one iteration --
@@ -170,7 +170,7 @@ class Engine:
         self._drop_cancelled()
         self._admit()
         budget = self.prefill_chunk if self.rows else self.prefill_idle_budget  # rows decoding: keep their pace
-        ready = self._joining.step(self.model, self.pool, budget) if self._joining.rows else []
+        ready = self._joining.step(self.model, self.pool, budget, self.kernels.prefill()) if self._joining.rows else []
         if ready:  # prefilled rows join the decoding ones, with the logits of their first token
             self.rows, self._slots, self._logits = in_slot_order(
                 self.rows + [r for j, _ in ready for r in j.rows], self._slots + [s for j, _ in ready for s in j.slots],
@@ -249,11 +249,45 @@ class Engine:
             sel = torch.tensor(self._slots, dtype=torch.long, device=tok.device)
             tok = torch.full((B,), EOT_ID % self.model.config.n_vocab, dtype=tok.dtype,
                              device=tok.device).index_copy_(0, sel, tok)
-        if self._kernels_for != B:
-            self._kernels, self._kernels_for = kernels_for(self.model, B, self.pack_weights), B
-        logits = decode_step(self.model, tok[:, None], cache, mask, self._kernels)  # (hi, V)
+        logits = decode_step(self.model, tok[:, None], cache, mask, self.kernels.step(B))  # (hi, V)
         self.pool.advance(self._slots, P)
         self._logits = logits if sel is None else logits[sel]
+
+
+class KernelSets:
+    """An engine's kernel sets (gpt2kit.decode.kernels_for): its decode step's, for the step's row
+    count (chosen again when that changes; each set keeps the model's binding between steps), and its
+    prefill's: a batching engine's (max_batch None or > 1) few-row set, prepacked where packing
+    applies (decode.packed: the copy batched decode steps use), so prompt chunks run on the flat
+    network's products (decode.prefill_ragged); an engine of one row keeps the model's own forward
+    for its prompts and makes no second copy of the matrices."""
+
+    def __init__(self, model: GPT2, max_batch: int | None, pack: bool | None) -> None:
+        self.model, self.max_batch, self.pack = model, max_batch, pack
+        self._step: tuple[int, Kernels | None] | None = None  # (rows, the set for them)
+        self._prefill: tuple[Kernels | None] | None = None  # (the prefill's set,), made at first use
+
+    def step(self, rows: int) -> Kernels | None:
+        if self._step is None or self._step[0] != rows:
+            self._step = (rows, kernels_for(self.model, rows, self.pack))
+        return self._step[1]
+
+    def prefill(self) -> Kernels | None:
+        if self._prefill is None:
+            batches = self.max_batch is None or self.max_batch > 1
+            self._prefill = (kernels_for(self.model, max(2, self.max_batch or 2), self.pack) if batches else None,)
+        return self._prefill[0]
+
+    def warm_up(self) -> None:
+        """Choose a one-row step's, a full step's and the prefill's sets now (their measurements and
+        packed copies), not at the first requests' steps: a server calls it before it answers ready."""
+        self.step(1)
+        if self.max_batch is None or self.max_batch > 1:
+            self.step(self.max_batch or 2)
+        self.prefill()
+
+    def forget(self) -> None:
+        self._step = self._prefill = None
 
 
 def sample_rows(rows: list[Row], logits: torch.Tensor

@@ -164,7 +164,7 @@ class SpeculativeEngine:
         self._kernel_sets = {}
         T = max(len(row.prompt) for row in rows)
         M = T if self.rows else self._columns(T, rows)  # alone, the prefill's caches are the batch's
-        caches, mask, logits = _prefill_rows([m for m in (self.model, self.draft) if m is not None], rows, M)
+        caches, mask, logits = _prefill_rows(self, rows, M)
         failed = {}
         tok = next_tokens(logits, [row.sampler for row in rows], failed)  # (B,)
         events, keep = [], []
@@ -309,9 +309,12 @@ def pack_columns(parts: list[tuple[list[KVCache], torch.Tensor]], M: int
     return packed, out, W
 
 
-def _prefill_rows(models: list[GPT2], rows: list[Row], M: int) -> tuple[list[KVCache], torch.Tensor, torch.Tensor]:
-    """Each model's cache (M >= T columns) of the rows' prompts (left-padded among themselves), their
-    mask (b, T) and the first model's logits (b, V) after them."""
+def _prefill_rows(engine: SpeculativeEngine, rows: list[Row], M: int
+                  ) -> tuple[list[KVCache], torch.Tensor, torch.Tensor]:
+    """Each of the engine's models' cache (M >= T columns) of the rows' prompts (left-padded among
+    themselves), their mask (b, T) and the target's logits (b, V) after them; each model's forward on
+    its kernel set for these rows (decode.prefill)."""
+    models = [m for m in (engine.model, engine.draft) if m is not None]
     B, T = len(rows), max(len(row.prompt) for row in rows)
     idx = torch.full((B, T), EOT_ID % models[0].config.n_vocab, dtype=torch.long)  # (b, T)
     mask = torch.zeros(B, T, dtype=torch.long)  # (b, T)
@@ -322,9 +325,9 @@ def _prefill_rows(models: list[GPT2], rows: list[Row], M: int) -> tuple[list[KVC
     idx, mask = idx.to(device), mask.to(device)
     padded = bool((mask == 0).any())
     caches, logits = [], None
-    for m in models:
+    for which, m in enumerate(models):
         cache = KVCache.for_model(m, B, M)
-        out = prefill(m, idx, mask if padded else None, cache)  # (b, V)
+        out = prefill(m, idx, mask if padded else None, cache, engine._kernels(which, B))  # (b, V)
         logits = out if logits is None else logits
         caches.append(cache)
     return caches, mask, logits
