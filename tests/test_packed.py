@@ -149,3 +149,12 @@ def test_a_build_that_cannot_pack_falls_back(monkeypatch):
 
     monkeypatch.setattr(pk, "_reorder", cannot)
     assert pk.packed_weights(model, 4) is None and not is_packed(model)
+
+
+@BF16
+def test_a_copy_packed_for_one_hint_serves_the_other_without_packing_again():
+    model = varied_model().to(torch.bfloat16)
+    one = pk.packed_weights(model, 1)
+    assert one is not None and one.hint == 1
+    assert pk.packed_weights(model, 8) is one  # a batch after a single row: the same copy, not a new one
+    assert pk.packed_weights(model, 1) is one

@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import SMALL, random_model
 
+from gpt2kit.decode import decode_tokens
 from gpt2kit.prefix_cache import PrefixCache
 from gpt2kit.score import score_tokens_top
 
@@ -158,3 +159,34 @@ def test_sequences_longer_than_the_context_bypass_the_cache(model):
     fits = tokens[:SMALL.n_ctx - 1]  # eot + 63 = n_ctx: one window, cached
     _same(score_tokens_top(model, fits, 2, eot_token=EOT, cache=cache), score_tokens_top(model, fits, 2, eot_token=EOT))
     assert cache.tokens == SMALL.n_ctx
+
+
+def test_a_model_with_a_packed_copy_scores_on_the_flat_network_with_the_same_numbers(model, monkeypatch):
+    """A batching server holds a prepacked copy of the matrices (gpt2kit.decode.packed); scoring then
+    runs on the flat network over it (decode_tokens, counted), through the prefix cache and through
+    sliding windows, and gives the forward's numbers (1e-5); a model with a hook keeps its forward."""
+    import gpt2kit.score as score
+    from gpt2kit.decode import packed_weights, release
+
+    flat = []
+    monkeypatch.setattr(score, "decode_tokens", lambda m, ids, *a, **k: flat.append(ids.shape[1])
+                        or decode_tokens(m, ids, *a, **k))
+
+    context, endings = _ids(30, 1), [_ids(5, 2), _ids(9, 3)]
+    want = [score_tokens_top(model, context + e, 3) for e in endings]
+    want_windows = score_tokens_top(model, _ids(150, 4), 2, stride=40)
+    assert packed_weights(model, 8) is not None
+    try:
+        cache = PrefixCache(10_000)
+        got = [score_tokens_top(model, context + e, 3, cache=cache) for e in endings]
+        assert flat == [31 + 5, 9 + 1]  # the second ending: only past the shared context (and its last token)
+        for g, w in zip(got, want, strict=True):
+            _same(g, w)
+        _same(score_tokens_top(model, _ids(150, 4), 2, stride=40), want_windows)
+        assert flat[2:] == [64, 64, 64, 31]  # 151 positions: windows of 64 starting every 40
+        hooked = Counted(model)  # with a hook on, the model's own forward runs (and is counted)
+        _same(score_tokens_top(model, context + endings[0], 3), want[0])
+        hooked.handle.remove()
+        assert hooked.runs == [31 + 5] and len(flat) == 6
+    finally:
+        release(model)

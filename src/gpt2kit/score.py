@@ -9,6 +9,11 @@ score_tokens_top can take a PrefixCache (gpt2kit.prefix_cache): a sequence that 
 then reuses the keys, values and log-probs of the longest prefix it shares with a sequence scored
 before, runs only the rest through the model, and is kept for the next ones. A longer sequence
 (the sliding window) bypasses the cache: its windows' contexts differ from any prefix's.
+
+Where the model holds a prepacked copy of its matrices (gpt2kit.decode.packed: a batching server
+makes one at start-up), the forwards run on the flat network over those products (decode_tokens:
+the same numbers to float rounding, faster); otherwise, and for a model with hooks or in training,
+on the model's own forward.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from gpt2kit.config import EOT_ID
+from gpt2kit.decode import decode_tokens, is_packed, kernels_for
+from gpt2kit.kv_cache import KVCache
 from gpt2kit.prefix_cache import PrefixCache, Scored
 
 
@@ -84,7 +91,7 @@ def _score(model, tokens: list[int], eot_token: int, stride: int | None, top: in
     while scored_to < len(seq):
         end = min(begin + n_ctx, len(seq))
         window = seq[begin:end]
-        logits = model(window[None]).logits[0].float()  # (W, V); row k predicts seq[begin + k + 1]
+        logits = _forward(model, window, None, present=False)[0].float()  # (W, V); row k predicts seq[begin + k + 1]
         logp = torch.log_softmax(logits[:-1], dim=-1)  # (W - 1, V)
         targets = window[1:]
         first = scored_to - begin - 1  # the row that predicts the first unscored position
@@ -119,8 +126,8 @@ def _score_cached(model, seq: tuple[int, ...], top: int, cache: PrefixCache
         past = entry.present[:, :, :, :, :P] if P else None  # (1, L, 2, nh, P, hs)
     device = model.wte.weight.device
     run = torch.tensor(seq[P:], device=device)
-    out = model(run[None], past=past, use_cache=True)
-    logp = torch.log_softmax(out.logits[0].float(), dim=-1)  # (n - P, V): row k is position P + k
+    logits, present = _forward(model, run, past)
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (n - P, V): row k is position P + k
     rows = logp[:-1] if first is None else torch.cat([first[None], logp[:-1]])  # positions len(lps) .. n - 2
     targets = torch.tensor(seq[len(lps) + 1:], device=device)
     lps.extend(rows.gather(1, targets[:, None])[:, 0].tolist())
@@ -131,8 +138,23 @@ def _score_cached(model, seq: tuple[int, ...], top: int, cache: PrefixCache
     else:
         tops = [() for _ in lps]
     cache.reused(P)
-    cache.store(model, Scored(seq, out.present, logp[-1].clone(), tuple(lps), tuple(tops), top))
+    cache.store(model, Scored(seq, present, logp[-1].clone(), tuple(lps), tuple(tops), top))
     return lps, tops
+
+
+def _forward(model, ids: torch.Tensor, past: torch.Tensor | None, *, present: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The logits (T, V) of ids (T,) after `past` (1, L, 2, nh, P, hs) or nothing, and (present=True)
+    the present of all P + T positions: on the packed kernels where the model holds a packed copy
+    (module doc), else by the model's own forward."""
+    k_set = kernels_for(model, 8) if is_packed(model) else None  # None too for hooks or training
+    if k_set is None:
+        out = model(ids[None], past=past, use_cache=present)
+        return out.logits[0], out.present
+    P = 0 if past is None else past.shape[4]
+    cache = KVCache.from_present(past, P + len(ids)) if past is not None else KVCache.for_model(model, 1, len(ids))
+    logits = decode_tokens(model, ids[None], cache, None, k_set)[0]  # (T, V)
+    return logits, cache.to_present() if present else None
 
 
 def score_text(model, tokenizer, text: str, *, stride: int | None = None) -> ScoreResult:

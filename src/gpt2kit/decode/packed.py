@@ -157,15 +157,14 @@ def packed_weights(model: torch.nn.Module, batch_size: int, enabled: bool | None
     hint = 1 if batch_size == 1 else 8
     mats = _matrices(model)
     pack = _PACKS.get(model)
-    if pack is None or pack.hint != hint:
+    # A copy packed for the other hint serves too: any row count runs on either, and packing again
+    # (seconds) each time a bfloat16 batch shrinks to one row and grows again costs far more.
+    if pack is None:
         if enabled is None:
             need = sum(p.numel() * p.element_size() for p in mats)
             have = mem_available()
-            if pack is not None:
-                have = None if have is None else have + pack.nbytes()  # the old copy goes first
             if have is not None and have < 2 * need:
                 return None
-        _PACKS.pop(model, None)
         pack = PackedWeights(hint)
     try:
         pack.refresh(mats)
