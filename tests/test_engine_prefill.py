@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from helpers import SMALL, varied_model
 
+from gpt2kit.decode import decode_tokens
 from gpt2kit.engine import Engine
 from gpt2kit.engine.routing import serve_engine
 from gpt2kit.engine.scheduler import DEFAULT_PREFILL_CHUNK
@@ -229,13 +230,22 @@ def _flat_engine_rows(engine):
 
 
 @pytest.mark.parametrize("pack", [None, False])
-def test_a_batching_engines_flat_prefill_gives_each_row_its_own_tokens(pack):
+def test_a_batching_engines_flat_prefill_gives_each_row_its_own_tokens(pack, monkeypatch):
+    import gpt2kit.decode.step as step
     from gpt2kit.decode import PackedWeights, PlainKernels
 
     model = varied_model(SMALL, seed=0).eval()  # no hooks: the flat network runs the prompts
-    engine = Engine(model, max_batch=4, prefill_chunk=4, pack_weights=pack)
+    engine = Engine(model, max_batch=4, prefill_chunk=8, pack_weights=pack)
     assert isinstance(engine.kernels.prefill(), PackedWeights if pack is None else PlainKernels)
-    for row in _flat_engine_rows(engine):  # against one row alone, prefilled by the model's own forward
+    flat = []
+    monkeypatch.setattr(step, "decode_tokens", lambda m, ids, *a, **k: flat.append(tuple(ids.shape))
+                        or decode_tokens(m, ids, *a, **k))
+    rows = _flat_engine_rows(engine)
+    # every prompt chunk went through the flat network: the burst's first chunks (4 rows, right-padded
+    # to 8), the long prompt's second chunk (at cache length 8, beside the running rows), the later
+    # burst into slots 1 and 3, apart (FirstChunkCache)
+    assert flat == [(4, 8), (1, 5), (2, 5)]
+    for row in rows:  # against one row alone, prefilled by the model's own forward
         alone = generate(model, [row.prompt], row.settings)[0].tokens
         assert row.tokens == alone
 

@@ -108,7 +108,7 @@ class ChunkedPrefill:
             used += T
         logits = {}
         for group in same_shape_runs(work):
-            for (j, _), lg in zip(group, prefill_slots(model, pool, group), strict=True):
+            for (j, _), lg in zip(group, prefill_slots(model, pool, group, kernels), strict=True):
                 logits[j] = lg
         ready = []
         for j, T in work:
