@@ -24,7 +24,8 @@ Two optional methods: LoRA with peft's bias "all" (every bias trains beside the 
 
 Prints a Markdown table (one row per method and rate, the best rate of each marked) and the gap
 between the best LoRA and the best full fine-tuning; --json (default WORK/results.json) keeps it all.
-A run whose result is already in WORK/runs/NAME/result.json is not trained again.
+A run whose result is already in WORK/runs/NAME/result.json is not trained again (nor the base
+measured again: WORK/step0.json).
 """
 
 from __future__ import annotations
@@ -219,7 +220,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"corpus: {len(files)} files; train {summary['documents'] - summary['val_documents']} files, "
           f"{summary['train_tokens']:,} tokens; held out {len(held)} files, {summary['val_tokens']:,} tokens",
           flush=True)
-    base = _evaluate(load_model(args.base), args)
+    step0 = args.work / "step0.json"  # the base's measures, kept like a run's (one invocation per rate)
+    cached = json.loads(step0.read_text()) if step0.exists() else {}
+    key = {"base": str(args.base), "base_val": args.base_val, "eval_batches": args.eval_batches}
+    if cached.get("key") == key:
+        base = cached["measures"]
+    else:
+        base = _evaluate(load_model(args.base), args)
+        step0.write_text(json.dumps({"key": key, "measures": base}) + "\n")
     print(f"step 0: {base}", flush=True)
     rows = []
     for method, lrs in zip(METHODS, (args.full_lrs, args.lora_lrs, args.lora_bias_lrs, args.frozen_emb_lrs),
