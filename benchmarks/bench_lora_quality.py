@@ -3,6 +3,9 @@
 Continues a base model (a gpt2kit/HF directory) on a corpus it never saw, once with every parameter
 trained and once with LoRA adapters on the block matrices, each at a few learning rates, all with
 the same data, seed, steps, batch and schedule (AdamW, linear warmup then cosine to lr/10, float32).
+Two optional methods: LoRA with peft's bias "all" (every bias trains beside the adapters,
+--lora-bias-lrs) and full fine-tuning with the embeddings frozen (--freeze 'wte.*,wpe.*',
+--frozen-emb-lrs: every block parameter and ln_f train, the control for what the embedding holds).
 
     data      `gpt2kit prepare` (the library call) over the corpus files: directories are searched
               for --glob, minus any path with a part in --exclude-parts (tests) and minus the files
@@ -21,7 +24,8 @@ the same data, seed, steps, batch and schedule (AdamW, linear warmup then cosine
 
 Prints a Markdown table (one row per method and rate, the best rate of each marked) and the gap
 between the best LoRA and the best full fine-tuning; --json (default WORK/results.json) keeps it all.
-A run whose result is already in WORK/runs/NAME/result.json is not trained again.
+A run whose result is already in WORK/runs/NAME/result.json is not trained again (nor the base
+measured again: WORK/step0.json).
 """
 
 from __future__ import annotations
@@ -41,12 +45,18 @@ from gpt2kit.data import prepare
 from gpt2kit.data.documents import collect_files, iter_tasks, ordered_tasks
 from gpt2kit.data.loaders import ShardLoader
 from gpt2kit.data.shard import find_shards, shard_token_count
+from gpt2kit.finetune import prepare as prepare_model
 from gpt2kit.loss import TrainingLoss
 from gpt2kit.model import GPT2
 from gpt2kit.train import train
 from gpt2kit.train_config import TrainConfig
 
 EXCLUDE_PARTS = "test,tests,idle_test,__pycache__,site-packages"
+FROZEN_EMBEDDINGS = "wte.*,wpe.*"
+# method -> (run-name prefix, is LoRA, TrainConfig settings beyond the shared ones)
+METHODS = {"full": ("full", False, {}), "lora": ("lora", True, {}),
+           "lora, bias all": ("lora-biasall", True, {"lora_bias": "all"}),
+           "full, embeddings frozen": ("full-frozenemb", False, {"freeze": FROZEN_EMBEDDINGS})}
 
 
 def _floats(text: str) -> list[float]:
@@ -97,7 +107,9 @@ def _evaluate(model: GPT2, args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
-def run_one(name: str, lr: float, lora: bool, args: argparse.Namespace) -> dict:
+def run_one(method: str, lr: float, args: argparse.Namespace) -> dict:
+    prefix, lora, extra = METHODS[method]
+    name = f"{prefix}-lr{lr:g}"
     out = args.work / "runs" / name
     done = out / "result.json"
     if done.exists():
@@ -107,11 +119,14 @@ def run_one(name: str, lr: float, lora: bool, args: argparse.Namespace) -> dict:
                       optimizer="adamw", schedule="cosine", eval_every=0, eval_steps=1, save_every=0,
                       log_every=args.log_every, seed=args.seed, device="cpu",
                       lora_rank=args.lora_rank if lora else None, lora_alpha=args.lora_alpha if lora else None,
-                      lora_targets=args.lora_targets)
+                      lora_targets=args.lora_targets, **extra)
+    probe = load_model(args.base)  # what the run trains, counted on a fresh copy
+    prepare_model(probe, cfg)
+    trained = sum(p.numel() for p in probe.parameters() if p.requires_grad)
     result = train(cfg)
     model = load_model(args.base, adapter=out) if lora else load_model(out)
     weights = out / ("adapter_model.safetensors" if lora else "model.safetensors")
-    record = {"name": name, "method": "lora" if lora else "full", "lr": lr, "steps": result.step,
+    record = {"name": name, "method": method, "lr": lr, "steps": result.step, "trained_parameters": trained,
               "train_seconds": result.seconds, "output_bytes": weights.stat().st_size, **_evaluate(model, args)}
     done.write_text(json.dumps(record, indent=1) + "\n")
     return record
@@ -133,18 +148,21 @@ def _quick_setup(work: Path) -> tuple[Path, list[str]]:
 
 def _table(base: dict, rows: list[dict], model_bytes: int, has_base_val: bool) -> str:
     best = {m: min((r for r in rows if r["method"] == m), key=lambda r: r["held_out"], default=None)
-            for m in ("full", "lora")}
-    head = "| method | lr | held-out, step 0 -> end | base val after | output bytes (vs model) |"
-    lines = [head, "|---|---|---|---|---|"]
+            for m in METHODS}
+    head = "| method | lr | trained parameters | held-out, step 0 -> end | base val after | output bytes (vs model) |"
+    lines = [head, "|---|---|---|---|---|---|"]
     for r in rows:
         mark = " (best)" if r is best[r["method"]] else ""
         fv = f"{r['base_val']:.3f} (base {base['base_val']:.3f})" if has_base_val else "-"
-        lines.append(f"| {r['method']}{mark} | {r['lr']:g} | {base['held_out']:.3f} -> **{r['held_out']:.3f}** | "
+        n = f"{r['trained_parameters']:,}" if "trained_parameters" in r else "-"
+        lines.append(f"| {r['method']}{mark} | {r['lr']:g} | {n} | {base['held_out']:.3f} -> **{r['held_out']:.3f}** | "
                      f"{fv} | {r['output_bytes']:,} ({100 * r['output_bytes'] / model_bytes:.2f}%) |")
-    if best["full"] and best["lora"]:
-        gap = best["lora"]["held_out"] - best["full"]["held_out"]
-        lines.append(f"\nbest LoRA - best full = {gap:+.4f} nats (target <= +0.05: "
-                     f"{'met' if gap <= 0.05 else 'missed'})")
+    gaps = [(label, best[m]["held_out"] - best["full"]["held_out"])
+            for m, label in (("lora", "LoRA"), ("lora, bias all", "LoRA + bias all")) if best["full"] and best[m]]
+    if gaps:
+        lines.append("")
+    lines += [f"best {label} - best full = {gap:+.4f} nats (target <= +0.05: {'met' if gap <= 0.05 else 'missed'})"
+              for label, gap in gaps]
     return "\n".join(lines)
 
 
@@ -166,6 +184,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--full-lrs", type=_floats, default=_floats("3e-4,1e-3,3e-3"))
     ap.add_argument("--lora-lrs", type=_floats, default=_floats("2e-3,4e-3,1e-2,2e-2"))
+    ap.add_argument("--lora-bias-lrs", type=_floats, default=[], help="LoRA with bias 'all' at these rates")
+    ap.add_argument("--frozen-emb-lrs", type=_floats, default=[],
+                    help=f"full fine-tuning with --freeze '{FROZEN_EMBEDDINGS}' at these rates")
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--lora-alpha", type=float, default=16.0)
     ap.add_argument("--lora-targets", default="c_attn,attn.c_proj,c_fc,mlp.c_proj")
@@ -199,14 +220,21 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"corpus: {len(files)} files; train {summary['documents'] - summary['val_documents']} files, "
           f"{summary['train_tokens']:,} tokens; held out {len(held)} files, {summary['val_tokens']:,} tokens",
           flush=True)
-    base = _evaluate(load_model(args.base), args)
+    step0 = args.work / "step0.json"  # the base's measures, kept like a run's (one invocation per rate)
+    cached = json.loads(step0.read_text()) if step0.exists() else {}
+    key = {"base": str(args.base), "base_val": args.base_val, "eval_batches": args.eval_batches}
+    if cached.get("key") == key:
+        base = cached["measures"]
+    else:
+        base = _evaluate(load_model(args.base), args)
+        step0.write_text(json.dumps({"key": key, "measures": base}) + "\n")
     print(f"step 0: {base}", flush=True)
     rows = []
-    for lora, lrs in ((False, args.full_lrs), (True, args.lora_lrs)):
+    for method, lrs in zip(METHODS, (args.full_lrs, args.lora_lrs, args.lora_bias_lrs, args.frozen_emb_lrs),
+                           strict=True):
         for lr in lrs:
-            name = f"{'lora' if lora else 'full'}-lr{lr:g}"
-            rows.append(run_one(name, lr, lora, args))
-            print(f"{name}: {rows[-1]}", flush=True)
+            rows.append(run_one(method, lr, args))
+            print(f"{rows[-1]['name']}: {rows[-1]}", flush=True)
     model_bytes = (Path(args.base) / "model.safetensors").stat().st_size
     table = _table(base, rows, model_bytes, bool(args.base_val))
     machine = f"{describe_cpu()}, torch {torch.__version__}, {args.threads} thread(s)"

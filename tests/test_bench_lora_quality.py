@@ -26,11 +26,15 @@ def bench():
 
 
 def test_quick_mode_runs_full_and_lora_and_names_the_held_out_files(bench, tmp_path, capsys):
-    r = bench.main(["--quick", "--work", str(tmp_path)])
-    assert [(row["method"], row["steps"]) for row in r["runs"]] == [("full", 3), ("lora", 3)]
-    full, lora = r["runs"]
-    assert full["output_bytes"] == r["model_bytes"]
-    assert 0 < lora["output_bytes"] <= 0.02 * r["model_bytes"]  # rank 8 on gpt2-tiny
+    r = bench.main(["--quick", "--work", str(tmp_path), "--lora-bias-lrs", "1e-2", "--frozen-emb-lrs", "3e-3"])
+    assert [(row["method"], row["steps"]) for row in r["runs"]] == [
+        ("full", 3), ("lora", 3), ("lora, bias all", 3), ("full, embeddings frozen", 3)]
+    full, lora, lora_bias, frozen = r["runs"]
+    assert full["output_bytes"] == frozen["output_bytes"] == r["model_bytes"]
+    assert 0 < lora["output_bytes"] < lora_bias["output_bytes"] <= 0.02 * r["model_bytes"]  # rank 8 on gpt2-tiny
+    # gpt2-tiny (4 layers, 128 wide): 4 x 16,384 adapter values; 4 x 1,408 + 128 (ln_f) biases; the embeddings
+    assert lora["trained_parameters"] == 65_536 and lora_bias["trained_parameters"] == 65_536 + 5_760
+    assert full["trained_parameters"] - frozen["trained_parameters"] == (50_257 + 64) * 128
     held = r["held_out_files"]
     assert len(held) == r["prepare"]["val_documents"] == 3 and set(held) < set(r["files"])
     tok = load_tokenizer(None)  # prepare's val split holds exactly these files (an <|endoftext|> before each)
@@ -38,6 +42,7 @@ def test_quick_mode_runs_full_and_lora_and_names_the_held_out_files(bench, tmp_p
     assert len(val) == sum(len(tok.encode(Path(f).read_text())) + 1 for f in held)
     out = capsys.readouterr().out
     assert "| full (best) | 0.003 |" in out and "| lora (best) | 0.01 |" in out and "best LoRA - best full = " in out
+    assert "best LoRA + bias all - best full = " in out and "| full, embeddings frozen (best) | 0.003 |" in out
 
 
 def test_corpus_files_leave_out_tests_and_the_bases_inputs(bench, tmp_path):

@@ -98,8 +98,36 @@ def test_lora_run_writes_a_peft_adapter_that_loads_back(data, base, tmp_path, op
     assert result.val_loss is not None
 
 
-def test_lora_resume_is_exact(data, base, tmp_path):
-    kw = dict(lora_rank=4, lora_dropout=0.1, dropout=0.1, optimizer="muon", max_steps=10, total_batch_tokens=128)
+def test_lora_bias_all_run_trains_and_saves_the_biases_as_peft_does(data, base, tmp_path, capsys):
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+
+    from gpt2kit.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(data), "--model", str(base), "--out", str(out), "--batch-size", "2",
+                 "--seq-len", "32", "--max-steps", "6", "--lr", "1e-2", "--eval-every", "0", "--optimizer", "adamw",
+                 "--lora-rank", "4", "--lora-bias", "all"]) == 0
+    said = capsys.readouterr()
+    assert "training 4,832 of" in said.out + said.err  # 4,096 adapter values + 736 bias values
+    assert json.loads((out / "adapter_config.json").read_text())["bias"] == "all"
+    saved = load_file(out / "adapter_model.safetensors")
+    ln_f = saved["base_model.model.transformer.ln_f.bias"]
+    assert (ln_f - load_model(base).ln_f.bias).abs().max() > 1e-4  # the bias trained and was saved
+    assert "base_model.model.transformer.h.1.mlp.c_proj.base_layer.bias" in saved
+    kept = torch.load(out / CHECKPOINT_NAME, weights_only=True)["model"]
+    assert "ln_f.bias" in kept and "h.0.ln_1.bias" in kept  # resume restores the biases too
+    ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(0))
+    hf = peft.PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(base, adapter=out)(ids).logits, hf(ids).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("bias", ["none", "all"])
+def test_lora_resume_is_exact(data, base, tmp_path, bias):
+    kw = dict(lora_rank=4, lora_dropout=0.1, dropout=0.1, optimizer="muon", max_steps=10, total_batch_tokens=128,
+              lora_bias=bias)
     straight, split = tmp_path / "straight", tmp_path / "split"
     train(_cfg(data, base, straight, **kw))
     train(_cfg(data, base, split, stop_at=5, **kw))
@@ -176,7 +204,10 @@ def test_lora_bad_settings_are_one_line(data, base, tmp_path, capsys):
              (["--lora-rank", "40"], "LoRA rank must be an integer in [1, 32] for h.0.attn.c_attn (96 x 32), got 40"),
              (["--lora-rank", "2", "--lora-targets", "c_attn,q_proj"],
               "unknown LoRA target 'q_proj'; valid targets: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj"),
-             (["--lora-rank", "2", "--freeze", "wte.*"], "cannot be combined with --lora-rank")]
+             (["--lora-rank", "2", "--freeze", "wte.*"], "cannot be combined with --lora-rank"),
+             (["--lora-rank", "2", "--lora-bias", "some"],
+              "unknown LoRA bias 'some'; valid choices: none, all, lora_only"),
+             (["--lora-bias", "all"], "--lora-bias all needs --lora-rank")]
     for i, (flags, words) in enumerate(cases):
         assert main([*common, "--out", str(tmp_path / f"o{i}"), *flags]) == 1
         err = capsys.readouterr().err

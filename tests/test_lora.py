@@ -211,3 +211,114 @@ def test_merge_never_writes_over_its_inputs_and_serve_checks_the_adapter_first(t
     assert main(["serve", "--model", str(base), "--adapter", str(tmp_path / "nothing")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no adapter_config.json: not a LoRA adapter directory" in err
+
+
+# peft's bias option: "all" trains every *bias (block Linears, LayerNorms, ln_f), "lora_only" the adapted ones.
+def _peft_bias_adapter(base: Path, out: Path, bias: str, targets: list[str]):
+    """An adapter peft itself trains-by-hand and saves: random lora_B and random shifts on the biases
+    peft marks trainable for `bias` (so the saved biases differ from the base's)."""
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(7)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, fan_in_fan_out=True, task_type="CAUSAL_LM",
+                          bias=bias)
+    pm = peft.get_peft_model(GPT2LMHeadModel.from_pretrained(base), cfg)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+            elif p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.3)
+    pm.save_pretrained(out)
+    return pm.eval()
+
+
+@pytest.mark.parametrize("bias, n_biases", [("all", 6 * TINY.n_layer + 1), ("lora_only", 3 * TINY.n_layer)])
+def test_a_bias_adapter_trains_and_saves_what_peft_does(tmp_path, bias, n_biases):
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+
+    base = _base(tmp_path)
+    model = apply_lora(load_model(base), 4, 8, targets="c_attn,c_proj", bias=bias)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+    assert len(trained) == n_biases and ("ln_f.bias" in trained) == (bias == "all")
+    assert ("h.0.mlp.c_fc.bias" in trained) == (bias == "all") and "h.0.attn.c_attn.bias" in trained
+    _randomise_adapter(model)
+    with torch.no_grad():
+        for name in trained:
+            model.get_parameter(name).add_(torch.randn_like(model.get_parameter(name)) * 0.3)
+    assert set(lora_state(model, bias)) - set(lora_state(model)) == trained  # what a checkpoint keeps
+    save_adapter(model, tmp_path / "ours", bias=bias)
+    _peft_bias_adapter(base, tmp_path / "theirs", bias, ["c_attn", "c_proj"])
+    ours, theirs = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("ours", "theirs"))
+    assert sorted(ours) == sorted(theirs)  # peft's key names, the same set of tensors
+    assert all(ours[k].shape == theirs[k].shape for k in ours)
+    assert json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["bias"] == bias
+    hf = peft.PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), tmp_path / "ours").eval()
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=1e-4, rtol=0)
+        without = apply_lora(load_model(base), 4, 8, targets="c_attn,c_proj")
+        for k, t in lora_state(model).items():
+            lora_state(without)[k].copy_(t)
+        assert (without(ids).logits - hf(ids).logits).abs().max() > 1e-3  # the biases really count
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_a_peft_bias_adapter_loads_and_merges_in_gpt2kit(tmp_path, capsys, bias):
+    from transformers import GPT2LMHeadModel
+
+    from gpt2kit.cli import main
+
+    base = _base(tmp_path)
+    pm = _peft_bias_adapter(base, tmp_path / "peft_adapter", bias, ["c_attn", "c_fc"])
+    ids = _ids()
+    with torch.no_grad():
+        theirs = pm(ids).logits
+        merged = load_model(base, adapter=tmp_path / "peft_adapter")(ids).logits
+        unmerged_model = apply_adapter(load_model(base), tmp_path / "peft_adapter", merge=False)
+        unmerged = unmerged_model(ids).logits
+    torch.testing.assert_close(merged, theirs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(unmerged, theirs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(merged, unmerged, atol=1e-5, rtol=0)
+    ad = read_adapter(tmp_path / "peft_adapter")
+    assert ad.bias == bias and ("ln_f.bias" in ad.biases) == (bias == "all")
+    assert "h.1.attn.c_attn.bias" in ad.biases and ("h.1.attn.c_proj.bias" in ad.biases) == (bias == "all")
+    assert main(["merge", str(base), str(tmp_path / "peft_adapter"), str(tmp_path / "merged")]) == 0
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, unmerged, atol=1e-5, rtol=0)
+    # our save of the unmerged model writes the same biases back
+    save_adapter(unmerged_model, tmp_path / "again", bias=bias)
+    again = peft.PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), tmp_path / "again").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, theirs, atol=1e-4, rtol=0)
+
+
+def test_an_unknown_bias_names_the_valid_ones(tmp_path):
+    from gpt2kit.train_config import TrainConfig
+
+    valid = r"unknown LoRA bias 'some'; valid choices: none, all, lora_only"
+    with pytest.raises(ValueError, match=valid):
+        apply_lora(random_model(), 2, bias="some")
+    with pytest.raises(ValueError, match=valid):
+        TrainConfig(data="d", out="o", lora_rank=2, lora_bias="some")
+    with pytest.raises(ValueError, match="--lora-bias all needs --lora-rank"):
+        TrainConfig(data="d", out="o", lora_bias="all")
+    model = apply_lora(random_model(), 2, targets="c_fc")
+    save_adapter(model, tmp_path / "adapter")
+    cfg_file = tmp_path / "adapter" / "adapter_config.json"
+    cfg_file.write_text(json.dumps(json.loads(cfg_file.read_text()) | {"bias": "some"}))
+    with pytest.raises(CheckpointError, match=r"unknown bias 'some'; valid choices: none, all, lora_only"):
+        read_adapter(tmp_path / "adapter")
+
+
+def test_a_bias_for_another_base_names_the_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_adapter(apply_lora(random_model(), 2, targets="c_fc", bias="all"), tmp_path / "adapter", bias="all")
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    state = load_file(weights) | {"base_model.model.transformer.h.0.ln_1.bias": torch.zeros(48)}
+    save_file(state, weights)
+    with pytest.raises(CheckpointError, match=r"the bias for h.0.ln_1.bias has shape \(48,\), the model's is \(32,\)"):
+        apply_adapter(random_model(), tmp_path / "adapter")

@@ -1,7 +1,8 @@
 """What a training run trains, and what it keeps: LoRA, freezing by name, activation checkpointing.
 
 train.py builds the model, then `prepare(model, cfg)` makes it what the run trains:
-    --lora-rank R        the block matrices swapped for LoRALinear (gpt2kit.lora), everything else frozen;
+    --lora-rank R        the block matrices swapped for LoRALinear (gpt2kit.lora), everything else frozen
+                         but the biases --lora-bias names (peft's bias option: none, all, lora_only);
                          checkpoint.pt holds only the adapter (the base is rebuilt from --model on
                          resume), and OUT gets a peft-format adapter directory instead of a model
     --freeze / --train-only GLOBS    parameters frozen by name (fnmatch globs, comma lists)
@@ -49,7 +50,7 @@ def prepare(model: nn.Module, cfg: TrainConfig) -> str | None:
     if cfg.lora_rank is not None:
         g = torch.Generator(device=next(model.parameters()).device).manual_seed(cfg.seed + LORA_SEED_OFFSET)
         apply_lora(model, cfg.lora_rank, lora_alpha(cfg), dropout=cfg.lora_dropout, targets=cfg.lora_targets,
-                   generator=g)
+                   generator=g, bias=cfg.lora_bias)
         line = "LoRA"
     elif cfg.freeze is not None or cfg.train_only is not None:
         freeze(model, freeze=cfg.freeze, train_only=cfg.train_only)
@@ -107,14 +108,14 @@ def checkpoint_state(model: nn.Module, cfg: TrainConfig) -> dict[str, torch.Tens
         return model.state_dict()
     from gpt2kit.lora import lora_state
 
-    return lora_state(model)
+    return lora_state(model, cfg.lora_bias)
 
 
 def load_checkpoint_state(model: nn.Module, cfg: TrainConfig, state: dict[str, torch.Tensor]) -> None:
     """Restore checkpoint_state's dict into a prepared LoRA model (the base came from --model)."""
     from gpt2kit.lora import lora_state
 
-    have = lora_state(model)
+    have = lora_state(model, cfg.lora_bias)
     if set(state) != set(have):
         missing, extra = sorted(set(have) - set(state)), sorted(set(state) - set(have))
         raise ValueError(f"the checkpoint's adapter does not fit this run: missing {missing[:3]}, "
@@ -138,4 +139,5 @@ def save_output(model: nn.Module, cfg: TrainConfig, out: str | os.PathLike[str])
         return save_model(model, out)
     base = None if cfg.from_scratch else cfg.model
     tokenizer = load_tokenizer(None if base is None else base)
-    return save_adapter(model, out, base=base if base is None else str(base), tokenizer=tokenizer)
+    return save_adapter(model, out, base=base if base is None else str(base), tokenizer=tokenizer,
+                        bias=cfg.lora_bias)

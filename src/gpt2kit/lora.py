@@ -10,7 +10,9 @@ Each targeted nn.Linear (out, in) becomes a LoRALinear holding the same frozen `
     y = x W^T + b + (alpha / r) * dropout(x) A^T B^T
 
 which is peft's LoRA (lora_A initialised as peft's kaiming-uniform, lora_B zero, so a fresh
-adapter changes nothing). model.py stays the spec: the swapped module is called as a module, so
+adapter changes nothing). peft's `bias` option trains biases beside the adapters: "none" (no bias),
+"all" (every parameter named *bias: the Linear biases and the LayerNorm biases, ln_f's included),
+"lora_only" (the biases of the adapted matrices). model.py stays the spec: the swapped module is called as a module, so
 hooks fire. Every other parameter of the model is frozen. The adapter's on-disk form is peft's
 (checkpoint/adapter.py). An int8 base (QuantLinear) is not supported: LoRA needs the float model.
 
@@ -29,6 +31,8 @@ from torch import nn
 # Our module names inside a block, the matrices LoRA can adapt.
 TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 # Short names as peft writes them: a target matches a module whose name ends with it ("c_proj": both).
+# peft's LoraConfig.bias: which biases train (and are saved) beside the adapters.
+BIASES = ("none", "all", "lora_only")
 _SHORT = {"c_attn": ("attn.c_attn",), "c_fc": ("mlp.c_fc",), "c_proj": ("attn.c_proj", "mlp.c_proj")}
 
 
@@ -85,6 +89,22 @@ class LoRALinear(nn.Module):
                f"scaling={self.scaling:g}"
 
 
+def check_bias(bias: object) -> str:
+    if bias not in BIASES:
+        raise ValueError(f"unknown LoRA bias {bias!r}; valid choices: {', '.join(BIASES)}")
+    return bias  # type: ignore[return-value]
+
+
+def bias_names(model: nn.Module, bias: str) -> list[str]:
+    """The parameter names peft's `bias` option trains on a LoRA model, in model order: "all" every
+    name ending in "bias" (peft's test), "lora_only" those of the LoRALinear modules, "none" none."""
+    if check_bias(bias) == "none":
+        return []
+    if bias == "all":
+        return [n for n, _ in model.named_parameters() if n == "bias" or n.endswith(".bias")]
+    return [f"{name}.bias" for name, m in lora_modules(model).items() if m.bias is not None]
+
+
 def check_rank(name: str, rank: object, linear: nn.Module) -> int:
     out_f, in_f = linear.weight.shape
     limit = min(out_f, in_f)
@@ -95,10 +115,12 @@ def check_rank(name: str, rank: object, linear: nn.Module) -> int:
 
 def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, *, dropout: float = 0.0,
                targets: str | Iterable[str] = TARGETS, ranks: dict[str, int] | None = None,
-               scalings: dict[str, float] | None = None, generator: torch.Generator | None = None) -> nn.Module:
+               scalings: dict[str, float] | None = None, generator: torch.Generator | None = None,
+               bias: str = "none") -> nn.Module:
     """Swap the targeted block matrices of a float GPT2 for LoRALinear, in place, and freeze every
-    other parameter. alpha defaults to rank (scaling 1). `ranks` / `scalings` give some modules
-    (our names, "h.3.mlp.c_fc") their own rank or scaling (peft's rank_pattern / alpha_pattern)."""
+    other parameter but the biases `bias` names (peft's option: none, all, lora_only). alpha defaults
+    to rank (scaling 1). `ranks` / `scalings` give some modules (our names, "h.3.mlp.c_fc") their own
+    rank or scaling (peft's rank_pattern / alpha_pattern)."""
     from gpt2kit.quant import is_quantized
 
     if is_quantized(model):
@@ -108,6 +130,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, *, dropo
         raise ValueError("the model already has LoRA adapters; merge them (merge_lora) before adding new ones")
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
+    check_bias(bias)
     wanted = parse_targets(targets)
     swaps = []
     for i, block in enumerate(model.h):
@@ -126,6 +149,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, *, dropo
         module = LoRALinear(linear, r, scaling, dropout)
         module.reset_lora(generator)
         setattr(parent, attr, module)
+    for name in bias_names(model, bias):
+        model.get_parameter(name).requires_grad_(True)
     return model
 
 
@@ -134,10 +159,12 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
-def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Only the adapter: {"h.0.attn.c_attn.lora_A": (r, in), ... ".lora_B": (out, r)}."""
-    return {f"{name}.{part}": getattr(m, part).detach() for name, m in lora_modules(model).items()
-            for part in ("lora_A", "lora_B")}
+def lora_state(model: nn.Module, bias: str = "none") -> dict[str, torch.Tensor]:
+    """Only what a LoRA run trains: {"h.0.attn.c_attn.lora_A": (r, in), ... ".lora_B": (out, r)}, and
+    the biases `bias` names ({"ln_f.bias": (C,), ...})."""
+    state = {f"{name}.{part}": getattr(m, part).detach() for name, m in lora_modules(model).items()
+             for part in ("lora_A", "lora_B")}
+    return state | {name: model.get_parameter(name).detach() for name in bias_names(model, bias)}
 
 
 @torch.no_grad()

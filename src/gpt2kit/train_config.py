@@ -22,6 +22,7 @@ SAMPLINGS = ("random", "sequential")
 TRAIN_DTYPES = ("float32", "bfloat16")  # canonical names (float16 would need loss scaling and gains nothing)
 ARCH_OVERRIDES = ("n_layer", "n_embd", "n_head", "n_ctx")
 LORA_TARGETS = "c_attn,attn.c_proj,c_fc,mlp.c_proj"
+LORA_BIASES = ("none", "all", "lora_only")  # peft's LoraConfig.bias (gpt2kit.lora.BIASES; no torch here)
 
 
 def _setting(default: Any, help: str, **cli: Any) -> Any:
@@ -88,6 +89,9 @@ class TrainConfig:
     lora_targets: str = _setting(LORA_TARGETS, "comma list of the block matrices LoRA adapts: attn.c_attn, "
                                                "attn.c_proj, mlp.c_fc, mlp.c_proj (c_attn, c_fc, c_proj: peft's short "
                                                "names)")
+    lora_bias: str = _setting("none", "peft's bias option: none; all (every bias trains: the Linear and LayerNorm "
+                                      "biases, ln_f's included); lora_only (the adapted matrices' biases). The "
+                                      "trained biases are saved in the adapter, as peft does", choices=LORA_BIASES)
     activation_checkpointing: bool = _setting(False, "recompute each block's activations in the backward pass "
                                                      "instead of keeping them (less memory, ~1/3 more compute)")
     freeze: str | None = _setting(None, "comma list of parameter-name globs to freeze, e.g. 'wte.*,wpe.*' or "
@@ -128,6 +132,10 @@ class TrainConfig:
             if self.freeze is not None or self.train_only is not None:
                 raise ValueError("--freeze / --train-only cannot be combined with --lora-rank (LoRA already "
                                  "freezes the whole base; peft's adapter format holds only the adapters)")
+        check_choice("LoRA bias", self.lora_bias, LORA_BIASES)
+        if self.lora_bias != "none" and self.lora_rank is None:
+            raise ValueError(f"--lora-bias {self.lora_bias} needs --lora-rank (it chooses the biases a LoRA run "
+                             "trains beside its adapters)")
         if self.lora_alpha is not None:
             check_number("TrainConfig.lora_alpha", self.lora_alpha, "> 0", lambda v: v > 0)
         check_number("TrainConfig.lora_dropout", self.lora_dropout, "in [0, 1)", lambda v: 0 <= v < 1)

@@ -7,13 +7,18 @@ What peft's `PeftModel.save_pretrained` writes for a GPT2LMHeadModel and what
                                 .lora_A.weight (r, in) and .lora_B.weight (out, r)
     adapter_config.json         peft_type "LORA", task_type "CAUSAL_LM", r, lora_alpha, lora_dropout,
                                 target_modules, fan_in_fan_out true (GPT-2's Conv1D holds (in, out)),
-                                bias "none", base_model_name_or_path, rank_pattern, alpha_pattern, ...
+                                bias, base_model_name_or_path, rank_pattern, alpha_pattern, ...
+
+With peft's bias "all" or "lora_only" the trained biases are saved beside the adapters, under the
+model's own keys as peft's wrapped model names them: base_model.model.transformer.h.{i}.ln_1.bias,
+... .ln_f.bias, and for an adapted matrix the bias of its base layer, ...h.{i}.attn.c_attn.base_layer.bias.
+Reading them replaces the base's biases (gpt2kit's names: h.{i}.attn.c_attn.bias, ln_f.bias).
 
 lora_A / lora_B have the same shapes whatever fan_in_fan_out says (peft transposes only the merged
 delta for a Conv1D), so they map to gpt2kit's LoRALinear with no transpose. Reading accepts what
 peft writes for GPT-2 with LoRA on the block matrices: per-module ranks and alphas (rank_pattern,
-alpha_pattern), rsLoRA's alpha / sqrt(r); DoRA, LoRA biases, embedding adapters and
-modules_to_save are refused by name.
+alpha_pattern), rsLoRA's alpha / sqrt(r), trained biases (bias "all" / "lora_only"); DoRA,
+lora_bias (a bias on lora_B), embedding adapters and modules_to_save are refused by name.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from gpt2kit._io import atomic_directory, atomic_write_path, atomic_write_text
 from gpt2kit.checkpoint.errors import CheckpointError
-from gpt2kit.lora import TARGETS
+from gpt2kit.lora import BIASES, TARGETS
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +44,10 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model.transformer."
 _KEY = re.compile(r"^base_model\.model\.transformer\.(h\.\d+\.(?:attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj))"
                   r"\.lora_(A|B)\.weight$")
+# A bias peft saves with bias "all" / "lora_only"; group 1 is our module name (".base_layer" is peft's
+# wrapper around an adapted matrix).
+_BIAS_KEY = re.compile(r"^base_model\.model\.transformer\.((?:h\.\d+\.(?:ln_1|ln_2|attn\.c_attn|attn\.c_proj|mlp\.c_fc"
+                       r"|mlp\.c_proj))|ln_f)(?:\.base_layer)?\.bias$")
 
 
 def is_adapter_dir(path: str | os.PathLike[str]) -> bool:
@@ -54,19 +63,28 @@ class Adapter:
     tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]
     scalings: dict[str, float]
     dropout: float
+    bias: str = "none"  # peft's bias option, as recorded
+    biases: dict[str, torch.Tensor] | None = None  # our parameter name ("ln_f.bias"): the trained bias
 
 
 def _peft_key(module: str, part: str) -> str:
     return f"{PEFT_PREFIX}{module}.lora_{part}.weight"
 
 
+def _peft_bias_key(name: str, adapted: set[str]) -> str:
+    """Our bias name -> peft's key: an adapted matrix's bias lives on its base_layer."""
+    module = name.removesuffix(".bias")
+    return f"{PEFT_PREFIX}{module}.base_layer.bias" if module in adapted else f"{PEFT_PREFIX}{name}"
+
+
 def save_adapter(model: nn.Module, directory: str | os.PathLike[str], *, base: str | None = None,
-                 tokenizer=None) -> Path:
+                 tokenizer=None, bias: str = "none") -> Path:
     """Write the model's LoRA adapters as peft writes them (replacing the directory's adapter files
-    atomically; other files in it are kept)."""
+    atomically; other files in it are kept); `bias` is peft's option, and the biases it names are
+    saved with them."""
     from safetensors.torch import save_file
 
-    from gpt2kit.lora import lora_modules
+    from gpt2kit.lora import bias_names, lora_modules
 
     modules = lora_modules(model)
     if not modules:
@@ -79,10 +97,12 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike[str], *, base: s
     targets = sorted({name.split(".", 2)[2] for name in modules}, key=TARGETS.index)
     state = {_peft_key(name, part): getattr(m, f"lora_{part}").detach().contiguous().cpu()
              for name, m in modules.items() for part in ("A", "B")}
+    state |= {_peft_bias_key(name, set(modules)): model.get_parameter(name).detach().contiguous().cpu()
+              for name in bias_names(model, bias)}
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "revision": None,
         "r": r, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": targets,
-        "fan_in_fan_out": True, "bias": "none", "inference_mode": True, "init_lora_weights": True,
+        "fan_in_fan_out": True, "bias": bias, "inference_mode": True, "init_lora_weights": True,
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "use_rslora": False,
         "use_dora": False, "lora_bias": False,
         # peft keys these by module-name suffix; ours are the full names, which match only themselves
@@ -122,7 +142,9 @@ def read_adapter(directory: str | os.PathLike[str]) -> Adapter:
     if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
         raise CheckpointError(f"{cfg_file}: peft_type must be \"LORA\", got {cfg.get('peft_type')!r}"
                               if isinstance(cfg, dict) else f"{cfg_file}: must hold a JSON object")
-    for key, ok in (("use_dora", False), ("bias", "none"), ("lora_bias", False)):
+    if cfg.get("bias", "none") not in BIASES:
+        raise CheckpointError(f"{cfg_file}: unknown bias {cfg['bias']!r}; valid choices: {', '.join(BIASES)}")
+    for key, ok in (("use_dora", False), ("lora_bias", False)):
         if cfg.get(key, ok) not in (ok, None):
             raise CheckpointError(f"{cfg_file}: {key}={cfg[key]!r} is not supported (only {key}={ok!r})")
     if cfg.get("modules_to_save"):
@@ -136,11 +158,19 @@ def read_adapter(directory: str | os.PathLike[str]) -> Adapter:
     except Exception as e:  # safetensors raises several types for a bad file
         raise CheckpointError(f"{weights}: cannot read safetensors file ({e}); is it truncated or corrupt?") from None
     parts: dict[str, dict[str, torch.Tensor]] = {}
+    biases: dict[str, torch.Tensor] = {}
     for key, t in raw.items():
+        if (mb := _BIAS_KEY.match(key)) is not None:
+            if t.dim() != 1 or not t.dtype.is_floating_point:
+                raise CheckpointError(f"{weights}: {key} must be a 1-D floating tensor, got {tuple(t.shape)} "
+                                      f"{t.dtype}")
+            biases[f"{mb.group(1)}.bias"] = t
+            continue
         m = _KEY.match(key)
         if m is None:
             raise CheckpointError(f"{weights}: unexpected tensor {key!r}; gpt2kit reads LoRA on "
-                                  f"{', '.join(TARGETS)} (keys {PEFT_PREFIX}h.N.<target>.lora_A/B.weight)")
+                                  f"{', '.join(TARGETS)} (keys {PEFT_PREFIX}h.N.<target>.lora_A/B.weight) and "
+                                  f"the block and ln_f biases")
         if t.dim() != 2 or not t.dtype.is_floating_point:
             raise CheckpointError(f"{weights}: {key} must be a 2-D floating tensor, got {tuple(t.shape)} {t.dtype}")
         parts.setdefault(m.group(1), {})[m.group(2)] = t
@@ -160,7 +190,18 @@ def read_adapter(directory: str | os.PathLike[str]) -> Adapter:
         alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, alpha_default)
         tensors[module] = (a, b)
         scalings[module] = alpha / math.sqrt(r) if rslora else alpha / r
-    return Adapter(d, cfg.get("base_model_name_or_path"), tensors, scalings, float(cfg.get("lora_dropout") or 0.0))
+    return Adapter(d, cfg.get("base_model_name_or_path"), tensors, scalings, float(cfg.get("lora_dropout") or 0.0),
+                   cfg.get("bias") or "none", biases)
+
+
+def _replace_biases(model: nn.Module, biases: dict[str, torch.Tensor]) -> None:
+    """Copy an adapter's trained biases over the model's (the names and shapes already checked)."""
+    import torch
+
+    with torch.no_grad():
+        for name, t in biases.items():
+            p = model.get_parameter(name)
+            p.copy_(t.to(device=p.device, dtype=p.dtype))
 
 
 def apply_adapter(model: nn.Module, directory: str | os.PathLike[str], *, merge: bool = True) -> nn.Module:
@@ -184,6 +225,14 @@ def apply_adapter(model: nn.Module, directory: str | os.PathLike[str], *, merge:
                 raise CheckpointError(f"{ad.path / ADAPTER_WEIGHTS}: {_peft_key(module, part)} has shape "
                                       f"{tuple(t.shape)}, the model's {module} ({out_f} x {in_f}) needs {want}: "
                                       f"the adapter was made for another base")
+    for name, t in (ad.biases or {}).items():
+        layer = int(name.split(".")[1]) if name.startswith("h.") else 0
+        want = tuple(model.get_parameter(name).shape) if layer < n_layer else None
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"{ad.path / ADAPTER_WEIGHTS}: the bias for {name} has shape {tuple(t.shape)}, "
+                                  f"the model's is {want if want else f'absent ({n_layer} blocks)'}: the adapter "
+                                  f"was made for another base")
+    _replace_biases(model, ad.biases or {})
     if merge:  # W + scaling * B A in float32 from the stored tensors, then the model's dtype
         with torch.no_grad():
             for module, (a, b) in ad.tensors.items():
