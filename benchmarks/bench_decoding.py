@@ -2,7 +2,7 @@
 (with --draft-model) draft-model speculation vs the target's plain greedy.
 
     python benchmarks/bench_decoding.py [--model gpt2 | --model DIR] [--draft-model D --target T]
-                                        [--prompt-data DIR] [--edit textwrap:indent:prefix:margin]
+                                        [--prompt-data DIR] [--edit MODULE:FUNCTION:OLD:NEW[,...]]
                                         [--beam-model random[:PRESET] | DIR] [--random-dir DIR]
                                         [--rows lookup,beams,draft] [--threads N] [--quick]
 
@@ -10,14 +10,16 @@
 `save_model` write it); the beam row's weights are --beam-model's (transformers reads the same
 directory for its side).
 
-1. prompt lookup (issue 22's target: >= 2x plain greedy) on a code-editing task, where the output
-   repeats most of the input: a function from the standard library (--edit MODULE:FUNCTION:OLD:NEW,
-   its source read from this Python's own library, docstring left out so it fits a small context),
-   then "# The same function with `OLD` renamed to `NEW`:" and its def line renamed; the model
-   writes the rest. gpt2kit greedy vs gpt2kit greedy with prompt_lookup=10 (the tokens are checked
-   equal); as many new tokens as the function's body, within the context. The note says how many
-   of the first greedy tokens are the renamed function's own (a model that writes something else,
-   e.g. runs of spaces, is not measuring copying).
+1. prompt lookup (issue 22's target: >= 2x plain greedy) on code-editing tasks, where the output
+   repeats most of the input: functions from the standard library (--edit MODULE:FUNCTION:OLD:NEW,
+   a comma list; default EDITS, the modules edit_corpus.py never trains on), each read from this
+   Python's own library, docstring left out so it fits a small context, then "# The same function
+   with `OLD` renamed to `NEW`:" and its def line renamed (whole words); the model writes the rest.
+   gpt2kit greedy vs gpt2kit greedy with prompt_lookup=10 over the edits one after another (the
+   tokens are checked equal); as many new tokens as each renamed body, within the context. The note
+   gives the acceptance, the share of greedy's tokens that are the renamed function's (position by
+   position) and how many edits came out exact (a model that writes something else, e.g. runs of
+   spaces, is not measuring copying).
 2. beam search (target: >= 1.5x transformers): 4 beams, 2 prompts, 48 new tokens, gpt2kit vs
    transformers' generate(num_beams=4, early_stopping=False, length_penalty=1.0) on the same weights,
    both loading one directory: --beam-model DIR, or (default) `random`: GPT-2 124M-shaped random
