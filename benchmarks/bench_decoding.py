@@ -2,7 +2,7 @@
 (with --draft-model) draft-model speculation vs the target's plain greedy.
 
     python benchmarks/bench_decoding.py [--model gpt2 | --model DIR] [--draft-model D --target T]
-                                        [--prompt-data DIR] [--edit textwrap:indent:prefix:margin]
+                                        [--prompt-data DIR] [--edit MODULE:FUNCTION:OLD:NEW[,...]]
                                         [--beam-model random[:PRESET] | DIR] [--random-dir DIR]
                                         [--rows lookup,beams,draft] [--threads N] [--quick]
 
@@ -10,14 +10,16 @@
 `save_model` write it); the beam row's weights are --beam-model's (transformers reads the same
 directory for its side).
 
-1. prompt lookup (issue 22's target: >= 2x plain greedy) on a code-editing task, where the output
-   repeats most of the input: a function from the standard library (--edit MODULE:FUNCTION:OLD:NEW,
-   its source read from this Python's own library, docstring left out so it fits a small context),
-   then "# The same function with `OLD` renamed to `NEW`:" and its def line renamed; the model
-   writes the rest. gpt2kit greedy vs gpt2kit greedy with prompt_lookup=10 (the tokens are checked
-   equal); as many new tokens as the function's body, within the context. The note says how many
-   of the first greedy tokens are the renamed function's own (a model that writes something else,
-   e.g. runs of spaces, is not measuring copying).
+1. prompt lookup (issue 22's target: >= 2x plain greedy) on code-editing tasks, where the output
+   repeats most of the input: functions from the standard library (--edit MODULE:FUNCTION:OLD:NEW,
+   a comma list; default EDITS, the modules edit_corpus.py never trains on), each read from this
+   Python's own library, docstring left out so it fits a small context, then "# The same function
+   with `OLD` renamed to `NEW`:" and its def line renamed (whole words); the model writes the rest.
+   gpt2kit greedy vs gpt2kit greedy with prompt_lookup=10 over the edits one after another (the
+   tokens are checked equal); as many new tokens as each renamed body, within the context. The note
+   gives the acceptance, the share of greedy's tokens that are the renamed function's (position by
+   position) and how many edits came out exact (a model that writes something else, e.g. runs of
+   spaces, is not measuring copying).
 2. beam search (target: >= 1.5x transformers): 4 beams, 2 prompts, 48 new tokens, gpt2kit vs
    transformers' generate(num_beams=4, early_stopping=False, length_penalty=1.0) on the same weights,
    both loading one directory: --beam-model DIR, or (default) `random`: GPT-2 124M-shaped random
@@ -47,6 +49,8 @@ import argparse
 import ast
 import importlib
 import inspect
+import re
+import textwrap
 
 import torch
 
@@ -57,8 +61,22 @@ from gpt2kit.config import EOT_ID
 from gpt2kit.generate import generate
 from gpt2kit.sampling import SamplingSettings
 
-EDIT = "textwrap:indent:prefix:margin"
+EDITS = ("textwrap:indent:prefix:margin", "fnmatch:filter:name:item", "colorsys:hls_to_rgb:m2:upper",
+         "getpass:getuser:user:login")  # edit_corpus.py never reads these modules
 LOOKUP = 10  # prompt_lookup's draft tokens
+
+
+def function_source(lines: list[str], node: ast.FunctionDef) -> str:
+    """The source of the function `node` of a module whose source is `lines`, without its docstring
+    (and the blank line after it) and dedented (a method reads as a top-level function)."""
+    out = lines[node.lineno - 1:node.end_lineno]
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        rest = out[first.end_lineno - node.lineno + 1:]
+        while rest and not rest[0].strip():  # the blank line that followed the docstring
+            rest = rest[1:]
+        out = out[:first.lineno - node.lineno] + rest
+    return textwrap.dedent("\n".join(out))
 
 
 def stdlib_function(module: str, name: str) -> str:
@@ -69,55 +87,68 @@ def stdlib_function(module: str, name: str) -> str:
     node = next((n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == name), None)
     if node is None:
         raise SystemExit(f"--edit: {module} has no top-level function {name}")
-    lines = src.splitlines()[node.lineno - 1:node.end_lineno]
-    first = node.body[0]
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-        rest = lines[first.end_lineno - node.lineno + 1:]
-        while rest and not rest[0].strip():  # the blank line that followed the docstring
-            rest = rest[1:]
-        lines = lines[:first.lineno - node.lineno] + rest
-    return "\n".join(lines)
+    return function_source(src.splitlines(), node)
+
+
+def rename(text: str, old: str, new: str) -> str:
+    """text with every whole-word `old` replaced by `new` (`prefix` renamed leaves `prefixed` alone)."""
+    return re.sub(rf"\b{re.escape(old)}\b", new, text)
+
+
+def edit_prompt(source: str, old: str, new: str) -> tuple[str, str]:
+    """(prompt, the rest of the edit done right): the function, the comment naming the rename and the
+    renamed def line; then the renamed function after its def line (edit_corpus.py trains on this)."""
+    head, _, body = rename(source, old, new).partition("\n")
+    return f"{source}\n\n\n# The same function with `{old}` renamed to `{new}`:\n{head}\n", body
 
 
 def edit_task(spec: str) -> tuple[str, str]:
-    """(prompt, the function's source) of the code-editing task --edit MODULE:FUNCTION:OLD:NEW."""
+    """(prompt, the renamed function's source after its def line) of the code-editing task
+    MODULE:FUNCTION:OLD:NEW."""
     try:
         module, name, old, new = spec.split(":")
     except ValueError:
         raise SystemExit(f"--edit takes MODULE:FUNCTION:OLD:NEW, got {spec!r}") from None
     source = stdlib_function(module, name)
-    def_line = source.splitlines()[0]
-    if old not in source:
+    if not re.search(rf"\b{re.escape(old)}\b", source):
         raise SystemExit(f"--edit: {old!r} does not occur in {module}.{name}")
-    return f"{source}\n\n\n# The same function with `{old}` renamed to `{new}`:\n{def_line.replace(old, new)}\n", source
+    return edit_prompt(source, old, new)
 
 
 def _row(name: str, peer: float, ours: float, note: str = "") -> str:
     return f"| {name} | {peer:.1f} | {ours:.1f} | {ours / peer:.2f}x | {note} |"
 
 
-def bench_prompt_lookup(model, tok, spec: str, trials: int, cap: int | None) -> str:
-    prompt, source = edit_task(spec)
-    ids = [tok.encode(prompt)]
-    room = model.config.n_ctx - len(ids[0]) - LOOKUP  # prompt lookup keeps the whole sequence in the context
-    n = min(len(tok.encode(source)) - len(tok.encode(source.splitlines()[0])), room, cap or room)
-    if n < 1:
-        raise SystemExit(f"--edit {spec}: the prompt ({len(ids[0])} tokens) leaves no room in n_ctx="
-                         f"{model.config.n_ctx}; choose a shorter function")
-    plain = SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=())
-    looked = SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=(), prompt_lookup=LOOKUP)
-    a, b = generate(model, ids, plain), generate(model, ids, looked)
-    same = a[0].tokens == b[0].tokens
-    _, _, old, new = spec.split(":")
-    renamed = tok.encode(source.replace(old, new).split("\n", 1)[1])  # the edit done right, after the def line
-    pairs = zip(a[0].tokens, renamed, strict=False)  # the body may be longer than n
-    copied = next((i for i, (x, y) in enumerate(pairs) if x != y), min(n, len(renamed)))
-    t = time_alternating({"plain": lambda: generate(model, ids, plain),
-                          "lookup": lambda: generate(model, ids, looked)}, trials, 4 * trials)
-    note = (f"acceptance {100 * (b[0].acceptance_rate or 0):.0f}%, tokens equal: {same}, "
-            f"the first {copied} of {n} tokens are the renamed function's")
-    return _row(f"prompt lookup {LOOKUP} vs plain greedy (code edit: {spec}, {n} tokens)", n / t["plain"].seconds,
-                n / t["lookup"].seconds, note)
+def bench_prompt_lookup(model, tok, specs: list[str], trials: int, cap: int | None) -> str:
+    """The code edits of `specs` one after another, greedy vs greedy with prompt lookup; each edit runs
+    as many new tokens as its renamed body (within the context, at most `cap`)."""
+    tasks = []
+    for spec in specs:
+        prompt, body = edit_task(spec)
+        ids, want = tok.encode(prompt), tok.encode(body)
+        room = model.config.n_ctx - len(ids) - LOOKUP  # prompt lookup keeps the whole sequence in the context
+        n = min(len(want), room, cap or room)
+        if n < 1:
+            raise SystemExit(f"--edit {spec}: the prompt ({len(ids)} tokens) leaves no room in n_ctx="
+                             f"{model.config.n_ctx}; choose a shorter function")
+        tasks.append((ids, want[:n], SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=()),
+                      SamplingSettings(max_new_tokens=n, temperature=0, stop_token_ids=(), prompt_lookup=LOOKUP)))
+    a = [generate(model, [ids], plain)[0] for ids, _, plain, _ in tasks]
+    b = [generate(model, [ids], looked)[0] for ids, _, _, looked in tasks]
+    same = [x.tokens for x in a] == [y.tokens for y in b]
+    total = sum(len(want) for _, want, _, _ in tasks)
+    pairs = [(c.tokens, want) for c, (_, want, _, _) in zip(a, tasks, strict=True)]
+    right = sum(x == y for got, want in pairs for x, y in zip(got, want, strict=True))
+    whole = sum(got == want for got, want in pairs)
+    rate = sum(c.accepted for c in b) / max(1, sum(c.drafted for c in b))
+    t = time_alternating({"plain": lambda: [generate(model, [ids], plain) for ids, _, plain, _ in tasks],
+                          "lookup": lambda: [generate(model, [ids], looked) for ids, _, _, looked in tasks]},
+                         trials, 4 * trials)
+    note = (f"acceptance {100 * rate:.0f}%, tokens equal: {same}, {100 * right / total:.0f}% of the greedy tokens "
+            f"are the renamed function's (position by position), {whole} of {len(tasks)} edits exact")
+    names = ", ".join(s.split(":")[1] for s in specs)
+    return _row(f"prompt lookup {LOOKUP} vs plain greedy ({len(tasks)} code edits: {names}; {total} tokens)",
+                total / t["plain"].seconds, total / t["lookup"].seconds, note)
 
 
 RANDOM = "random"  # --beam-model: a preset's shape with random weights (seed 0), saved once
@@ -273,8 +304,9 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--prompt-data", default=None, metavar="DIR",
                     help="the draft rows' prompts from this data directory's validation shards (gpt2kit prepare's)")
-    ap.add_argument("--edit", default=EDIT, metavar="MODULE:FUNCTION:OLD:NEW",
-                    help=f"the code-editing task of the prompt-lookup row (default {EDIT})")
+    ap.add_argument("--edit", default=",".join(EDITS), metavar="MODULE:FUNCTION:OLD:NEW[,...]",
+                    help="the code-editing tasks of the prompt-lookup row, a comma list (default: "
+                         "edit_corpus.py's held-out edits, " + ",".join(EDITS) + ")")
     ap.add_argument("--beam-model", default=RANDOM, metavar="M",
                     help="the beam row's weights: a model directory or published name, or random[:PRESET] "
                          "(default: GPT-2 124M's shape, random weights of seed 0, saved once to --random-dir)")
@@ -297,7 +329,7 @@ def main() -> None:
     if "lookup" in which or ("draft" in which and args.draft_model and not args.target):
         model, tok = load_model(args.model), load_tokenizer(args.model)
     if "lookup" in which:
-        rows.append(bench_prompt_lookup(model, tok, args.edit, trials, 16 if args.quick else None))
+        rows.append(bench_prompt_lookup(model, tok, args.edit.split(","), trials, 16 if args.quick else None))
     if "beams" in which:
         rows.append(bench_beams(args.beam_model, args.random_dir, trials, 8 if args.quick else 48))
     if "draft" in which and args.draft_model:
