@@ -158,3 +158,24 @@ def test_a_copy_packed_for_one_hint_serves_the_other_without_packing_again():
     assert one is not None and one.hint == 1
     assert pk.packed_weights(model, 8) is one  # a batch after a single row: the same copy, not a new one
     assert pk.packed_weights(model, 1) is one
+
+
+def test_row_buckets_bound_onednns_shapes_and_keep_each_rows_product():
+    """Past EXACT_ROWS, products run on row counts rounded up to an eighth of their power of two (at
+    most 12.5% more rows), so prompts and scored texts of every length share a few dozen oneDNN
+    shapes; the padded rows are zeros, and each real row's product is the one it gets alone."""
+    buckets = {pk.rows_bucket(torch.zeros(r, 1)).shape[0] for r in range(1, 2049)}
+    assert len(buckets) == pk.EXACT_ROWS + 8 * 5  # 64 exact, then 8 an octave from 64 to 2,048
+    for r in (65, 100, 129, 700, 2047):
+        x = torch.randn(r, 3)
+        b = pk.rows_bucket(x)
+        assert r < b.shape[0] <= 1.125 * r and torch.equal(b[:r], x) and not b[r:].any()
+    model = varied_model()
+    packed = pk.packed_weights(model, 8)
+    layer = model.h[0].mlp.c_fc
+    m = packed.bind(model).blocks[0][6]  # block 0's c_fc, as the decode step runs it (packed)
+    x = torch.randn(100, layer.weight.shape[1])
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    for got in (packed.linear(x, m), packed.linear_add(x, m, torch.zeros_like(want))):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

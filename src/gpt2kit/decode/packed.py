@@ -92,23 +92,27 @@ class PackedWeights:
     def linear(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
         if m.__class__ is not Mat:
             return m(x)
-        return self._unary(x, m.weight, m.bias, "none", [], "")
+        R = x.shape[0]
+        return self._unary(rows_bucket(x), m.weight, m.bias, "none", [], "")[:R]
 
     def linear_gelu(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
         """tanh-GELU(x @ W^T + b)."""
         if m.__class__ is not Mat:
             return torch.nn.functional.gelu(m(x), approximate="tanh")
-        return self._unary(x, m.weight, m.bias, "gelu", [], "tanh")
+        R = x.shape[0]
+        return self._unary(rows_bucket(x), m.weight, m.bias, "gelu", [], "tanh")[:R]
 
     def linear_add(self, x: torch.Tensor, m: Mat | nn.Module, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ W^T + b."""
         if m.__class__ is not Mat:
             return residual + m(x)
-        return self._binary(x, residual, m.weight, m.bias, "add")
+        R = x.shape[0]
+        return self._binary(rows_bucket(x), rows_bucket(residual), m.weight, m.bias, "add")[:R]
 
     def lm_head(self, x: torch.Tensor, head: Mat, n_vocab: int) -> torch.Tensor:
         """x (R, C) @ wte[:n_vocab]^T: the logits (R, n_vocab) (padding rows computed, then cut)."""
-        y = self._unary(x, head.weight, None, "none", [], "")
+        R = x.shape[0]
+        y = self._unary(rows_bucket(x), head.weight, None, "none", [], "")[:R]
         return y if y.shape[-1] == n_vocab else y[:, :n_vocab]
 
     def holds(self, param: torch.Tensor) -> bool:
@@ -118,6 +122,28 @@ class PackedWeights:
 
     def nbytes(self) -> int:
         return sum(t.shape.numel() * t.element_size() for *_, t in self._mats.values())
+
+
+EXACT_ROWS = 64  # row counts up to this many get oneDNN kernels of their own (a decode step's batch)
+
+
+def rows_bucket(x: torch.Tensor) -> torch.Tensor:
+    """x (R, K) with zero rows appended up to R's bucket: R itself up to EXACT_ROWS, beyond it R rounded
+    up to a multiple of an eighth of the power of two below it (at most 12.5% more rows). oneDNN
+    (ideep) keeps a primitive for every input shape it has run, up to 1,024 of them with their memory:
+    prompts and scored texts of every length would each add theirs (a server's memory grew without
+    settling); in buckets a few dozen shapes serve every length."""
+    R = x.shape[0]
+    if R <= EXACT_ROWS:
+        return x
+    step = 1 << (R.bit_length() - 4)  # an eighth of the power of two at or below R
+    rows = -(-R // step) * step
+    if rows == R:
+        return x
+    out = x.new_empty(rows, x.shape[1])
+    out[:R] = x
+    out[R:] = 0
+    return out
 
 
 def _matrices(model: torch.nn.Module) -> list[torch.Tensor]:
