@@ -92,27 +92,33 @@ class PackedWeights:
     def linear(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
         if m.__class__ is not Mat:
             return m(x)
-        R = x.shape[0]
-        return self._unary(rows_bucket(x), m.weight, m.bias, "none", [], "")[:R]
+        if x.shape[0] > EXACT_ROWS:
+            return _in_bucket(self._unary, x, m.weight, m.bias, "none", [], "")
+        return self._unary(x, m.weight, m.bias, "none", [], "")
 
     def linear_gelu(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
         """tanh-GELU(x @ W^T + b)."""
         if m.__class__ is not Mat:
             return torch.nn.functional.gelu(m(x), approximate="tanh")
-        R = x.shape[0]
-        return self._unary(rows_bucket(x), m.weight, m.bias, "gelu", [], "tanh")[:R]
+        if x.shape[0] > EXACT_ROWS:
+            return _in_bucket(self._unary, x, m.weight, m.bias, "gelu", [], "tanh")
+        return self._unary(x, m.weight, m.bias, "gelu", [], "tanh")
 
     def linear_add(self, x: torch.Tensor, m: Mat | nn.Module, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ W^T + b."""
         if m.__class__ is not Mat:
             return residual + m(x)
-        R = x.shape[0]
-        return self._binary(rows_bucket(x), rows_bucket(residual), m.weight, m.bias, "add")[:R]
+        if x.shape[0] > EXACT_ROWS:
+            R = x.shape[0]
+            return self._binary(rows_bucket(x), rows_bucket(residual), m.weight, m.bias, "add")[:R]
+        return self._binary(x, residual, m.weight, m.bias, "add")
 
     def lm_head(self, x: torch.Tensor, head: Mat, n_vocab: int) -> torch.Tensor:
         """x (R, C) @ wte[:n_vocab]^T: the logits (R, n_vocab) (padding rows computed, then cut)."""
-        R = x.shape[0]
-        y = self._unary(rows_bucket(x), head.weight, None, "none", [], "")[:R]
+        if x.shape[0] > EXACT_ROWS:
+            y = _in_bucket(self._unary, x, head.weight, None, "none", [], "")
+        else:
+            y = self._unary(x, head.weight, None, "none", [], "")
         return y if y.shape[-1] == n_vocab else y[:, :n_vocab]
 
     def holds(self, param: torch.Tensor) -> bool:
@@ -144,6 +150,11 @@ def rows_bucket(x: torch.Tensor) -> torch.Tensor:
     out[:R] = x
     out[R:] = 0
     return out
+
+
+def _in_bucket(op, x: torch.Tensor, *args) -> torch.Tensor:
+    """op(x, *args) on x's rows padded to their bucket (rows_bucket), cut back to x's rows."""
+    return op(rows_bucket(x), *args)[:x.shape[0]]
 
 
 def _matrices(model: torch.nn.Module) -> list[torch.Tensor]:
