@@ -135,10 +135,10 @@ EXACT_ROWS = 64  # row counts up to this many get oneDNN kernels of their own (a
 
 def rows_bucket(x: torch.Tensor) -> torch.Tensor:
     """x (R, K) with zero rows appended up to R's bucket: R itself up to EXACT_ROWS, beyond it R rounded
-    up to a multiple of an eighth of the power of two below it (at most 12.5% more rows). oneDNN
-    (ideep) keeps a primitive for every input shape it has run, up to 1,024 of them with their memory:
-    prompts and scored texts of every length would each add theirs (a server's memory grew without
-    settling); in buckets a few dozen shapes serve every length."""
+    up to a multiple of an eighth of the power of two below it (at most 12.5% more rows). The packed
+    products keep memory for every row count they have run (measured, docs/serving.md "Memory"; the
+    mechanism inside oneDNN not pinned down), so prompts and scored texts of every length would each
+    add theirs; in buckets a few dozen row counts serve every length."""
     R = x.shape[0]
     if R <= EXACT_ROWS:
         return x

@@ -187,7 +187,8 @@ def decode_tokens(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask
     B, T = idx.shape
     if kernels is None:
         logits = model(idx, cache=cache, attention_mask=attention_mask).logits
-        return logits if last is None else logits[torch.arange(B, device=idx.device), torch.tensor(last)]
+        return logits if last is None else logits[torch.arange(B, device=idx.device),
+                                                  torch.tensor(last, device=idx.device)]
     if T == 1:
         logits = decode_step(model, idx, cache, attention_mask, kernels)  # (B, V)
         return logits if last is not None else logits[:, None]  # (B, V) or (B, 1, V)
