@@ -9,8 +9,10 @@ refused with 400 — against a `gpt2kit serve` subprocess it starts (a random-we
 preset's shape, or --model; the server runs on the `gpt2kit` this Python imports), or against
 --url with --pid, the server's process id. The server's resident set (VmRSS of /proc/PID/status)
 is read after --settle requests (default 100: first-use allocations, kernel choices and the caches
-filled by then) and after the last, once the server is idle again; printed: both, their ratio and
-the peak seen. A memory check, not a speed check: the machine's load does not change it.
+filled by then) and after the last, once the server has been idle --quiet seconds (default 2);
+printed: both, their ratio and the peak seen, and with --every K a reading every K requests.
+--kinds runs a part of the mix (to find which path grows). A memory check, not a speed check: the
+machine's load does not change it.
 """
 
 from __future__ import annotations
@@ -44,9 +46,9 @@ def rss_kib(pid: int) -> int:
     raise SystemExit(f"bench_serve_rss: no VmRSS in /proc/{pid}/status")
 
 
-def _request(i: int, rng: random.Random) -> tuple[str, str, dict]:
+def _request(i: int, rng: random.Random, kinds: tuple[str, ...] = KINDS) -> tuple[str, str, dict]:
     """Request i of the mix: (kind, path, body)."""
-    kind = KINDS[i % len(KINDS)]
+    kind = kinds[i % len(kinds)]
     text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 40)))
     sampled = {"temperature": 0.8, "seed": i} if i % 2 else {"temperature": 0}
     if kind.startswith("completion"):
@@ -86,12 +88,13 @@ async def _send(client, url: str, kind: str, path: str, body: dict) -> str | Non
     return f"{kind}: the stream ended without [DONE]"
 
 
-async def _load(url: str, first: int, n: int, clients: int, seed: int, pid: int, peak: list[int]) -> list[str]:
+async def _load(url: str, first: int, n: int, clients: int, seed: int, pid: int, peak: list[int],
+                kinds: tuple[str, ...] = KINDS) -> list[str]:
     """Requests first .. first + n - 1, clients at a time; what went wrong with those that failed."""
     import httpx
 
     rng = random.Random(seed)
-    reqs = [_request(i, rng) for i in range(first + n)][first:]
+    reqs = [_request(i, rng, kinds) for i in range(first + n)][first:]
     sem = asyncio.Semaphore(clients)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as client:
         async def run(req: tuple[str, str, dict]) -> str | None:
@@ -104,8 +107,9 @@ async def _load(url: str, first: int, n: int, clients: int, seed: int, pid: int,
     return [r for r in results if r is not None]
 
 
-def _idle(url: str, limit: float = 120.0) -> None:
-    """Wait until the server runs and queues no row (a cancelled row has left its slot)."""
+def _idle(url: str, quiet: float, limit: float = 120.0) -> None:
+    """Wait until the server runs and queues no row (a cancelled row has left its slot), then `quiet`
+    seconds more (gpt2kit serve gives free heap memory back after half a second without work)."""
     import httpx
 
     deadline = time.monotonic() + limit
@@ -114,6 +118,7 @@ def _idle(url: str, limit: float = 120.0) -> None:
         values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
                   if line.startswith(("gpt2kit_batch_size ", "gpt2kit_queue_length "))}
         if not any(values.values()):
+            time.sleep(quiet)
             return
         time.sleep(0.1)
     raise SystemExit(f"bench_serve_rss: the server still had rows after {limit:g} s")
@@ -130,9 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle", type=int, default=100, help="requests before RSS is taken as settled (default 100)")
     p.add_argument("--clients", type=int, default=8, help="requests in flight, and the server's --max-batch (8)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", type=float, default=2.0, help="seconds the server is left idle before each RSS "
+                                                             "reading (default 2)")
+    p.add_argument("--every", type=int, default=0, help="also read RSS (idle) after every this many requests "
+                                                         "past --settle, printed as a trace (default: only the end)")
+    p.add_argument("--kinds", default=None, help="a comma-separated part of the mix (default all: "
+                                                 f"{','.join(sorted(set(KINDS)))}), to find which grows")
     args = p.parse_args(argv)
     if (args.url is None) != (args.pid is None):
         p.error("--url and --pid go together")
+    kinds = KINDS if args.kinds is None else tuple(args.kinds.split(","))
+    if not set(kinds) <= set(KINDS):
+        p.error(f"--kinds: unknown {sorted(set(kinds) - set(KINDS))}; the mix has {sorted(set(KINDS))}")
     if not 0 < args.settle < args.requests:
         p.error(f"--settle must be in [1, --requests={args.requests}), got {args.settle}")
 
@@ -157,13 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         try:
             peak = [rss_kib(pid)]
             start = peak[0]
-            failed = asyncio.run(_load(url, 0, args.settle, args.clients, args.seed, pid, peak))
-            _idle(url)
+            failed = asyncio.run(_load(url, 0, args.settle, args.clients, args.seed, pid, peak, kinds))
+            _idle(url, args.quiet)
             settled = rss_kib(pid)
-            failed += asyncio.run(_load(url, args.settle, args.requests - args.settle, args.clients, args.seed,
-                                        pid, peak))
-            _idle(url)
-            end = rss_kib(pid)
+            trace = [(args.settle, settled)]
+            every = args.every or args.requests
+            for first in range(args.settle, args.requests, every):
+                n = min(every, args.requests - first)
+                failed += asyncio.run(_load(url, first, n, args.clients, args.seed, pid, peak, kinds))
+                _idle(url, args.quiet)
+                trace.append((first + n, rss_kib(pid)))
+            end = trace[-1][1]
         finally:
             if proc is not None:
                 proc.terminate()
@@ -171,11 +189,13 @@ def main(argv: list[str] | None = None) -> int:
 
     mib = lambda k: f"{k / 1024:.1f} MiB"  # noqa: E731
     print(f"# bench_serve_rss: {args.model or args.url or args.preset + ' (random weights)'}, {args.requests} "
-          f"requests ({', '.join(sorted(set(KINDS)))}), {args.clients} clients, settled after {args.settle}")
+          f"requests ({', '.join(sorted(set(kinds)))}), {args.clients} clients, settled after {args.settle}")
     print(f"# CPU: {describe_cpu()}; load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     print("| ready | settled | end | peak | end / settled | failed |")
     print("|---|---|---|---|---|---|")
     print(f"| {mib(start)} | {mib(settled)} | {mib(end)} | {mib(peak[0])} | {end / settled:.3f} | {len(failed)} |")
+    if len(trace) > 2:
+        print("RSS after requests: " + ", ".join(f"{n}: {k / 1024:.0f}" for n, k in trace) + " MiB")
     for wrong in failed[:5]:
         print(f"failed: {wrong}")
     return 1 if failed else 0

@@ -26,11 +26,15 @@ class EngineLoop:
     an engine woken from idle by an arrival waits that long (or until max_batch rows wait) before
     its first step, so requests that arrive together — clients whose rows all finished at one step
     send their next ones within milliseconds — are prefilled in one forward, not the first alone
-    and the rest a step later."""
+    and the rest a step later. tidy(idle), if given, is called in the worker outside the lock: with
+    True once the worker has had no work for tidy_after seconds (once per quiet spell), with False
+    after every step (a server gives free memory back then, gpt2kit.serve.memory)."""
 
     def __init__(self, engine: Engine, on_events: Callable[[list[RowEvent]], None],
-                 on_error: Callable[[list[Row], BaseException], None], *, admission_window: float = 0.0) -> None:
+                 on_error: Callable[[list[Row], BaseException], None], *, admission_window: float = 0.0,
+                 tidy: Callable[[bool], None] | None = None, tidy_after: float = 0.5) -> None:
         self.engine, self.on_events, self.on_error = engine, on_events, on_error
+        self.tidy, self.tidy_after = tidy, tidy_after
         self.admission_window = admission_window  # seconds an idle engine gathers arrivals before a step
         self._cond = threading.Condition()
         self._jobs: deque = deque()
@@ -96,11 +100,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
+            idle = self._wait()
             with self._cond:
-                idle = False
-                while not (self._stop or self._jobs or self._new_steps or self._stepping or self.engine.has_work):
-                    idle = True
-                    self._cond.wait()
                 if idle and self.admission_window > 0 and self.engine.n_running == 0:
                     self._gather()
                 if self._stop:
@@ -127,6 +128,29 @@ class EngineLoop:
                     if ev.error is not None:
                         self.on_error([ev.row], ev.error)
                 self.on_events([ev for ev in events if ev.error is None])
+                if self.tidy is not None:
+                    self.tidy(False)
+
+    def _has_work(self) -> bool:
+        return bool(self._jobs or self._new_steps or self._stepping or self.engine.has_work)
+
+    def _wait(self) -> bool:
+        """Wait until there is work or a stop (holding no lock on return); whether it had to wait. Once
+        quiet for tidy_after seconds, tidy(True) runs, outside the lock so that arrivals never wait on
+        the condition for it."""
+        idle, tidied = False, self.tidy is None
+        while True:
+            with self._cond:
+                while not (self._stop or self._has_work()):
+                    idle = True
+                    if tidied:
+                        self._cond.wait()
+                    elif not self._cond.wait(self.tidy_after):
+                        break  # quiet: tidy below
+                else:
+                    return idle
+            self.tidy(True)
+            tidied = True
 
 
     def _gather(self) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from gpt2kit.prefix_cache import PrefixCache
 from gpt2kit.serve.errors import APIError
 from gpt2kit.serve.lifecycle import Lifecycle
+from gpt2kit.serve.memory import HeapTrim, bound_kernel_caches
 from gpt2kit.serve.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class Server:
 
     def __init__(self, loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions) -> None:
         self.loader, self.opts = loader, opts
+        bound_kernel_caches(opts)  # before the model's first oneDNN call (gpt2kit.serve.memory)
         self.model: GPT2 | None = None
         self.tokenizer: Tokenizer | None = None
         self.engine_loop: EngineLoop | None = None
@@ -71,7 +73,7 @@ class Server:
                                   draft_model=o.draft_model, draft_tokens=o.draft_tokens, prompt_lookup=o.prompt_lookup,
                                   prefill_chunk=o.prefill_chunk, prefill_idle_budget=o.prefill_idle_budget)
             self.engine_loop = EngineLoop(engine, self._on_events, self._on_error,
-                                          admission_window=o.admission_window).start()
+                                          admission_window=o.admission_window, tidy=HeapTrim()).start()
             self.model, self.tokenizer = model, tokenizer
             self.ready = True
         except Exception as e:  # reported by /health and to the CLI
