@@ -50,7 +50,7 @@ def prepare(model: nn.Module, cfg: TrainConfig) -> str | None:
     if cfg.lora_rank is not None:
         g = torch.Generator(device=next(model.parameters()).device).manual_seed(cfg.seed + LORA_SEED_OFFSET)
         apply_lora(model, cfg.lora_rank, lora_alpha(cfg), dropout=cfg.lora_dropout, targets=cfg.lora_targets,
-                   generator=g, bias=cfg.lora_bias)
+                   generator=g, bias=cfg.lora_bias, tokens=trained_tokens(cfg, model.config.n_vocab))
         line = "LoRA"
     elif cfg.freeze is not None or cfg.train_only is not None:
         freeze(model, freeze=cfg.freeze, train_only=cfg.train_only)
@@ -62,6 +62,15 @@ def prepare(model: nn.Module, cfg: TrainConfig) -> str | None:
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     return f"{line}: training {trained:,} of {total:,} parameters ({trained / total:.2%})"
+
+
+def trained_tokens(cfg: TrainConfig, n_vocab: int) -> list[int] | None:
+    """--lora-tokens N: the N ids the train split uses most (its shards counted once, at start-up)."""
+    if cfg.lora_tokens is None:
+        return None
+    from gpt2kit.data.shard import find_shards, most_used_tokens
+
+    return most_used_tokens(find_shards(cfg.data, "train"), cfg.lora_tokens, n_vocab)
 
 
 def _globs(text: str) -> list[str]:

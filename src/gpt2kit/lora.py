@@ -16,13 +16,19 @@ adapter changes nothing). peft's `bias` option trains biases beside the adapters
 hooks fire. Every other parameter of the model is frozen. The adapter's on-disk form is peft's
 (checkpoint/adapter.py). An int8 base (QuantLinear) is not supported: LoRA needs the float model.
 
+Beside the adapters, `tokens` trains chosen rows of the tied embedding (peft's
+`trainable_token_indices`): wte becomes a TrainableTokens holding the frozen table and the trained
+rows, which replace theirs in the embedding lookup and in the tied head alike. The embedding and head
+are most of a small model and what low-rank adapters on the blocks cannot reach (docs/training.md);
+a few hundred rows of the tokens a fine-tuning text uses most cost a few hundred kilobytes.
+
 Legend: r rank, in/out the matrix's features.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +95,44 @@ class LoRALinear(nn.Module):
                f"scaling={self.scaling:g}"
 
 
+class TrainableTokens(nn.Module):
+    """nn.Embedding's frozen table (V, C) with the rows `indices` replaced by trained values: the
+    lookup and the tied head (the model asks wte for lm_head) both read the table with them in."""
+
+    def __init__(self, embedding: nn.Embedding, indices: Sequence[int]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(embedding.weight.detach(), requires_grad=False)
+        self.register_buffer("token_indices", torch.tensor(list(indices), dtype=torch.long,
+                                                            device=embedding.weight.device))
+        self.trainable_tokens = nn.Parameter(embedding.weight.detach()[self.token_indices].clone())  # (K, C)
+
+    def merged_weight(self) -> torch.Tensor:
+        """The table with the trained rows in (V, C), differentiable in them."""
+        return self.weight.index_copy(0, self.token_indices, self.trainable_tokens)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.merged_weight())  # (..., C)
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.merged_weight())  # (..., V)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, {self.weight.shape[1]}, trainable rows={len(self.token_indices)}"
+
+
+def check_tokens(tokens: object, n_vocab: int) -> list[int]:
+    """A non-empty list of distinct token ids in [0, n_vocab), else one ValueError naming the value."""
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise ValueError(f"trainable tokens must be a list of token ids, got {tokens!r}")
+    ids = list(tokens)
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n_vocab]
+    if not ids or bad:
+        raise ValueError(f"trainable tokens must be token ids in [0, {n_vocab}), got {bad[:3] or ids!r}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"trainable tokens must be distinct, got {len(ids) - len(set(ids))} repeated")
+    return ids
+
+
 def check_bias(bias: object) -> str:
     if bias not in BIASES:
         raise ValueError(f"unknown LoRA bias {bias!r}; valid choices: {', '.join(BIASES)}")
@@ -116,11 +160,12 @@ def check_rank(name: str, rank: object, linear: nn.Module) -> int:
 def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, *, dropout: float = 0.0,
                targets: str | Iterable[str] = TARGETS, ranks: dict[str, int] | None = None,
                scalings: dict[str, float] | None = None, generator: torch.Generator | None = None,
-               bias: str = "none") -> nn.Module:
+               bias: str = "none", tokens: Sequence[int] | None = None) -> nn.Module:
     """Swap the targeted block matrices of a float GPT2 for LoRALinear, in place, and freeze every
     other parameter but the biases `bias` names (peft's option: none, all, lora_only). alpha defaults
     to rank (scaling 1). `ranks` / `scalings` give some modules (our names, "h.3.mlp.c_fc") their own
-    rank or scaling (peft's rank_pattern / alpha_pattern)."""
+    rank or scaling (peft's rank_pattern / alpha_pattern). `tokens`: embedding rows trained beside
+    them (TrainableTokens; peft's trainable_token_indices)."""
     from gpt2kit.quant import is_quantized
 
     if is_quantized(model):
@@ -131,6 +176,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, *, dropo
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
     check_bias(bias)
+    if tokens is not None:
+        tokens = check_tokens(tokens, model.config.n_vocab)
     wanted = parse_targets(targets)
     swaps = []
     for i, block in enumerate(model.h):
@@ -151,6 +198,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, *, dropo
         setattr(parent, attr, module)
     for name in bias_names(model, bias):
         model.get_parameter(name).requires_grad_(True)
+    if tokens is not None:
+        model.wte = TrainableTokens(model.wte, tokens)
     return model
 
 
@@ -164,6 +213,9 @@ def lora_state(model: nn.Module, bias: str = "none") -> dict[str, torch.Tensor]:
     the biases `bias` names ({"ln_f.bias": (C,), ...})."""
     state = {f"{name}.{part}": getattr(m, part).detach() for name, m in lora_modules(model).items()
              for part in ("lora_A", "lora_B")}
+    if isinstance(model.wte, TrainableTokens):  # the trained rows, and which rows they are
+        state |= {"wte.trainable_tokens": model.wte.trainable_tokens.detach(),
+                  "wte.token_indices": model.wte.token_indices}
     return state | {name: model.get_parameter(name).detach() for name in bias_names(model, bias)}
 
 
@@ -178,6 +230,10 @@ def merge_lora(model: nn.Module) -> nn.Module:
         if m.bias is not None:
             linear.bias = m.bias
         setattr(model.get_submodule(parent_name), attr, linear)
+    if isinstance(model.wte, TrainableTokens):
+        table = nn.Embedding(*model.wte.weight.shape, device="meta")
+        table.weight = nn.Parameter(model.wte.merged_weight().detach())
+        model.wte = table
     for p in model.parameters():
         p.requires_grad_(True)
     return model

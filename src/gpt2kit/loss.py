@@ -128,7 +128,9 @@ class TrainingLoss(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         hidden = self.hidden_states(idx)  # (B, T, C)
         cfg = self.model.config
-        return fused_linear_cross_entropy(hidden, self.model.wte.weight, targets, n_vocab=cfg.n_vocab,
+        wte = self.model.wte  # a swapped-in table with trained rows (gpt2kit.lora.TrainableTokens) merges them
+        head = wte.merged_weight() if hasattr(wte, "merged_weight") else wte.weight
+        return fused_linear_cross_entropy(hidden, head, targets, n_vocab=cfg.n_vocab,
                                           chunk_rows=self.chunk_rows)
 
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:

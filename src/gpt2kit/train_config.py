@@ -92,6 +92,10 @@ class TrainConfig:
     lora_bias: str = _setting("none", "peft's bias option: none; all (every bias trains: the Linear and LayerNorm "
                                       "biases, ln_f's included); lora_only (the adapted matrices' biases). The "
                                       "trained biases are saved in the adapter, as peft does", choices=LORA_BIASES)
+    lora_tokens: int | None = _setting(None, "also train the tied embedding's rows of the N tokens the train split "
+                                             "uses most (peft's trainable_token_indices, saved in the adapter): "
+                                             "what adapters on the blocks cannot reach, at C values a row",
+                                       metavar="N", default_text="none")
     activation_checkpointing: bool = _setting(False, "recompute each block's activations in the backward pass "
                                                      "instead of keeping them (less memory, ~1/3 more compute)")
     freeze: str | None = _setting(None, "comma list of parameter-name globs to freeze, e.g. 'wte.*,wpe.*' or "
@@ -133,6 +137,11 @@ class TrainConfig:
                 raise ValueError("--freeze / --train-only cannot be combined with --lora-rank (LoRA already "
                                  "freezes the whole base; peft's adapter format holds only the adapters)")
         check_choice("LoRA bias", self.lora_bias, LORA_BIASES)
+        if self.lora_tokens is not None:
+            check_int("TrainConfig.lora_tokens", self.lora_tokens, ">= 1", lambda v: v >= 1)
+            if self.lora_rank is None:
+                raise ValueError(f"--lora-tokens {self.lora_tokens} needs --lora-rank (it adds embedding rows to a "
+                                 "LoRA adapter)")
         if self.lora_bias != "none" and self.lora_rank is None:
             raise ValueError(f"--lora-bias {self.lora_bias} needs --lora-rank (it chooses the biases a LoRA run "
                              "trains beside its adapters)")

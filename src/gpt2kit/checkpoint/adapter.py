@@ -14,6 +14,11 @@ model's own keys as peft's wrapped model names them: base_model.model.transforme
 ... .ln_f.bias, and for an adapted matrix the bias of its base layer, ...h.{i}.attn.c_attn.base_layer.bias.
 Reading them replaces the base's biases (gpt2kit's names: h.{i}.attn.c_attn.bias, ln_f.bias).
 
+With peft's trainable_token_indices (gpt2kit's TrainableTokens: embedding rows trained beside the
+adapters) the config lists the ids and base_model.model.transformer.wte.token_adapter.
+trainable_tokens_delta (K, C) holds their rows, which replace the base's in wte (peft wraps the tied
+lm_head with the same rows; gpt2kit's head is wte).
+
 lora_A / lora_B have the same shapes whatever fan_in_fan_out says (peft transposes only the merged
 delta for a Conv1D), so they map to gpt2kit's LoRALinear with no transpose. Reading accepts what
 peft writes for GPT-2 with LoRA on the block matrices: per-module ranks and alphas (rank_pattern,
@@ -46,6 +51,7 @@ _KEY = re.compile(r"^base_model\.model\.transformer\.(h\.\d+\.(?:attn\.c_attn|at
                   r"\.lora_(A|B)\.weight$")
 # A bias peft saves with bias "all" / "lora_only"; group 1 is our module name (".base_layer" is peft's
 # wrapper around an adapted matrix).
+TOKENS_KEY = "base_model.model.transformer.wte.token_adapter.trainable_tokens_delta"
 _BIAS_KEY = re.compile(r"^base_model\.model\.transformer\.((?:h\.\d+\.(?:ln_1|ln_2|attn\.c_attn|attn\.c_proj|mlp\.c_fc"
                        r"|mlp\.c_proj))|ln_f)(?:\.base_layer)?\.bias$")
 
@@ -65,6 +71,7 @@ class Adapter:
     dropout: float
     bias: str = "none"  # peft's bias option, as recorded
     biases: dict[str, torch.Tensor] | None = None  # our parameter name ("ln_f.bias"): the trained bias
+    tokens: tuple[list[int], torch.Tensor] | None = None  # trainable_token_indices and their rows (K, C)
 
 
 def _peft_key(module: str, part: str) -> str:
@@ -84,7 +91,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike[str], *, base: s
     saved with them."""
     from safetensors.torch import save_file
 
-    from gpt2kit.lora import bias_names, lora_modules
+    from gpt2kit.lora import TrainableTokens, bias_names, lora_modules
 
     modules = lora_modules(model)
     if not modules:
@@ -99,12 +106,16 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike[str], *, base: s
              for name, m in modules.items() for part in ("A", "B")}
     state |= {_peft_bias_key(name, set(modules)): model.get_parameter(name).detach().contiguous().cpu()
               for name in bias_names(model, bias)}
+    indices = None
+    if isinstance(model.wte, TrainableTokens):
+        indices = model.wte.token_indices.tolist()
+        state[TOKENS_KEY] = model.wte.trainable_tokens.detach().contiguous().cpu()
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "revision": None,
         "r": r, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": targets,
         "fan_in_fan_out": True, "bias": bias, "inference_mode": True, "init_lora_weights": True,
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "use_rslora": False,
-        "use_dora": False, "lora_bias": False,
+        "use_dora": False, "lora_bias": False, "trainable_token_indices": indices,
         # peft keys these by module-name suffix; ours are the full names, which match only themselves
         "rank_pattern": {f"transformer.{k}": v for k, v in ranks.items() if v != r},
         "alpha_pattern": {f"transformer.{k}": v for k, v in alphas.items() if v != alpha},
@@ -159,6 +170,7 @@ def read_adapter(directory: str | os.PathLike[str]) -> Adapter:
         raise CheckpointError(f"{weights}: cannot read safetensors file ({e}); is it truncated or corrupt?") from None
     parts: dict[str, dict[str, torch.Tensor]] = {}
     biases: dict[str, torch.Tensor] = {}
+    tokens = _read_tokens(cfg_file, weights, cfg.get("trainable_token_indices"), raw.pop(TOKENS_KEY, None))
     for key, t in raw.items():
         if (mb := _BIAS_KEY.match(key)) is not None:
             if t.dim() != 1 or not t.dtype.is_floating_point:
@@ -191,7 +203,29 @@ def read_adapter(directory: str | os.PathLike[str]) -> Adapter:
         tensors[module] = (a, b)
         scalings[module] = alpha / math.sqrt(r) if rslora else alpha / r
     return Adapter(d, cfg.get("base_model_name_or_path"), tensors, scalings, float(cfg.get("lora_dropout") or 0.0),
-                   cfg.get("bias") or "none", biases)
+                   cfg.get("bias") or "none", biases, tokens)
+
+
+def _read_tokens(cfg_file: Path, weights: Path, indices, rows: torch.Tensor | None
+                 ) -> tuple[list[int], torch.Tensor] | None:
+    """peft's trainable_token_indices (a list, or {"wte": list}) and their rows, checked against each other."""
+    if isinstance(indices, dict):  # {embedding module name: ids}: only the token embedding is read
+        if set(indices) - {"wte", "transformer.wte"}:
+            raise CheckpointError(f"{cfg_file}: trainable_token_indices for {sorted(indices)} is not supported "
+                                  "(only the token embedding, wte)")
+        indices = next(iter(indices.values()), None)
+    if indices is None and rows is None:
+        return None
+    if indices is None or rows is None:
+        raise CheckpointError(f"{cfg_file if indices is None else weights}: trainable tokens need both "
+                              f"trainable_token_indices in {ADAPTER_CONFIG} and {TOKENS_KEY} in {ADAPTER_WEIGHTS}")
+    if (not isinstance(indices, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                 for t in indices) or len(set(indices)) != len(indices)):
+        raise CheckpointError(f"{cfg_file}: trainable_token_indices must be a list of distinct token ids")
+    if rows.dim() != 2 or rows.shape[0] != len(indices) or not rows.dtype.is_floating_point:
+        raise CheckpointError(f"{weights}: {TOKENS_KEY} has shape {tuple(rows.shape)}, but trainable_token_indices "
+                              f"lists {len(indices)} tokens")
+    return indices, rows
 
 
 def _replace_biases(model: nn.Module, biases: dict[str, torch.Tensor]) -> None:
@@ -232,7 +266,18 @@ def apply_adapter(model: nn.Module, directory: str | os.PathLike[str], *, merge:
             raise CheckpointError(f"{ad.path / ADAPTER_WEIGHTS}: the bias for {name} has shape {tuple(t.shape)}, "
                                   f"the model's is {want if want else f'absent ({n_layer} blocks)'}: the adapter "
                                   f"was made for another base")
+    if ad.tokens is not None:
+        ids, rows = ad.tokens
+        vocab, width = model.config.n_vocab, model.wte.weight.shape[1]
+        if max(ids) >= vocab or rows.shape[1] != width:
+            raise CheckpointError(f"{ad.path / ADAPTER_WEIGHTS}: {TOKENS_KEY} has shape {tuple(rows.shape)} for ids up "
+                                  f"to {max(ids)}, the model's wte needs rows of {width} for ids below {vocab}: the "
+                                  f"adapter was made for another base")
     _replace_biases(model, ad.biases or {})
+    if merge and ad.tokens is not None:  # the trained rows replace the base's (the tied head reads them too)
+        with torch.no_grad():
+            w = model.wte.weight
+            w[torch.tensor(ad.tokens[0], device=w.device)] = ad.tokens[1].to(device=w.device, dtype=w.dtype)
     if merge:  # W + scaling * B A in float32 from the stored tensors, then the model's dtype
         with torch.no_grad():
             for module, (a, b) in ad.tensors.items():
@@ -244,8 +289,10 @@ def apply_adapter(model: nn.Module, directory: str | os.PathLike[str], *, merge:
     missing = [f"h.{i}.{t}" for i in range(n_layer) for t in targets if f"h.{i}.{t}" not in ad.tensors]
     ranks = {m: a.shape[0] for m, (a, _) in ad.tensors.items()}
     apply_lora(model, 1, targets=targets, ranks=ranks | dict.fromkeys(missing, 1), scalings=ad.scalings,
-               dropout=ad.dropout)
+               dropout=ad.dropout, tokens=None if ad.tokens is None else ad.tokens[0])
     with torch.no_grad():
+        if ad.tokens is not None:
+            model.wte.trainable_tokens.copy_(ad.tokens[1])
         for name, m in lora_modules(model).items():
             if name in ad.tensors:
                 a, b = ad.tensors[name]

@@ -109,6 +109,16 @@ def find_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
     return shards
 
 
+def most_used_tokens(files: Sequence[Path], n: int, n_vocab: int) -> list[int]:
+    """The n token ids that occur most often in `files` (shards), most used first, ties by the lower id;
+    fewer if fewer distinct ids occur. One pass, one shard in memory at a time."""
+    counts = np.zeros(n_vocab, dtype=np.int64)
+    for f in files:
+        counts += np.bincount(read_shard(f), minlength=n_vocab)[:n_vocab]
+    order = np.lexsort((np.arange(n_vocab), -counts))  # by count descending, then id
+    return [int(t) for t in order[:n] if counts[t] > 0]
+
+
 def check_vocab(files: Sequence[Path], n_vocab: int) -> None:
     """Raise ValueError naming the shard and offset of the first token id >= n_vocab, if any.
 
