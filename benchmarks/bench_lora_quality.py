@@ -56,7 +56,9 @@ FROZEN_EMBEDDINGS = "wte.*,wpe.*"
 # method -> (run-name prefix, is LoRA, TrainConfig settings beyond the shared ones)
 METHODS = {"full": ("full", False, {}), "lora": ("lora", True, {}),
            "lora, bias all": ("lora-biasall", True, {"lora_bias": "all"}),
-           "full, embeddings frozen": ("full-frozenemb", False, {"freeze": FROZEN_EMBEDDINGS})}
+           "full, embeddings frozen": ("full-frozenemb", False, {"freeze": FROZEN_EMBEDDINGS}),
+           # + the embedding rows of the --lora-tokens ids the train split uses most (peft's trainable tokens)
+           "lora + tokens": ("lora-tokens", True, {})}
 
 
 def _floats(text: str) -> list[float]:
@@ -109,6 +111,8 @@ def _evaluate(model: GPT2, args: argparse.Namespace) -> dict[str, float]:
 
 def run_one(method: str, lr: float, args: argparse.Namespace) -> dict:
     prefix, lora, extra = METHODS[method]
+    if method == "lora + tokens":
+        prefix, extra = f"{prefix}{args.lora_tokens}", {"lora_tokens": args.lora_tokens}
     name = f"{prefix}-lr{lr:g}"
     out = args.work / "runs" / name
     done = out / "result.json"
@@ -126,8 +130,10 @@ def run_one(method: str, lr: float, args: argparse.Namespace) -> dict:
     result = train(cfg)
     model = load_model(args.base, adapter=out) if lora else load_model(out)
     weights = out / ("adapter_model.safetensors" if lora else "model.safetensors")
+    config = out / "adapter_config.json"
     record = {"name": name, "method": method, "lr": lr, "steps": result.step, "trained_parameters": trained,
-              "train_seconds": result.seconds, "output_bytes": weights.stat().st_size, **_evaluate(model, args)}
+              "train_seconds": result.seconds, "output_bytes": weights.stat().st_size,
+              "config_bytes": config.stat().st_size if lora else 0, **_evaluate(model, args)}
     done.write_text(json.dumps(record, indent=1) + "\n")
     return record
 
@@ -158,7 +164,8 @@ def _table(base: dict, rows: list[dict], model_bytes: int, has_base_val: bool) -
         lines.append(f"| {r['method']}{mark} | {r['lr']:g} | {n} | {base['held_out']:.3f} -> **{r['held_out']:.3f}** | "
                      f"{fv} | {r['output_bytes']:,} ({100 * r['output_bytes'] / model_bytes:.2f}%) |")
     gaps = [(label, best[m]["held_out"] - best["full"]["held_out"])
-            for m, label in (("lora", "LoRA"), ("lora, bias all", "LoRA + bias all")) if best["full"] and best[m]]
+            for m, label in (("lora", "LoRA"), ("lora, bias all", "LoRA + bias all"), ("lora + tokens", "LoRA + tokens"))
+            if best["full"] and best[m]]
     if gaps:
         lines.append("")
     lines += [f"best {label} - best full = {gap:+.4f} nats (target <= +0.05: {'met' if gap <= 0.05 else 'missed'})"
@@ -187,6 +194,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lora-bias-lrs", type=_floats, default=[], help="LoRA with bias 'all' at these rates")
     ap.add_argument("--frozen-emb-lrs", type=_floats, default=[],
                     help=f"full fine-tuning with --freeze '{FROZEN_EMBEDDINGS}' at these rates")
+    ap.add_argument("--lora-tokens-lrs", type=_floats, default=[],
+                    help="LoRA plus the embedding rows of the --lora-tokens most used ids, at these rates")
+    ap.add_argument("--lora-tokens", type=int, default=500, help="rows for --lora-tokens-lrs (default 500)")
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--lora-alpha", type=float, default=16.0)
     ap.add_argument("--lora-targets", default="c_attn,attn.c_proj,c_fc,mlp.c_proj")
@@ -230,8 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
         step0.write_text(json.dumps({"key": key, "measures": base}) + "\n")
     print(f"step 0: {base}", flush=True)
     rows = []
-    for method, lrs in zip(METHODS, (args.full_lrs, args.lora_lrs, args.lora_bias_lrs, args.frozen_emb_lrs),
-                           strict=True):
+    for method, lrs in zip(METHODS, (args.full_lrs, args.lora_lrs, args.lora_bias_lrs, args.frozen_emb_lrs,
+                                     args.lora_tokens_lrs), strict=True):
         for lr in lrs:
             rows.append(run_one(method, lr, args))
             print(f"{rows[-1]['name']}: {rows[-1]}", flush=True)

@@ -26,10 +26,13 @@ def bench():
 
 
 def test_quick_mode_runs_full_and_lora_and_names_the_held_out_files(bench, tmp_path, capsys):
-    r = bench.main(["--quick", "--work", str(tmp_path), "--lora-bias-lrs", "1e-2", "--frozen-emb-lrs", "3e-3"])
+    r = bench.main(["--quick", "--work", str(tmp_path), "--lora-bias-lrs", "1e-2", "--frozen-emb-lrs", "3e-3",
+                    "--lora-tokens-lrs", "1e-2", "--lora-tokens", "20"])
     assert [(row["method"], row["steps"]) for row in r["runs"]] == [
-        ("full", 3), ("lora", 3), ("lora, bias all", 3), ("full, embeddings frozen", 3)]
-    full, lora, lora_bias, frozen = r["runs"]
+        ("full", 3), ("lora", 3), ("lora, bias all", 3), ("full, embeddings frozen", 3), ("lora + tokens", 3)]
+    full, lora, lora_bias, frozen, tokens = r["runs"]
+    assert tokens["trained_parameters"] == 65_536 + 20 * 128  # the adapters and 20 embedding rows
+    assert tokens["output_bytes"] - lora["output_bytes"] > 20 * 128 * 4 and tokens["config_bytes"] > 0
     assert full["output_bytes"] == frozen["output_bytes"] == r["model_bytes"]
     assert 0 < lora["output_bytes"] < lora_bias["output_bytes"] <= 0.02 * r["model_bytes"]  # rank 8 on gpt2-tiny
     # gpt2-tiny (4 layers, 128 wide): 4 x 16,384 adapter values; 4 x 1,408 + 128 (ln_f) biases; the embeddings
