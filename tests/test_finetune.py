@@ -124,10 +124,10 @@ def test_lora_bias_all_run_trains_and_saves_the_biases_as_peft_does(data, base, 
         torch.testing.assert_close(load_model(base, adapter=out)(ids).logits, hf(ids).logits, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("bias", ["none", "all"])
-def test_lora_resume_is_exact(data, base, tmp_path, bias):
+@pytest.mark.parametrize("bias, tokens", [("none", None), ("all", None), ("none", 5)])
+def test_lora_resume_is_exact(data, base, tmp_path, bias, tokens):
     kw = dict(lora_rank=4, lora_dropout=0.1, dropout=0.1, optimizer="muon", max_steps=10, total_batch_tokens=128,
-              lora_bias=bias)
+              lora_bias=bias, lora_tokens=tokens)
     straight, split = tmp_path / "straight", tmp_path / "split"
     train(_cfg(data, base, straight, **kw))
     train(_cfg(data, base, split, stop_at=5, **kw))
