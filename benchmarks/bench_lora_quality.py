@@ -164,7 +164,8 @@ def _table(base: dict, rows: list[dict], model_bytes: int, has_base_val: bool) -
         lines.append(f"| {r['method']}{mark} | {r['lr']:g} | {n} | {base['held_out']:.3f} -> **{r['held_out']:.3f}** | "
                      f"{fv} | {r['output_bytes']:,} ({100 * r['output_bytes'] / model_bytes:.2f}%) |")
     gaps = [(label, best[m]["held_out"] - best["full"]["held_out"])
-            for m, label in (("lora", "LoRA"), ("lora, bias all", "LoRA + bias all"), ("lora + tokens", "LoRA + tokens"))
+            for m, label in (("lora", "LoRA"), ("lora, bias all", "LoRA + bias all"),
+                             ("lora + tokens", "LoRA + tokens"))
             if best["full"] and best[m]]
     if gaps:
         lines.append("")

@@ -45,6 +45,13 @@ def random_hf_model(cfg: GPT2Config = TINY, seed: int = 0):
     return hf
 
 
+def saved_hf_base(tmp_path, cfg: GPT2Config = TINY, seed: int = 2):
+    """random_hf_model saved as an HF directory, tmp_path / "base" (the base the adapter tests adapt)."""
+    path = tmp_path / "base"
+    random_hf_model(cfg, seed=seed).save_pretrained(path)
+    return path
+
+
 def hf_from_ours(model: GPT2):
     """A transformers GPT2LMHeadModel holding our model's weights (copied independently of our loaders)."""
     from transformers import GPT2LMHeadModel

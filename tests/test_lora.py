@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, random_hf_model, random_model
+from helpers import TINY, random_model, saved_hf_base
 
 from gpt2kit.checkpoint import CheckpointError, apply_adapter, load_model, read_adapter, save_adapter, save_model
 from gpt2kit.config import GPT2Config
@@ -33,11 +33,6 @@ def _randomise_adapter(model, seed: int = 1) -> None:
 def _ids(n: int = 24) -> torch.Tensor:
     return torch.randint(0, TINY.n_vocab, (2, n), generator=torch.Generator().manual_seed(5))
 
-
-def _base(tmp_path: Path) -> Path:
-    path = tmp_path / "base"
-    random_hf_model(TINY, seed=2).save_pretrained(path)
-    return path
 
 
 def test_a_fresh_adapter_changes_nothing_and_only_it_trains():
@@ -63,7 +58,7 @@ def test_hooks_see_the_swapped_module():
 def test_our_adapter_loads_in_peft_with_the_same_logits(tmp_path):
     from transformers import GPT2LMHeadModel
 
-    base = _base(tmp_path)
+    base = saved_hf_base(tmp_path)
     model = apply_lora(load_model(base), 4, 16, targets=ALL)
     _randomise_adapter(model)
     save_adapter(model, tmp_path / "adapter", base=str(base))
@@ -83,7 +78,7 @@ def test_our_adapter_loads_in_peft_with_the_same_logits(tmp_path):
 def test_a_peft_adapter_loads_in_gpt2kit_with_the_same_logits(tmp_path):
     from transformers import GPT2LMHeadModel
 
-    base = _base(tmp_path)
+    base = saved_hf_base(tmp_path)
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True,
                           task_type="CAUSAL_LM", rank_pattern={"h.1.attn.c_attn": 2}, use_rslora=True)
     torch.manual_seed(3)
@@ -112,7 +107,7 @@ def test_merged_equals_unmerged_and_the_merge_command_writes_a_plain_model(tmp_p
 
     from gpt2kit.cli import main
 
-    base = _base(tmp_path)
+    base = saved_hf_base(tmp_path)
     model = apply_lora(load_model(base), 8, 16, targets=ALL)
     _randomise_adapter(model)
     save_adapter(model, tmp_path / "adapter")
@@ -198,7 +193,7 @@ def test_adapter_flag_on_score_and_generate(tmp_path, capsys):
 def test_merge_never_writes_over_its_inputs_and_serve_checks_the_adapter_first(tmp_path, capsys):
     from gpt2kit.cli import main
 
-    base = _base(tmp_path)
+    base = saved_hf_base(tmp_path)
     model = apply_lora(load_model(base), 2, targets="c_attn")
     save_adapter(model, tmp_path / "adapter")
     before = (base / "model.safetensors").read_bytes()
@@ -238,7 +233,7 @@ def test_a_bias_adapter_trains_and_saves_what_peft_does(tmp_path, bias, n_biases
     from safetensors.torch import load_file
     from transformers import GPT2LMHeadModel
 
-    base = _base(tmp_path)
+    base = saved_hf_base(tmp_path)
     model = apply_lora(load_model(base), 4, 8, targets="c_attn,c_proj", bias=bias)
     trained = {n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
     assert len(trained) == n_biases and ("ln_f.bias" in trained) == (bias == "all")
@@ -270,7 +265,7 @@ def test_a_peft_bias_adapter_loads_and_merges_in_gpt2kit(tmp_path, capsys, bias)
 
     from gpt2kit.cli import main
 
-    base = _base(tmp_path)
+    base = saved_hf_base(tmp_path)
     pm = _peft_bias_adapter(base, tmp_path / "peft_adapter", bias, ["c_attn", "c_fc"])
     ids = _ids()
     with torch.no_grad():

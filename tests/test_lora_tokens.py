@@ -6,12 +6,11 @@ the adapter round-trips with peft (peft.PeftModel on transformers' GPT-2 is the 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import TINY, random_hf_model, random_model
+from helpers import TINY, random_model, saved_hf_base
 
 from gpt2kit.checkpoint import CheckpointError, apply_adapter, load_model, read_adapter, save_adapter
 from gpt2kit.data.shard import most_used_tokens, write_shard
@@ -31,15 +30,10 @@ def _ids() -> torch.Tensor:
 def _randomise(model, seed: int = 1) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, t in lora_state(model).items():
+        for t in lora_state(model).values():
             if t.is_floating_point():
                 t.copy_(t + torch.randn(t.shape, generator=g) * 0.1)
 
-
-def _base(tmp_path: Path) -> Path:
-    path = tmp_path / "base"
-    random_hf_model(TINY, seed=2).save_pretrained(path)
-    return path
 
 
 def test_fresh_rows_change_nothing_and_only_they_and_the_adapters_train():
@@ -77,7 +71,7 @@ def test_the_training_loss_reads_the_rows_in_its_fused_head():
 def test_our_rows_load_in_peft_with_the_same_logits_and_merge_exactly(tmp_path):
     from transformers import GPT2LMHeadModel
 
-    base = _base(tmp_path)
+    base = saved_hf_base(tmp_path)
     model = apply_lora(load_model(base), 4, 8, targets="c_attn,c_fc", tokens=TOKENS)
     _randomise(model)
     save_adapter(model, tmp_path / "ours", base=str(base))
@@ -99,7 +93,7 @@ def test_our_rows_load_in_peft_with_the_same_logits_and_merge_exactly(tmp_path):
 def test_a_peft_adapter_with_trainable_tokens_loads_merged_and_unmerged(tmp_path):
     from transformers import GPT2LMHeadModel
 
-    base = _base(tmp_path)
+    base = saved_hf_base(tmp_path)
     cfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_proj"], fan_in_fan_out=True, task_type="CAUSAL_LM",
                           trainable_token_indices=TOKENS)
     torch.manual_seed(3)
@@ -127,7 +121,7 @@ def test_bad_tokens_are_one_clear_error(tmp_path):
                        ("12", "list of token ids")):
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             apply_lora(random_model(), 2, tokens=bad)
-    base = _base(tmp_path)
+    base = saved_hf_base(tmp_path)
     model = apply_lora(load_model(base), 2, targets="c_attn", tokens=TOKENS)
     save_adapter(model, tmp_path / "a", base=str(base))
     cfg_file = tmp_path / "a" / "adapter_config.json"
@@ -158,7 +152,7 @@ def test_train_lora_tokens_end_to_end(tmp_path, capsys):
     rng = np.random.default_rng(0)
     write_shard(data / "train_000000.bin", rng.integers(0, 40, 4000))  # ids 0..39 only
     write_shard(data / "val_000000.bin", rng.integers(0, 40, 600))
-    base = _base(tmp_path)
+    base = saved_hf_base(tmp_path)
     out = tmp_path / "run"
     assert main(["train", "--data", str(data), "--out", str(out), "--model", str(base), "--lora-rank", "2",
                  "--lora-tokens", "6", "--batch-size", "2", "--seq-len", "16", "--max-steps", "3",

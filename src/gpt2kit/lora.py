@@ -209,8 +209,9 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 def lora_state(model: nn.Module, bias: str = "none") -> dict[str, torch.Tensor]:
-    """Only what a LoRA run trains: {"h.0.attn.c_attn.lora_A": (r, in), ... ".lora_B": (out, r)}, and
-    the biases `bias` names ({"ln_f.bias": (C,), ...})."""
+    """Only what a LoRA run trains: {"h.0.attn.c_attn.lora_A": (r, in), ... ".lora_B": (out, r)}, the
+    biases `bias` names ({"ln_f.bias": (C,), ...}), and with TrainableTokens the rows
+    ("wte.trainable_tokens": (K, C)) and which ids they are ("wte.token_indices": (K,), not trained)."""
     state = {f"{name}.{part}": getattr(m, part).detach() for name, m in lora_modules(model).items()
              for part in ("lora_A", "lora_B")}
     if isinstance(model.wte, TrainableTokens):  # the trained rows, and which rows they are

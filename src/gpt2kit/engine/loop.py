@@ -152,7 +152,6 @@ class EngineLoop:
             self.tidy(True)
             tidied = True
 
-
     def _gather(self) -> None:
         """Woken from idle by an arrival: wait out the admission window (or until the queue holds a full
         batch, or a stop) so that requests arriving together start in one step. Holds the condition."""
