@@ -3,6 +3,7 @@ the function correctly renamed, and the modules the benchmark edits are never re
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import subprocess
@@ -85,3 +86,32 @@ def test_quick_writes_prompt_completion_jsonl(tmp_path):
     assert edits and len(edits) < len(docs)
     assert all("\n# The same function with `" in d["prompt"] and d["completion"].strip() for d in edits)
     assert "held out: colorsys, fnmatch, getpass, textwrap" in r.stdout
+
+
+def test_scramble_renames_every_local_consistently(corpus, tmp_path):
+    names = "\n".join(f"def f{i}(alpha{i}, beta{i}):\n    return alpha{i} + beta{i}\n" for i in range(30))
+    (tmp_path / "shapes.py").write_text(MODULE + names)  # a pool of names to draw from
+    docs = list(corpus.documents([tmp_path / "shapes.py"], plain=0.0, renames=1, min_uses=3,
+                                 max_tokens=10_000, seed=0, encode=lambda s: s.split(), scramble=1.0))
+    area = next(d for d in docs if d["prompt"].startswith("def area("))
+    source = area["prompt"].split("\n\n\n")[0]
+    tree = ast.parse(source).body[0]  # still a function
+    width, height = (a.arg for a in tree.args.args)
+    assert {width, height} <= {f"alpha{i}" for i in range(30)} | {f"beta{i}" for i in range(30)}
+    result = tree.body[0].targets[0].id
+    assert result.startswith(("alpha", "beta")) and len({width, height, result}) == 3
+    assert source == (f"def area({width}, {height}):\n    {result} = {width} * {height}\n"
+                      f"    # {width} times {height}\n    return {result} if {width} else 0")  # consistently
+    grow = next(d for d in docs if d["prompt"].startswith("def grow("))
+    assert grow["prompt"].startswith("def grow(self, ")  # self is kept
+
+
+def test_random_copies_are_their_own_prompt(corpus, tmp_path):
+    (tmp_path / "shapes.py").write_text(MODULE)
+    docs = list(corpus.documents([tmp_path / "shapes.py"], plain=0.0, renames=1, min_uses=3,
+                                 max_tokens=10_000, seed=0, encode=lambda s: s.split(), random_copies=5))
+    copies = docs[-5:]
+    for d in copies:
+        head, sep, tail = d["prompt"].partition("\n\n# The same lines again:\n")
+        assert sep and not tail and head == d["completion"] and head.endswith("\n")
+    assert len({d["completion"] for d in copies}) == 5
