@@ -33,7 +33,9 @@ def test_lookup_drafts_take_the_most_recent_longest_match():
     assert lookup_drafts([5, 1, 2, 7, 1, 2], 3) == [7, 1, 2]
     assert lookup_drafts([1, 2, 3], 4) == []  # no earlier occurrence of any suffix
     assert lookup_drafts([4], 4) == []
-    assert lookup_drafts([7, 7, 7], 5) == [7]  # the match (7, 7) at 0 is followed by one token
+    assert lookup_drafts([7, 7, 7], 5) == [7] * 5  # the match (7, 7) at 0 runs into the end: the run goes on
+    assert lookup_drafts([1, 2, 1, 2, 1], 5) == [2, 1, 2, 1, 2]  # the 3-gram (1, 2, 1) at 0, period 2
+    assert lookup_drafts([3, 1, 2, 9, 1, 2], 4) == [9, 1, 2, 9]  # the copy of (9, 1, 2) repeats itself
 
 
 def test_greedy_accept_keeps_the_agreeing_prefix():

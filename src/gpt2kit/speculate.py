@@ -23,15 +23,23 @@ MAX_NGRAM = 3  # prompt lookup matches the row's last 3, then 2, then 1 tokens
 
 
 def lookup_drafts(seq: Sequence[int], n: int, max_ngram: int = MAX_NGRAM) -> list[int]:
-    """Up to n tokens that followed the most recent earlier occurrence of seq's last tokens (the
-    longest suffix of at most max_ngram tokens that occurs before); [] when none does."""
+    """n tokens that followed the most recent earlier occurrence of seq's last tokens (the longest
+    suffix of at most max_ngram tokens that occurs before); [] when none does.
+
+    A match close to the end overlaps the tail, and its continuation runs into the end of seq after
+    fewer than n tokens; it is then continued with its own period, as an LZ77 copy is (inside a run
+    of spaces the match one token back drafts more of the run, not one space a step)."""
     seq = list(seq)
     L = len(seq)
     for size in range(min(max_ngram, L - 1), 0, -1):
         tail = seq[L - size:]
         for j in range(L - size - 1, -1, -1):  # most recent first; never the tail itself
             if seq[j:j + size] == tail:
-                return seq[j + size:j + size + n]
+                out = seq[j + size:j + size + n]
+                period = L - (j + size)  # > 0: how far back the copy reads
+                while len(out) < n:
+                    out.append(out[len(out) - period])
+                return out
     return []
 
 
