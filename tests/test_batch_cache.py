@@ -113,7 +113,8 @@ def test_a_prefilling_row_inside_the_step_range_is_never_written():
     snapshot = pool.kv[:, prefilling].clone()
     for _ in range(3):
         assert _step(pool, rows) is not None
-    assert torch.equal(pool.kv[:, prefilling], snapshot)
+    # bit for bit: the slot's columns past its 8 tokens were never written, and uninitialised memory may hold NaN
+    assert torch.equal(pool.kv[:, prefilling].view(torch.int32), snapshot.view(torch.int32))
     _check(pool, rows)
 
 

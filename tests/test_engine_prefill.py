@@ -270,7 +270,9 @@ def test_flat_prefill_logits_and_cache_equal_the_models_forward():
             want = prefill_ragged(model, idx, last, ref)  # the modules' forward
             have = prefill_ragged(model, idx, last, got, k_set)  # (3, V)
             assert have.shape == want.shape == (3, model.config.n_vocab)
-            assert torch.allclose(have, want, atol=1e-5, rtol=1e-5)
+            # the project's float32 logits bound: oneDNN's packed products on an AVX-512 Xeon round
+            # differently from the model's F.linear (1.9e-5 on logits up to 52, 4e-7 relative)
+            assert torch.allclose(have, want, atol=1e-4, rtol=1e-5)
             assert got.length == ref.length == P + 5
             for b, n in enumerate(last):  # each row's real columns (the padding's are never read)
                 cols = P + n + 1

@@ -7,6 +7,7 @@ import contextlib
 import multiprocessing as mp
 import pickle
 import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -68,7 +69,7 @@ def worker_pool(workers: int) -> Iterator[Callable[[Iterable[Task]], Iterator[Re
     worker killed in the middle of sending a result is an end of file on its pipe here, never a lock
     held forever (concurrent.futures' pool shares one result queue and its lock, so a worker killed
     while writing to it hung the pool and, through the exit-time join of its manager thread, the
-    interpreter). No thread runs in this process. Workers are started with SIGINT blocked and then
+    interpreter). The pool starts no thread here. Workers are started with SIGINT blocked and then
     ignore it: on Ctrl-C (or any error) this process kills them and returns without their tracebacks.
     A worker that dies raises WorkerDied naming the document being tokenized.
     """
@@ -102,14 +103,27 @@ def worker_pool(workers: int) -> Iterator[Callable[[Iterable[Task]], Iterator[Re
 
 @contextlib.contextmanager
 def _sigint_blocked() -> Iterator[None]:
-    if not hasattr(signal, "pthread_sigmask"):  # Windows: nothing to block
-        yield
+    """Ctrl-C held off while workers start: blocked in this thread, so the children start with it
+    blocked, and, because another thread of this process (a library's) may still take a signal sent
+    to the process, Python's handler swapped for one that only records it. A KeyboardInterrupt in the
+    middle of a start left a stopped worker out of the list this module kills, and
+    multiprocessing's exit then waited on it for ever. A Ctrl-C that came meanwhile is raised at the end."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield  # Windows, or not the main thread (no handler can be set there): nothing to hold off
         return
+    got: list[int] = []
+    handler = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)  # a Ctrl-C that came meanwhile is raised here
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)  # one pending here is delivered now, to the recorder
+        signal.signal(signal.SIGINT, handler)
+    if got and handler is not signal.SIG_IGN:
+        if callable(handler):
+            handler(signal.SIGINT, None)  # Python's default raises KeyboardInterrupt
+        else:
+            raise KeyboardInterrupt
 
 
 def _ordered(tasks: Iterable[Task], procs: list, conns: list) -> Iterator[Result]:
