@@ -35,11 +35,8 @@ def lookup_drafts(seq: Sequence[int], n: int, max_ngram: int = MAX_NGRAM) -> lis
         tail = seq[L - size:]
         for j in range(L - size - 1, -1, -1):  # most recent first; never the tail itself
             if seq[j:j + size] == tail:
-                out = seq[j + size:j + size + n]
-                period = L - (j + size)  # > 0: how far back the copy reads
-                while len(out) < n:
-                    out.append(out[len(out) - period])
-                return out
+                out = seq[j + size:j + size + n]  # short only when it reaches the end: then it is one period
+                return out if len(out) == n else (out * n)[:n]
     return []
 
 
