@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import math
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -147,3 +149,21 @@ def live_server(loader, opts=None, *, wait_ready: bool = True):
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def train_one_and_two_ranks(common: list[str], batch_size: int, one_out, two_out) -> None:
+    """`gpt2kit train *common` once in one process at batch_size and once under torchrun on 2 gloo ranks
+    at batch_size // 2 (the same global batch), one thread each; skips where gloo is missing, fails
+    with the failing run's stderr."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from pathlib import Path
+
+    env = {"PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    one = subprocess.run([sys.executable, "-m", "gpt2kit", "train", *common, "--batch-size", str(batch_size),
+                          "--out", str(one_out)], capture_output=True, text=True, env=env, timeout=300)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "gpt2kit", "train", *common, "--batch-size", str(batch_size // 2), "--out",
+                          str(two_out)], capture_output=True, text=True, env=env, timeout=300)
+    assert two.returncode == 0, two.stderr

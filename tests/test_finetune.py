@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import random_hf_model
+from helpers import random_hf_model, train_one_and_two_ranks
 
 from gpt2kit.checkpoint import load_model
 from gpt2kit.config import GPT2Config
@@ -180,19 +180,10 @@ def test_lora_with_bf16_autocast_tracks_float32(data, base, tmp_path):
 
 
 def test_lora_two_ranks_match_one_process(data, base, tmp_path):
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
     common = ["--data", str(data), "--model", str(base), "--seq-len", "32", "--max-steps", "4", "--optimizer",
               "adamw", "--lr", "1e-2", "--total-batch-tokens", "128", "--eval-every", "0", "--lora-rank", "4",
               "--activation-checkpointing"]
-    env = {"PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    one = subprocess.run([sys.executable, "-m", "gpt2kit", "train", *common, "--batch-size", "4", "--out",
-                          str(tmp_path / "one")], capture_output=True, text=True, env=env, timeout=300)
-    assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "-m", "gpt2kit", "train", *common, "--batch-size", "2", "--out", str(tmp_path / "two")],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert two.returncode == 0, two.stderr
+    train_one_and_two_ranks(common, 4, tmp_path / "one", tmp_path / "two")
     _close(_losses(tmp_path / "one"), _losses(tmp_path / "two"), 1e-5)
 
 

@@ -104,6 +104,17 @@ class TrainConfig:
                                             "e.g. 'h.1[01].*,ln_f.*'", default_text="all")
     fsdp: bool = _setting(False, "shard parameters, gradients and AdamW state across the torchrun processes "
                                  "(FSDP2; AdamW only; checkpoints sharded with torch.distributed.checkpoint)")
+    distill_from: str | None = _setting(None, "a teacher (checkpoint directory or hub id with the same tokenizer) "
+                                              "whose next-token probabilities the model learns instead of the "
+                                              "data's tokens alone: e.g. a draft model made to agree with the "
+                                              "target it will draft for (--draft-model)", metavar="MODEL",
+                                        default_text="none: the data's tokens")
+    distill_weight: float = _setting(1.0, "with --distill-from: the teacher's share of each target distribution "
+                                          "(the rest is the data's token); in (0, 1]")
+    distill_dtype: str | None = _setting(None, "with --distill-from: the teacher's weights, float32 or bfloat16 "
+                                               "(it only gives probabilities)", choices=TRAIN_DTYPES,
+                                         default_text="bfloat16 on a GPU or a CPU with native bfloat16, else "
+                                                      "float32")
     stop_at: int | None = _setting(None, "end this invocation after this step, saving a checkpoint (the "
                                          "schedule still runs to --max-steps; continue with --resume)",
                                    default_text="none")
@@ -152,6 +163,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip(" ,")):
                 raise ValueError(f"TrainConfig.{name} must be a non-empty comma list, got {value!r}")
+        self._check_distill()
         if self.dropout is not None:
             check_number("TrainConfig.dropout", self.dropout, "in [0, 1)", lambda v: 0 <= v < 1)
         if DTYPE_NAMES.get(self.dtype) not in TRAIN_DTYPES:
@@ -161,6 +173,21 @@ class TrainConfig:
         if self.total_batch_tokens is not None and self.seq_len is not None:
             if self.total_batch_tokens % (self.batch_size * self.seq_len):
                 raise ValueError(batch_message(self.total_batch_tokens, self.batch_size, self.seq_len, 1))
+
+    def _check_distill(self) -> None:
+        check_number("TrainConfig.distill_weight", self.distill_weight, "in (0, 1]", lambda v: 0 < v <= 1)
+        if self.distill_from is None:
+            if self.distill_weight != 1.0 or self.distill_dtype is not None:
+                flag = "--distill-weight" if self.distill_weight != 1.0 else "--distill-dtype"
+                raise ValueError(f"{flag} needs --distill-from (it sets how the teacher is used)")
+            return
+        if not isinstance(self.distill_from, str) or not self.distill_from:
+            raise ValueError(f"TrainConfig.distill_from must be a non-empty string, got {self.distill_from!r}")
+        if self.distill_dtype is not None:
+            check_choice("distill dtype", self.distill_dtype, TRAIN_DTYPES)
+        if self.fsdp:
+            raise ValueError("--distill-from cannot be combined with --fsdp (each rank would need the whole "
+                             "teacher; use DDP, or LoRA for a model that does not fit)")
 
     @property
     def from_scratch(self) -> bool:

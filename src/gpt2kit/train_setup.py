@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gpt2kit import finetune, fsdp
+from gpt2kit import distill, finetune, fsdp
 from gpt2kit.bench.machine import mem_available
 from gpt2kit.checkpoint import load_model, resolve_source
 from gpt2kit.checkpoint.source import HUB_NAMES
@@ -196,7 +196,7 @@ def _autocast(cfg: TrainConfig, device: torch.device) -> Callable[[], contextlib
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def _resolve(cfg: TrainConfig, model: GPT2, world_size: int) -> tuple[TrainConfig, int]:
+def _resolve(cfg: TrainConfig, model: GPT2, world_size: int, device: torch.device) -> tuple[TrainConfig, int]:
     """Fill the None fields from the model and world size; return (config, accumulation steps A)."""
     n_ctx = model.config.n_ctx
     seq_len = cfg.seq_len or n_ctx
@@ -212,6 +212,7 @@ def _resolve(cfg: TrainConfig, model: GPT2, world_size: int) -> tuple[TrainConfi
         warmup_steps=cfg.max_steps // 20 if cfg.warmup_steps is None else cfg.warmup_steps,
         dropout=model.config.dropout,
         optimizer=cfg.optimizer or ("adamw" if cfg.fsdp else _default_optimizer()),
+        distill_dtype=cfg.distill_dtype or (distill.default_dtype(device) if cfg.distill_from else None),
     )
     return cfg, total // unit
 
@@ -276,7 +277,7 @@ def build_run(cfg: TrainConfig, d: Dist) -> tuple[Run, bool]:
         check_memory(model_config, d.device, f"the model in {out / CHECKPOINT_NAME}")
         raw = GPT2(model_config)
         raw.load_state_dict(ckpt["model"])
-    cfg, accum = _resolve(cfg, raw, d.world_size)
+    cfg, accum = _resolve(cfg, raw, d.world_size, d.device)
     raw.to(d.device)
     _make_contiguous(raw)
     what = finetune.prepare(raw, cfg)  # LoRA, frozen parameters, activation checkpointing
@@ -290,7 +291,14 @@ def build_run(cfg: TrainConfig, d: Dist) -> tuple[Run, bool]:
         torch.backends.cudnn.allow_tf32 = True
 
     # What runs forward: the model with the fused chunked loss (no (B, T, V) logits; gpt2kit.loss).
-    loss_model = TrainingLoss(raw)
+    teacher = None
+    if cfg.distill_from is not None:
+        teacher = distill.load_teacher(cfg.distill_from, _fine_tune_source(cfg.distill_from), raw.config,
+                                       cfg.seq_len, cfg.distill_dtype, d.device)
+        log(f"distilling from {cfg.distill_from} ({teacher.num_parameters() / 1e6:.1f}M parameters, "
+            f"{cfg.distill_dtype}): targets {cfg.distill_weight:g} x its probabilities"
+            + (f" + {1 - cfg.distill_weight:g} x the data's tokens" if cfg.distill_weight < 1 else ""))
+    loss_model = TrainingLoss(raw, teacher=teacher, teacher_weight=cfg.distill_weight)
     if cfg.fsdp:
         fsdp.shard(loss_model)  # before the optimizer: it takes the sharded parameters
     optimizer = _make_optimizer(raw, cfg)
