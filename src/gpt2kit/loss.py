@@ -153,7 +153,7 @@ class TrainingLoss(nn.Module):
     teacher: a frozen GPT2 with the same vocabulary whose probabilities the model learns in training
     mode (teacher_weight of the target; the rest is the data's token); evaluation (eval mode) is
     always the data's cross-entropy. The teacher is held outside the module's parameters and
-    state, so DDP, torch.compile and saving see only the model.
+    state, so DDP, the optimizer and saving see only the model.
     """
 
     def __init__(self, model: nn.Module, *, chunk_rows: int = DEFAULT_CHUNK_ROWS, teacher: nn.Module | None = None,
