@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,8 +83,6 @@ def random_model(cfg: GPT2Config = TINY, seed: int = 0) -> GPT2:
 
 def cached_real_gpt2() -> str | None:
     """The hub name under which the real gpt2 weights sit in the local HF cache, or None."""
-    from pathlib import Path
-
     from gpt2kit.checkpoint.hub import hub_cache_dir
 
     hub = Path(hub_cache_dir())
@@ -157,8 +156,6 @@ def train_one_and_two_ranks(common: list[str], batch_size: int, one_out, two_out
     with the failing run's stderr."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    from pathlib import Path
-
     env = {"PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     one = subprocess.run([sys.executable, "-m", "gpt2kit", "train", *common, "--batch-size", str(batch_size),
                           "--out", str(one_out)], capture_output=True, text=True, env=env, timeout=300)

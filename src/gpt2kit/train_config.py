@@ -107,7 +107,7 @@ class TrainConfig:
     distill_from: str | None = _setting(None, "a teacher (checkpoint directory or hub id with the same tokenizer) "
                                               "whose next-token probabilities the model learns instead of the "
                                               "data's tokens alone: e.g. a draft model made to agree with the "
-                                              "target it will draft for (--draft-model)", metavar="MODEL",
+                                              "target it will draft for (--draft-model)",
                                         default_text="none: the data's tokens")
     distill_weight: float = _setting(1.0, "with --distill-from: the teacher's share of each target distribution "
                                           "(the rest is the data's token); in (0, 1]")
