@@ -16,7 +16,7 @@ turn, round-robin, so a busy machine slows them alike; time is each contender's 
                (lr_factor), the fused chunked loss over the padded head (TrainingLoss)
     extra contenders for the sweep: --sweep NAME=KEY:VALUE,KEY:VALUE (keys: optimizer, lr, muon_lr,
                schedule, sampling, fused, ns: the Newton-Schulz dtype, bfloat16 or float32; default
-               what make_optimizer picks for this machine)
+               float32, what a float32 `gpt2kit train` runs)
 
     python benchmarks/bench_train_quality.py --data data/stdlib --steps 300
     python benchmarks/bench_train_quality.py --data data/stdlib --steps 60 --only gpt2kit \\
@@ -107,9 +107,8 @@ def _stepper(c: Contender, data: str, B: int, T: int, steps: int, seed: int):
             for g in opt.param_groups:
                 g["lr"] = g["base_lr"] * f
     else:
-        opt = make_optimizer(model, r["optimizer"], lr=r["lr"], weight_decay=0.1, muon_lr=r.get("muon_lr", 0.02))
-        if "ns" in r and "muon" in opt.optimizers:
-            opt.optimizers["muon"].ns_dtype = getattr(torch, r["ns"])
+        opt = make_optimizer(model, r["optimizer"], lr=r["lr"], weight_decay=0.1, muon_lr=r.get("muon_lr", 0.02),
+                             muon_dtype=r.get("ns"))
         set_factor = opt.set_lr_factor
     loss_fn = TrainingLoss(model) if r["fused"] else (lambda x, y: model(x, targets=y).loss)
     batches = _batches(r, data, B, T, seed)

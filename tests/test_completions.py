@@ -92,7 +92,7 @@ def test_training_on_completions_resumes_exactly(tmp_path):
         return [r.get("loss", r.get("val_loss")) for r in rows]
 
     a, b = losses(tmp_path / "straight"), losses(tmp_path / "split")
-    assert len(a) == len(b) == 8 + 3 and max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-6
+    assert len(a) == len(b) == 8 + 2 and max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-6
     assert (tmp_path / "split" / CHECKPOINT_NAME).exists()
 
 

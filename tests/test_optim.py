@@ -172,11 +172,21 @@ def test_bfloat16_newton_schulz_is_torchs_bit_for_bit():
                            _zeropower_via_newtonschulz(g, **NS))
 
 
-def test_newton_schulz_dtype_follows_the_machine():
-    """bfloat16 off-CPU (torch's choice); on CPU bfloat16 only where oneDNN multiplies it natively."""
-    assert newton_schulz_dtype("meta") == torch.bfloat16
-    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    assert newton_schulz_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
+@pytest.mark.parametrize("native", [False, True])
+def test_newton_schulz_dtype_follows_the_runs_dtype_then_the_machine(monkeypatch, native):
+    """A float32 run orthogonalises in float32 on every machine (with native bfloat16 too, where it
+    once took torch's bfloat16); a bfloat16 run in bfloat16 off-CPU and on CPUs with native
+    bfloat16, float32 on the others. make_optimizer's own default is float32."""
+    import gpt2kit.optim
+
+    monkeypatch.setattr(gpt2kit.optim, "cpu_has_native_bfloat16", lambda: native)
+    assert newton_schulz_dtype("float32", "cpu") == torch.float32
+    assert newton_schulz_dtype(torch.float32, "meta") == torch.float32
+    assert newton_schulz_dtype("bf16", "cpu") == (torch.bfloat16 if native else torch.float32)
+    assert newton_schulz_dtype(torch.bfloat16, "meta") == torch.bfloat16
     if Muon is not None:
-        opt = make_optimizer(_model(), "muon", lr=1e-3, weight_decay=0.1)
-        assert opt.optimizers["muon"].ns_dtype == newton_schulz_dtype("cpu")
+        assert make_optimizer(_model(), "muon", lr=1e-3, weight_decay=0.1).optimizers["muon"].ns_dtype == torch.float32
+        opt = make_optimizer(_model(), "muon", lr=1e-3, weight_decay=0.1, muon_dtype="bfloat16")
+        assert opt.optimizers["muon"].ns_dtype == torch.bfloat16
+        with pytest.raises(ValueError, match="muon_dtype must be float32 or bfloat16, got 'float16'"):
+            make_optimizer(_model(), "muon", lr=1e-3, weight_decay=0.1, muon_dtype="float16")

@@ -117,18 +117,21 @@ def smooth(values: tuple[float, ...]) -> list[float]:
 
 
 def evaluations_left(step: int, total: int, eval_every: int) -> int:
-    """How many evaluations the training loop still runs after `step`: one at every multiple of
-    `eval_every` up to `total` (0: none), and one at the last step."""
-    if step >= total:
+    """How many evaluations the training loop still runs once step `step` is trained, that step's own
+    included (the loop reports a step, then evaluates after it): one at every multiple of `eval_every`
+    from `step` to `total` (0: none), and one at the last step."""
+    if step > total:
         return 0
-    periodic = total // eval_every - step // eval_every if eval_every > 0 else 0
+    first = max(step, 1)  # a fine-tune's step-0 evaluation runs before the first step, before any ETA
+    periodic = total // eval_every - (first - 1) // eval_every if eval_every > 0 else 0
     return periodic + (0 if eval_every > 0 and total % eval_every == 0 else 1)
 
 
 def eta_seconds(*, step: int, total: int, seconds_per_step: float, eval_every: int,
                 seconds_per_eval: float | None) -> float:
-    """Seconds until step `total`: the steps left at `seconds_per_step`, plus every evaluation still to
-    run (`evaluations_left`) at `seconds_per_eval` (None: the run has no validation split)."""
+    """Seconds until the run ends, after step `step`: the steps left at `seconds_per_step`, plus every
+    evaluation still to run (`evaluations_left`, step's own included) at `seconds_per_eval` (None:
+    the run has no validation split)."""
     steps = max(0, total - step) * seconds_per_step
     if seconds_per_eval is None:
         return steps
@@ -140,10 +143,11 @@ class Reporter:
 
     Plain lines come every `log_every` steps, and at least every `heartbeat` seconds, and carry the
     elapsed time and an ETA, so a log file shows how far a run is; the bar shows the same ETA. The
-    ETA is this invocation's mean step time times the steps left, plus the evaluations to come
-    (`eval_every`; `eval_tokens` tokens each, 0 for no validation) at the mean time the evaluations
-    so far took, or, before the first, at the training steps' tokens per second (an overestimate:
-    an evaluation is a forward pass only). Evaluations report their own progress (`evaluating`).
+    ETA is this invocation's mean step time times the steps left, plus the evaluations to come, the
+    one right after the step shown included (`eval_every`; `eval_tokens` tokens each, 0 for no
+    validation) at the mean time the evaluations so far took, or, before the first, at the training
+    steps' tokens per second (an overestimate: an evaluation is a forward pass only). Evaluations
+    report their own progress (`evaluating`).
     """
 
     def __init__(self, enabled: bool, start: int, total: int, log_every: int, heartbeat: float = 60.0, *,

@@ -12,9 +12,11 @@ muon: as modded-nanogpt, Muon (torch.optim.Muon: momentum, then Newton-Schulz or
 the update) for the 2-D matrices inside the blocks (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj),
 and AdamW as above for the rest: the embeddings (which are also the tied LM head), biases and gains.
 Muon's learning rate is its own (muon_lr), with Keller Jordan's shape scaling sqrt(max(1, out/in)).
-torch.optim.Muon orthogonalises in bfloat16; on a CPU without native bfloat16 matrix products (AVX2)
-those cost many times a float32 product (docs/benchmarks.md), so there `Muon` (torch's class, its
-state and update) runs the Newton-Schulz iteration in float32 instead (newton_schulz_dtype).
+torch.optim.Muon always orthogonalises in bfloat16; `Muon` here is torch's class (its state and
+update) with the Newton-Schulz dtype a parameter: float32 for a float32 run, so a run computes in the
+dtype it asked for; bfloat16 only for a bfloat16 run on a device that multiplies it natively
+(newton_schulz_dtype: a CPU without native bfloat16, AVX2, emulates those products at many times a
+float32 product's cost).
 
 Schedules multiply each group's base rate by a factor:
     cosine  linear warmup to 1, then cosine down to min_lr_ratio at max_steps (GPT-2/3, nanoGPT)
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from gpt2kit.decode.kernels import cpu_has_native_bfloat16
+from gpt2kit.devices import resolve_dtype
 from gpt2kit.train_config import OPTIMIZERS, SCHEDULES, require_muon
 from gpt2kit.validate import check_choice
 
@@ -39,11 +42,17 @@ ADAM_EPS = 1e-8
 MUON_MOMENTUM = 0.95
 
 
-def newton_schulz_dtype(device: torch.device | str) -> torch.dtype:
-    """bfloat16 (torch.optim.Muon's own choice) where the device multiplies bfloat16 matrices natively:
-    CUDA, and CPUs where oneDNN has bfloat16 kernels (AVX512-BF16 / AMX: decode.kernels.cpu_has_native_bfloat16);
-    float32 elsewhere (an AVX2 CPU emulates bfloat16 products, many times slower than float32 ones).
-    A property of the machine, not a timing, so every invocation of a run decides alike."""
+def newton_schulz_dtype(run_dtype: torch.dtype | str, device: torch.device | str) -> torch.dtype:
+    """The dtype Muon orthogonalises in for a run computing in `run_dtype` on `device`.
+
+    float32 for a float32 run: the update is as exact as the rest of the step (in bfloat16, DDP's
+    all-reduced gradient and one process's sum, equal but for the last bit, round to different
+    updates). For a bfloat16 run, bfloat16 (torch.optim.Muon's own choice) where the device multiplies
+    it natively: CUDA, and CPUs where oneDNN has bfloat16 kernels (AVX512-BF16 / AMX:
+    decode.kernels.cpu_has_native_bfloat16); float32 elsewhere, which an AVX2 CPU multiplies many
+    times faster than the bfloat16 it emulates. A property of the machine, not a timing."""
+    if resolve_dtype(run_dtype) != torch.bfloat16:
+        return torch.float32
     device = torch.device(device)
     if device.type != "cpu":
         return torch.bfloat16
@@ -204,17 +213,22 @@ def muon_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def make_optimizer(model: nn.Module, name: str, *, lr: float, weight_decay: float, muon_lr: float = 0.02,
-                   muon_weight_decay: float = 0.0) -> Optimizers:
-    """AdamW ("adamw") or Muon for the block matrices plus AdamW for the rest ("muon"); see the module doc."""
+                   muon_weight_decay: float = 0.0, muon_dtype: torch.dtype | str | None = None) -> Optimizers:
+    """AdamW ("adamw") or Muon for the block matrices plus AdamW for the rest ("muon"); see the module doc.
+
+    muon_dtype: the dtype of Muon's Newton-Schulz iteration (None: float32; newton_schulz_dtype gives
+    the choice for a run's dtype and device)."""
     check_choice("optimizer", name, OPTIMIZERS)
+    ns_dtype = resolve_dtype(muon_dtype) or torch.float32
+    if ns_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"muon_dtype must be float32 or bfloat16, got {muon_dtype!r}")
     optimizers: dict[str, torch.optim.Optimizer] = {}
     muon_params: list[nn.Parameter] = []
     if name == "muon":
         require_muon()
         muon_params = muon_parameters(model)
-        device = muon_params[0].device if muon_params else torch.device("cpu")
         optimizers["muon"] = Muon(muon_params, lr=muon_lr, weight_decay=muon_weight_decay, momentum=MUON_MOMENTUM,
-                                  nesterov=True, adjust_lr_fn="original", ns_dtype=newton_schulz_dtype(device))
+                                  nesterov=True, adjust_lr_fn="original", ns_dtype=ns_dtype)
     taken = {id(p) for p in muon_params}
     rest = [p for p in model.parameters() if id(p) not in taken]
     groups = [g for g in param_groups(rest, weight_decay) if g["params"]]

@@ -147,7 +147,9 @@ def _loop(run: Run, *, fresh: bool) -> TrainResult:
     end = cfg.max_steps if cfg.stop_at is None else min(cfg.max_steps, cfg.stop_at)
     try:
         with _StopSignal() as stop:
-            if fresh and run.val_loader is not None and cfg.eval_every:
+            # Step 0 is evaluated only when fine-tuning: the base's loss is the baseline. An untrained
+            # model's (near ln(vocab)) tells nothing the first train losses do not, for a whole evaluation.
+            if fresh and run.val_loader is not None and cfg.eval_every and not cfg.from_scratch:
                 val_loss = _evaluate(run, metrics, reporter)
             while run.step < end:
                 t0 = time.perf_counter()

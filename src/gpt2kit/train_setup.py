@@ -34,7 +34,7 @@ from gpt2kit.data.shard import find_shards
 from gpt2kit.distributed import Dist
 from gpt2kit.loss import TrainingLoss
 from gpt2kit.model import GPT2
-from gpt2kit.optim import Optimizers, make_optimizer
+from gpt2kit.optim import Optimizers, make_optimizer, newton_schulz_dtype
 from gpt2kit.run_dir import (
     CHECKPOINT_NAME,
     read_checkpoint,
@@ -181,7 +181,7 @@ def _match_param_layout(optimizer: torch.optim.Optimizer | Optimizers) -> None:
 def _make_optimizer(model: nn.Module, cfg: TrainConfig) -> Optimizers:
     """cfg.optimizer (gpt2kit.optim.make_optimizer): AdamW, or Muon for the block matrices + AdamW."""
     return make_optimizer(model, cfg.optimizer or _default_optimizer(), lr=cfg.lr,
-                          weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
+                          weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr, muon_dtype=cfg.muon_dtype)
 
 
 def _default_optimizer() -> str:
@@ -206,15 +206,27 @@ def _resolve(cfg: TrainConfig, model: GPT2, world_size: int, device: torch.devic
     total = cfg.total_batch_tokens or unit
     if total % unit:
         raise ValueError(batch_message(total, cfg.batch_size, seq_len, world_size))
+    optimizer = cfg.optimizer or ("adamw" if cfg.fsdp else _default_optimizer())
     cfg = cfg.replace(
         seq_len=seq_len, total_batch_tokens=total,
         min_lr=cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr,
         warmup_steps=cfg.max_steps // 20 if cfg.warmup_steps is None else cfg.warmup_steps,
         dropout=model.config.dropout,
-        optimizer=cfg.optimizer or ("adamw" if cfg.fsdp else _default_optimizer()),
+        optimizer=optimizer,
+        muon_dtype=_muon_dtype(cfg, optimizer, device),
         distill_dtype=cfg.distill_dtype or (distill.default_dtype(device) if cfg.distill_from else None),
     )
     return cfg, total // unit
+
+
+def _muon_dtype(cfg: TrainConfig, optimizer: str, device: torch.device) -> str | None:
+    """cfg.muon_dtype, or for a Muon run the dtype newton_schulz_dtype picks for cfg.dtype on device;
+    saved in checkpoint.pt, so a resumed run orthogonalises as it did whichever machine it moves to."""
+    if optimizer != "muon":
+        if cfg.muon_dtype is not None:
+            raise ValueError(f"--muon-dtype {cfg.muon_dtype} needs --optimizer muon (this run uses {optimizer})")
+        return None
+    return cfg.muon_dtype or str(newton_schulz_dtype(cfg.dtype, device)).removeprefix("torch.")
 
 
 def _check_resume(saved: TrainConfig, cfg: TrainConfig) -> None:
@@ -345,7 +357,8 @@ def build_run(cfg: TrainConfig, d: Dist) -> tuple[Run, bool]:
         log(f"resuming {out / CHECKPOINT_NAME} at step {run.step}")
         del ckpt
     log(f"{W} x {B} x {T} tokens x {accum} micro-steps = {cfg.total_batch_tokens:,} tokens per step, "
-        f"{cfg.max_steps} steps, {cfg.dtype} on {d.device}")
+        f"{cfg.max_steps} steps, {cfg.dtype} on {d.device}"
+        + (f" (Muon's Newton-Schulz in {cfg.muon_dtype})" if cfg.muon_dtype else ""))
     return run, run.step == 0 and not cfg.resume
 
 
