@@ -206,6 +206,24 @@ def test_lora_bad_settings_are_one_line(data, base, tmp_path, capsys):
         assert not (tmp_path / f"o{i}" / "adapter_config.json").exists()
 
 
+def test_a_lora_run_says_it_wrote_an_adapter_and_the_loader_says_how_to_use_it(data, base, tmp_path, capsys):
+    from gpt2kit.cli import main
+
+    out = tmp_path / "lora"
+    assert main(["train", "--data", str(data), "--model", str(base), "--out", str(out), "--batch-size", "2",
+                 "--seq-len", "32", "--max-steps", "2", "--eval-every", "0", "--lora-rank", "2"]) == 0
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("done: step 2, loss ")
+    assert last.endswith(f"; adapter in {out} (use --model {base} --adapter {out}, or gpt2kit merge)"), last
+    assert main(["generate", "hello", "--model", str(out)]) == 1
+    assert capsys.readouterr().err == (f"gpt2kit generate: error: {out}: a LoRA adapter (peft's format), not a model; "
+                                       f"made for the base {str(base)!r}: use --model {base} --adapter {out}, or "
+                                       "gpt2kit merge\n")
+    assert main(["train", "--data", str(data), "--model", str(base), "--out", str(tmp_path / "full"), "--batch-size",
+                 "2", "--seq-len", "32", "--max-steps", "1", "--eval-every", "0"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"; model in {tmp_path / 'full'}")
+
+
 # --- activation checkpointing -------------------------------------------------------------------
 
 

@@ -117,9 +117,12 @@ def _naming(path: Path, e: OSError) -> OSError:
 
 
 def out_of_space(e: BaseException, directory: str | os.PathLike[str]) -> bool:
-    """Whether a failed write into `directory` failed for want of space: ENOSPC/EDQUOT, or an error
-    without that errno (torch.save says "[enforce fail at inline_container...]") on a full file system."""
+    """Whether a failed write into `directory` failed for want of space: ENOSPC/EDQUOT, a Rust I/O
+    error saying so (safetensors' SafetensorError: "... (os error 28)"), or an error without that
+    errno (torch.save says "[enforce fail at inline_container...]") on a full file system."""
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if isinstance(e, Exception) and any(f"(os error {n})" in str(e) for n in (errno.ENOSPC, errno.EDQUOT)):
         return True
     return isinstance(e, (OSError, RuntimeError)) and no_space(directory)
 

@@ -140,13 +140,25 @@ def output_written(out: Path, cfg: TrainConfig) -> bool:
     return (out / (ADAPTER_CONFIG if cfg.lora_rank is not None else "config.json")).exists()
 
 
+def _base(cfg: TrainConfig) -> str | None:
+    """The base a LoRA run adapts, as the adapter records it (None: a preset trained from scratch)."""
+    return None if cfg.from_scratch else str(cfg.model)
+
+
 def save_output(model: nn.Module, cfg: TrainConfig, out: str | os.PathLike[str]) -> Path:
     """The run's result in OUT: the HF model, or for LoRA the peft adapter (with the base's tokenizer)."""
     from gpt2kit.checkpoint import load_tokenizer, save_adapter, save_model
 
     if cfg.lora_rank is None:
         return save_model(model, out)
-    base = None if cfg.from_scratch else cfg.model
-    tokenizer = load_tokenizer(None if base is None else base)
-    return save_adapter(model, out, base=base if base is None else str(base), tokenizer=tokenizer,
-                        bias=cfg.lora_bias)
+    base = _base(cfg)
+    return save_adapter(model, out, base=base, tokenizer=load_tokenizer(base), bias=cfg.lora_bias)
+
+
+def output_said(cfg: TrainConfig, out: str | os.PathLike[str]) -> str:
+    """What OUT holds, for the run's last line: the model, or the adapter and how to use it."""
+    if cfg.lora_rank is None:
+        return f"model in {out}"
+    from gpt2kit.checkpoint.adapter_config import usage
+
+    return f"adapter in {out} (use {usage(_base(cfg), out)})"

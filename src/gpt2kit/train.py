@@ -190,7 +190,7 @@ def _loop(run: Run, *, fresh: bool) -> TrainResult:
     if d.master and tokens:
         reporter.line(f"done: step {run.step}, loss {last_loss:.4f}"
                       + (f", val loss {val_loss:.4f}" if val_loss is not None else "")
-                      + f", {tokens / seconds:,.0f} tok/s; model in {run.out}")
+                      + f", {tokens / seconds:,.0f} tok/s; {finetune.output_said(cfg, run.out)}")
     return TrainResult(run.step, last_loss, val_loss, tokens, seconds, run.out)
 
 

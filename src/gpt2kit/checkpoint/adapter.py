@@ -24,6 +24,11 @@ delta for a Conv1D), so they map to gpt2kit's LoRALinear with no transpose. Read
 peft writes for GPT-2 with LoRA on the block matrices: per-module ranks and alphas (rank_pattern,
 alpha_pattern), rsLoRA's alpha / sqrt(r), trained biases (bias "all" / "lora_only"); DoRA,
 lora_bias (a bias on lora_B), embedding adapters and modules_to_save are refused by name.
+
+An adapter is a downloaded file, read as data (adapter_config.py checks the settings): a tensor
+holding NaN or infinity, an empty one, or an update scaling x B A beyond float32's range is refused
+naming it, as is anything that leaves the model's dtype's range once cast or merged, before the
+model is changed.
 """
 
 from __future__ import annotations
@@ -37,14 +42,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpt2kit._io import atomic_directory, atomic_write_path, atomic_write_text
+from gpt2kit.checkpoint.adapter_config import ADAPTER_CONFIG, AdapterSettings, pattern_value, read_settings, shown
+from gpt2kit.checkpoint.contract import check_finite
 from gpt2kit.checkpoint.errors import CheckpointError
-from gpt2kit.lora import BIASES, TARGETS
+from gpt2kit.lora import TARGETS
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model.transformer."
 _KEY = re.compile(r"^base_model\.model\.transformer\.(h\.\d+\.(?:attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj))"
@@ -54,10 +60,7 @@ _KEY = re.compile(r"^base_model\.model\.transformer\.(h\.\d+\.(?:attn\.c_attn|at
 TOKENS_KEY = "base_model.model.transformer.wte.token_adapter.trainable_tokens_delta"
 _BIAS_KEY = re.compile(r"^base_model\.model\.transformer\.((?:h\.\d+\.(?:ln_1|ln_2|attn\.c_attn|attn\.c_proj|mlp\.c_fc"
                        r"|mlp\.c_proj))|ln_f)(?:\.base_layer)?\.bias$")
-
-
-def is_adapter_dir(path: str | os.PathLike[str]) -> bool:
-    return (Path(path) / ADAPTER_CONFIG).is_file()
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -129,67 +132,68 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike[str], *, base: s
     return d
 
 
-def _pattern_value(pattern: dict, module: str, default):
-    """peft's rank_pattern / alpha_pattern lookup: a key matches a module name ending with it."""
-    full = f"transformer.{module}"
-    for key, value in pattern.items():
-        if re.fullmatch(rf"(.*\.)?{key}", full):
-            return value
-    return default
-
-
 def read_adapter(directory: str | os.PathLike[str]) -> Adapter:
-    """Read and check a peft LoRA adapter directory (CPU tensors); CheckpointError names what is wrong."""
-    from safetensors.torch import load_file
-
+    """Read and check a peft LoRA adapter directory (CPU tensors); CheckpointError names what is wrong:
+    the file, and the field or tensor. Every value is data: checked, never run."""
     d = Path(directory).expanduser()
     cfg_file = d / ADAPTER_CONFIG
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{d}: no {ADAPTER_CONFIG}: not a LoRA adapter directory (peft's format)")
-    try:
-        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{cfg_file}: cannot read it as JSON ({e})") from None
-    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
-        raise CheckpointError(f"{cfg_file}: peft_type must be \"LORA\", got {cfg.get('peft_type')!r}"
-                              if isinstance(cfg, dict) else f"{cfg_file}: must hold a JSON object")
-    if cfg.get("bias", "none") not in BIASES:
-        raise CheckpointError(f"{cfg_file}: unknown bias {cfg['bias']!r}; valid choices: {', '.join(BIASES)}")
-    for key, ok in (("use_dora", False), ("lora_bias", False)):
-        if cfg.get(key, ok) not in (ok, None):
-            raise CheckpointError(f"{cfg_file}: {key}={cfg[key]!r} is not supported (only {key}={ok!r})")
-    if cfg.get("modules_to_save"):
-        raise CheckpointError(f"{cfg_file}: modules_to_save {cfg['modules_to_save']!r} is not supported "
-                              "(only LoRA on the block matrices)")
+    settings = read_settings(d)
     weights = d / ADAPTER_WEIGHTS
+    raw = _read_tensors(weights)
+    tokens = _read_tokens(cfg_file, weights, settings.tokens, raw.pop(TOKENS_KEY, None))
+    parts, biases = _sort_tensors(weights, raw)
+    tensors, scalings = _pair(weights, parts, settings)
+    return Adapter(d, settings.base, tensors, scalings, settings.dropout, settings.bias, biases, tokens)
+
+
+def _read_tensors(weights: Path) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors' tensors, every floating one finite (as the model loader checks its own)."""
+    from safetensors.torch import load_file
+
     if not weights.is_file():
-        raise FileNotFoundError(f"{d}: no {ADAPTER_WEIGHTS} (a .bin adapter is not read; peft writes safetensors)")
+        raise FileNotFoundError(f"{weights.parent}: no {ADAPTER_WEIGHTS} (a .bin adapter is not read; peft writes "
+                                "safetensors)")
     try:
         raw = load_file(weights)
     except Exception as e:  # safetensors raises several types for a bad file
         raise CheckpointError(f"{weights}: cannot read safetensors file ({e}); is it truncated or corrupt?") from None
+    check_finite(raw, dict.fromkeys(raw, weights))
+    return raw
+
+
+def _need(weights: Path, key: str, t: torch.Tensor, dims: int) -> None:
+    if t.dim() != dims or not t.dtype.is_floating_point or 0 in t.shape:
+        raise CheckpointError(f"{weights}: {key} must be a {dims}-D floating tensor with no empty dimension (a "
+                              f"LoRA rank is at least 1), got {tuple(t.shape)} {t.dtype}")
+
+
+def _sort_tensors(weights: Path, raw: dict[str, torch.Tensor]
+                  ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """The file's tensors as {module: {"A": lora_A, "B": lora_B}} and {our bias name: bias}; any other
+    key refused by name."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     biases: dict[str, torch.Tensor] = {}
-    tokens = _read_tokens(cfg_file, weights, cfg.get("trainable_token_indices"), raw.pop(TOKENS_KEY, None))
     for key, t in raw.items():
         if (mb := _BIAS_KEY.match(key)) is not None:
-            if t.dim() != 1 or not t.dtype.is_floating_point:
-                raise CheckpointError(f"{weights}: {key} must be a 1-D floating tensor, got {tuple(t.shape)} "
-                                      f"{t.dtype}")
+            _need(weights, key, t, 1)
             biases[f"{mb.group(1)}.bias"] = t
             continue
         m = _KEY.match(key)
         if m is None:
-            raise CheckpointError(f"{weights}: unexpected tensor {key!r}; gpt2kit reads LoRA on "
+            raise CheckpointError(f"{weights}: unexpected tensor {shown(key)}; gpt2kit reads LoRA on "
                                   f"{', '.join(TARGETS)} (keys {PEFT_PREFIX}h.N.<target>.lora_A/B.weight) and "
                                   f"the block and ln_f biases")
-        if t.dim() != 2 or not t.dtype.is_floating_point:
-            raise CheckpointError(f"{weights}: {key} must be a 2-D floating tensor, got {tuple(t.shape)} {t.dtype}")
+        _need(weights, key, t, 2)
         parts.setdefault(m.group(1), {})[m.group(2)] = t
     if not parts:
         raise CheckpointError(f"{weights}: holds no LoRA tensors")
+    return parts, biases
+
+
+def _pair(weights: Path, parts: dict[str, dict[str, torch.Tensor]], settings: AdapterSettings
+          ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, float]]:
+    """Each module's (A, B), their ranks agreeing, and its scaling (alpha / r, or rsLoRA's alpha / sqrt(r))."""
     tensors, scalings = {}, {}
-    alpha_default, rslora = cfg.get("lora_alpha", 8), bool(cfg.get("use_rslora", False))
     for module, ab in parts.items():
         for part in ("A", "B"):
             if part not in ab:
@@ -199,33 +203,112 @@ def read_adapter(directory: str | os.PathLike[str]) -> Adapter:
             raise CheckpointError(f"{weights}: {_peft_key(module, 'B')} is {tuple(b.shape)}, but lora_A has rank "
                                   f"{a.shape[0]}")
         r = a.shape[0]
-        alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, alpha_default)
+        alpha = pattern_value(settings.alpha_pattern, module, settings.alpha)
+        scalings[module] = alpha / math.sqrt(r) if settings.rslora else alpha / r
+        _check_update(weights, module, a, b, scalings[module])
         tensors[module] = (a, b)
-        scalings[module] = alpha / math.sqrt(r) if rslora else alpha / r
-    return Adapter(d, cfg.get("base_model_name_or_path"), tensors, scalings, float(cfg.get("lora_dropout") or 0.0),
-                   cfg.get("bias") or "none", biases, tokens)
+    return tensors, scalings
 
 
-def _read_tokens(cfg_file: Path, weights: Path, indices, rows: torch.Tensor | None
+def _check_update(weights: Path, module: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+    """The update scaling x B A, as merging and LoRALinear compute it in float32, must be finite."""
+    if scaling > FLOAT32_MAX:
+        raise CheckpointError(f"{weights}: {module}'s scaling (alpha / rank) is {scaling:g}, beyond float32's "
+                              f"range ({FLOAT32_MAX:.4g})")
+    # |(B A)[i, j]| <= r max|B| max|A|: only when that bound nears float32's limit is the product computed
+    if scaling * a.shape[0] * float(a.abs().max()) * float(b.abs().max()) < FLOAT32_MAX / 2:
+        return
+    bad = int((~(scaling * (b.float() @ a.float())).isfinite()).sum())
+    if bad:
+        raise CheckpointError(f"{weights}: {module}'s update ({scaling:g} x lora_B @ lora_A) overflows float32 in "
+                              f"{bad:,} value(s); a model built from it computes nan")
+
+
+def _read_tokens(cfg_file: Path, weights: Path, indices: list[int] | None, rows: torch.Tensor | None
                  ) -> tuple[list[int], torch.Tensor] | None:
-    """peft's trainable_token_indices (a list, or {"wte": list}) and their rows, checked against each other."""
-    if isinstance(indices, dict):  # {embedding module name: ids}: only the token embedding is read
-        if set(indices) - {"wte", "transformer.wte"}:
-            raise CheckpointError(f"{cfg_file}: trainable_token_indices for {sorted(indices)} is not supported "
-                                  "(only the token embedding, wte)")
-        indices = next(iter(indices.values()), None)
+    """trainable_token_indices and their rows, checked against each other."""
     if indices is None and rows is None:
         return None
     if indices is None or rows is None:
         raise CheckpointError(f"{cfg_file if indices is None else weights}: trainable tokens need both "
                               f"trainable_token_indices in {ADAPTER_CONFIG} and {TOKENS_KEY} in {ADAPTER_WEIGHTS}")
-    if (not isinstance(indices, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                 for t in indices) or len(set(indices)) != len(indices)):
-        raise CheckpointError(f"{cfg_file}: trainable_token_indices must be a list of distinct token ids")
     if rows.dim() != 2 or rows.shape[0] != len(indices) or not rows.dtype.is_floating_point:
         raise CheckpointError(f"{weights}: {TOKENS_KEY} has shape {tuple(rows.shape)}, but trainable_token_indices "
                               f"lists {len(indices)} tokens")
     return indices, rows
+
+
+def apply_adapter(model: nn.Module, directory: str | os.PathLike[str], *, merge: bool = True) -> nn.Module:
+    """Add a peft LoRA adapter to a float GPT2, in place: merged into the weights (merge=True: a plain
+    model every fast path runs), or as LoRALinear modules (merge=False). A tensor whose shape does
+    not fit the model, or whose values leave the range of the model's dtype once cast or merged,
+    raises CheckpointError naming it, before the model is changed."""
+    ad = read_adapter(directory)
+    _check_fits(model, ad)
+    _check_values(model, ad, merge)
+    _replace_biases(model, ad.biases or {})
+    if merge:
+        _merge(model, ad)
+        return model
+    _add_modules(model, ad)
+    return model.eval()
+
+
+def _check_fits(model: nn.Module, ad: Adapter) -> None:
+    """Every tensor of the adapter has the shape the model needs (an adapter for another base is refused)."""
+    n_layer, where = len(model.h), ad.path / ADAPTER_WEIGHTS
+    for module, (a, b) in ad.tensors.items():
+        layer = int(module.split(".")[1])
+        if layer >= n_layer:
+            raise CheckpointError(f"{where}: {_peft_key(module, 'A')} is for block {layer}, but the model has "
+                                  f"{n_layer} blocks: the adapter was made for another base")
+        out_f, in_f = model.get_submodule(module).weight.shape
+        for part, t, want in (("A", a, (a.shape[0], in_f)), ("B", b, (out_f, a.shape[0]))):
+            if tuple(t.shape) != want or a.shape[0] > min(out_f, in_f):
+                raise CheckpointError(f"{where}: {_peft_key(module, part)} has shape {tuple(t.shape)}, the model's "
+                                      f"{module} ({out_f} x {in_f}) needs {want}: the adapter was made for another "
+                                      "base")
+    for name, t in (ad.biases or {}).items():
+        layer = int(name.split(".")[1]) if name.startswith("h.") else 0
+        want = tuple(model.get_parameter(name).shape) if layer < n_layer else None
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"{where}: the bias for {name} has shape {tuple(t.shape)}, the model's is "
+                                  f"{want if want else f'absent ({n_layer} blocks)'}: the adapter was made for "
+                                  "another base")
+    if ad.tokens is not None:
+        ids, rows = ad.tokens
+        vocab, width = model.config.n_vocab, model.wte.weight.shape[1]
+        if max(ids) >= vocab or rows.shape[1] != width:
+            raise CheckpointError(f"{where}: {TOKENS_KEY} has shape {tuple(rows.shape)} for ids up to {max(ids)}, "
+                                  f"the model's wte needs rows of {width} for ids below {vocab}: the adapter was "
+                                  "made for another base")
+
+
+def _merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """W + scaling * B A in float32 from the stored tensors, then W's dtype."""
+    return (w.float() + (scaling * (b.float() @ a.float())).to(w.device)).to(w.dtype)
+
+
+def _check_values(model: nn.Module, ad: Adapter, merge: bool) -> None:
+    """What the model will hold is finite in its dtype: the biases and rows cast, and the merged
+    matrices (merge) or lora_A / lora_B cast (not merged); checked before anything is written, so a
+    refused adapter leaves the model as it was (and `gpt2kit merge` writes nothing)."""
+    where = ad.path / ADAPTER_WEIGHTS
+    casts = {_peft_bias_key(name, set(ad.tensors)): (t, model.get_parameter(name).dtype)
+             for name, t in (ad.biases or {}).items()}
+    if ad.tokens is not None:
+        casts[TOKENS_KEY] = (ad.tokens[1], model.wte.weight.dtype)
+    for module, (a, b) in ad.tensors.items():
+        w = model.get_submodule(module).weight
+        if merge:
+            check_finite({f"{module}.weight": _merged(w, a, b, ad.scalings[module])}, {f"{module}.weight": where},
+                         f" once the adapter is merged into it ({str(w.dtype).removeprefix('torch.')}: out of its "
+                         "range)")
+        else:
+            casts |= {_peft_key(module, "A"): (a, w.dtype), _peft_key(module, "B"): (b, w.dtype)}
+    for name, (t, dtype) in casts.items():
+        check_finite({name: t.to(dtype)}, {name: where}, f" once cast to {str(dtype).removeprefix('torch.')} "
+                                                         "(out of its range)")
 
 
 def _replace_biases(model: nn.Module, biases: dict[str, torch.Tensor]) -> None:
@@ -238,55 +321,27 @@ def _replace_biases(model: nn.Module, biases: dict[str, torch.Tensor]) -> None:
             p.copy_(t.to(device=p.device, dtype=p.dtype))
 
 
-def apply_adapter(model: nn.Module, directory: str | os.PathLike[str], *, merge: bool = True) -> nn.Module:
-    """Add a peft LoRA adapter to a float GPT2, in place: merged into the weights (merge=True: a plain
-    model every fast path runs), or as LoRALinear modules (merge=False). A tensor whose shape does
-    not fit the model raises CheckpointError naming it."""
+def _merge(model: nn.Module, ad: Adapter) -> None:
+    """The trained rows over the base's (the tied head reads them too), and each matrix merged."""
+    import torch
+
+    with torch.no_grad():
+        if ad.tokens is not None:
+            w = model.wte.weight
+            w[torch.tensor(ad.tokens[0], device=w.device)] = ad.tokens[1].to(device=w.device, dtype=w.dtype)
+        for module, (a, b) in ad.tensors.items():
+            w = model.get_submodule(module).weight
+            w.copy_(_merged(w, a, b, ad.scalings[module]))
+
+
+def _add_modules(model: nn.Module, ad: Adapter) -> None:
+    """The adapter as LoRALinear modules (and TrainableTokens) holding its tensors."""
     import torch
 
     from gpt2kit.lora import apply_lora, lora_modules
 
-    ad = read_adapter(directory)
-    n_layer = len(model.h)
-    for module, (a, b) in ad.tensors.items():
-        layer = int(module.split(".")[1])
-        if layer >= n_layer:
-            raise CheckpointError(f"{ad.path / ADAPTER_WEIGHTS}: {_peft_key(module, 'A')} is for block {layer}, "
-                                  f"but the model has {n_layer} blocks: the adapter was made for another base")
-        out_f, in_f = model.get_submodule(module).weight.shape
-        for part, t, want in (("A", a, (a.shape[0], in_f)), ("B", b, (out_f, a.shape[0]))):
-            if tuple(t.shape) != want or a.shape[0] > min(out_f, in_f):
-                raise CheckpointError(f"{ad.path / ADAPTER_WEIGHTS}: {_peft_key(module, part)} has shape "
-                                      f"{tuple(t.shape)}, the model's {module} ({out_f} x {in_f}) needs {want}: "
-                                      f"the adapter was made for another base")
-    for name, t in (ad.biases or {}).items():
-        layer = int(name.split(".")[1]) if name.startswith("h.") else 0
-        want = tuple(model.get_parameter(name).shape) if layer < n_layer else None
-        if tuple(t.shape) != want:
-            raise CheckpointError(f"{ad.path / ADAPTER_WEIGHTS}: the bias for {name} has shape {tuple(t.shape)}, "
-                                  f"the model's is {want if want else f'absent ({n_layer} blocks)'}: the adapter "
-                                  f"was made for another base")
-    if ad.tokens is not None:
-        ids, rows = ad.tokens
-        vocab, width = model.config.n_vocab, model.wte.weight.shape[1]
-        if max(ids) >= vocab or rows.shape[1] != width:
-            raise CheckpointError(f"{ad.path / ADAPTER_WEIGHTS}: {TOKENS_KEY} has shape {tuple(rows.shape)} for ids up "
-                                  f"to {max(ids)}, the model's wte needs rows of {width} for ids below {vocab}: the "
-                                  f"adapter was made for another base")
-    _replace_biases(model, ad.biases or {})
-    if merge and ad.tokens is not None:  # the trained rows replace the base's (the tied head reads them too)
-        with torch.no_grad():
-            w = model.wte.weight
-            w[torch.tensor(ad.tokens[0], device=w.device)] = ad.tokens[1].to(device=w.device, dtype=w.dtype)
-    if merge:  # W + scaling * B A in float32 from the stored tensors, then the model's dtype
-        with torch.no_grad():
-            for module, (a, b) in ad.tensors.items():
-                w = model.get_submodule(module).weight
-                delta = ad.scalings[module] * (b.float() @ a.float())
-                w.copy_((w.float() + delta.to(w.device)).to(w.dtype))
-        return model
     targets = sorted({m.split(".", 2)[2] for m in ad.tensors}, key=TARGETS.index)
-    missing = [f"h.{i}.{t}" for i in range(n_layer) for t in targets if f"h.{i}.{t}" not in ad.tensors]
+    missing = [f"h.{i}.{t}" for i in range(len(model.h)) for t in targets if f"h.{i}.{t}" not in ad.tensors]
     ranks = {m: a.shape[0] for m, (a, _) in ad.tensors.items()}
     apply_lora(model, 1, targets=targets, ranks=ranks | dict.fromkeys(missing, 1), scalings=ad.scalings,
                dropout=ad.dropout, tokens=None if ad.tokens is None else ad.tokens[0])
@@ -299,4 +354,3 @@ def apply_adapter(model: nn.Module, directory: str | os.PathLike[str], *, merge:
                 m.lora_A.copy_(a)
                 m.lora_B.copy_(b)
             # else: a block the adapter leaves alone (layers_to_transform); its lora_B is zero
-    return model.eval()

@@ -166,8 +166,9 @@ def merge_adapter(base: str | os.PathLike[str], adapter: str | os.PathLike[str],
     """`gpt2kit merge`: write base + adapter, merged, as a plain HF model directory (atomically).
 
     Refused before anything is loaded: dst holding a model unless overwrite, and dst being the base
-    or the adapter directory (whose files would be replaced)."""
-    from gpt2kit._io import same_path
+    or the adapter directory (whose files would be replaced). A full disk is said about dst, which
+    is left as it was (atomic_directory)."""
+    from gpt2kit._io import no_space_error, out_of_space, same_path
     from gpt2kit.checkpoint.adapter import read_adapter
 
     out = Path(dst).expanduser()
@@ -181,7 +182,12 @@ def merge_adapter(base: str | os.PathLike[str], adapter: str | os.PathLike[str],
         if same_path(path, out):
             raise ValueError(f"{dst} is the {what}; write the merged model to another directory")
     model = load_model(src, dtype=dtype, adapter=adapter, allow_int8=False)
-    return save_model(model, out, tokenizer=load_tokenizer(src))
+    try:
+        return save_model(model, out, tokenizer=load_tokenizer(src))
+    except Exception as e:
+        if out_of_space(e, out.parent):  # said about OUT, not the staging directory beside it
+            raise no_space_error(out, "writing the merged model", f"nothing was written to {dst}") from None
+        raise
 
 
 def _refuse_same(src: Path, out: Path, dst: str | os.PathLike[str]) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import gpt2kit.checkpoint.hf as hf
 import gpt2kit.checkpoint.hub as hub
 import gpt2kit.checkpoint.openai_tf as openai_tf
+from gpt2kit.checkpoint.adapter_config import is_adapter_dir, not_a_model
 from gpt2kit.checkpoint.errors import CheckpointError
 from gpt2kit.config import PRESETS
 
@@ -27,9 +28,9 @@ def resolve_source(name_or_path: str | os.PathLike[str]) -> tuple[str, Path]:
     """('hf' | 'openai', local directory) for a path or hub id; downloads hub ids.
 
     A name is sent to the hub only when it cannot be a local path: a path that exists, a broken
-    symlink or loop, or a name whose first directory exists here is reported as a local problem,
-    and a bare name that is neither a published GPT-2 name nor in the local cache is refused with the
-    list of names."""
+    symlink or loop, or a name whose first directory exists here is reported as a local problem
+    (a LoRA adapter's directory as one, naming its base and how to load it), and a bare name that
+    is neither a published GPT-2 name nor in the local cache is refused with the list of names."""
     raw = os.fspath(name_or_path)
     path = Path(raw).expanduser()
     try:
@@ -45,6 +46,8 @@ def resolve_source(name_or_path: str | os.PathLike[str]) -> tuple[str, Path]:
             return "hf", path
         if openai_tf.is_openai_dir(path):
             return "openai", path
+        if is_adapter_dir(path):
+            raise not_a_model(raw, path)
         raise CheckpointError(
             f"{raw}: not a GPT-2 checkpoint directory (no config.json for the HF layout, "
             "no hparams.json for OpenAI's release)")
