@@ -510,6 +510,20 @@ def test_warpers_and_constraints_match_the_library(client, model, tok):
         assert (without.text, without.finish_reason) != (want.text, want.finish_reason), extra  # they changed it
 
 
+def test_ignore_eos_generates_past_the_end_of_text_token(client, model, tok):
+    """vLLM's ignore_eos: a row whose every step picks <|endoftext|> (logit_bias) stops at once without
+    it and runs to max_tokens with it, as the library does with no stop token ids."""
+    kw = dict(model=NAME, prompt="Hi", max_tokens=6, temperature=0, logit_bias={"50256": 100})
+    stopped = client.completions.create(**kw).choices[0]
+    assert (stopped.text, stopped.finish_reason) == ("", "stop")
+    r = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0]
+    want = generate(model, "Hi", SamplingSettings(max_new_tokens=6, temperature=0, logit_bias={50256: 100.0},
+                                                  stop_token_ids=()), tokenizer=tok)[0]
+    assert r.finish_reason == "length" == want.finish_reason and r.text == want.text == tok.eot_text * 6
+    usage = client.completions.create(**kw, extra_body={"ignore_eos": True}).usage
+    assert usage.completion_tokens == 6
+
+
 @pytest.mark.parametrize("extra,param,needle", [
     ({"typical_p": 0}, "typical_p", "greater than 0"),
     ({"typical_p": 1.5}, "typical_p", "less than or equal to 1"),

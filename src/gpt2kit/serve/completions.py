@@ -168,7 +168,7 @@ def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int, tokenize
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             logit_bias=bias, seed=None if body.seed is None else body.seed % 2**63,
-            stop_token_ids=(EOT_ID,) if EOT_ID < n_vocab else (), stop_strings=tuple(stops), strict=True,
+            stop_token_ids=(EOT_ID,) if EOT_ID < n_vocab and not body.ignore_eos else (), stop_strings=tuple(stops), strict=True,
             **body.warper_settings(tokenizer, n_vocab, max_tokens), **search.settings_fields(body, kind, n, best_of))
         search.check_settings(kind, settings)
         return settings

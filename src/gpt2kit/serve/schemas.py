@@ -67,6 +67,8 @@ class Extensions(BaseModel):
     bad_words: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_BAD_WORDS)] | None = Field(
         None, description="extension (vLLM's): words never generated, each tokenized with and without a leading space")
     min_tokens: int | None = Field(None, ge=0, description="extension (vLLM's): no stop before this many tokens")
+    ignore_eos: bool | None = Field(None, description="extension (vLLM's): <|endoftext|> does not end the row; "
+                                                      "generation goes on to max_tokens or a stop string")
     suppress_tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_SUPPRESS)] | None = Field(
         None, description="extension: token ids never generated")
     # extensions: beam search (vLLM's names; serve/search.py) and contrastive search (transformers')
