@@ -683,6 +683,25 @@ def test_a_full_disk_says_so(shards, tmp_path, monkeypatch, failure):
     assert (out / CHECKPOINT_NAME).read_bytes() == before
 
 
+def test_a_full_disk_while_exporting_the_model_names_out_and_keeps_the_state(shards, tmp_path, monkeypatch):
+    """safetensors' own error type (neither OSError nor RuntimeError) on a full disk is reported as one,
+    naming OUT, after checkpoint.pt is written."""
+    from safetensors import SafetensorError
+
+    from gpt2kit import finetune
+
+    out = tmp_path / "run"
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(finetune, "save_output", full)
+    with pytest.raises(OSError, match=rf"no space left on {out} while saving the model; {CHECKPOINT_NAME} "
+                                      r"\(step 2\) was saved"):
+        train(_cfg(shards, out, max_steps=2, eval_every=0))
+    assert torch.load(out / CHECKPOINT_NAME, weights_only=True)["step"] == 2
+
+
 def test_ctrl_c_during_a_step_stops_after_that_step(shards, tmp_path, monkeypatch):
     """The stop flag is read after the backward pass: a signal during step 3 ends the run at step 3."""
     from gpt2kit.data import RandomWindowLoader, ShardLoader

@@ -23,10 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpt2kit._io import (
-    atomic_write,
-    no_space,  # noqa: F401 - train.py's import, until it takes no_space from gpt2kit._io
-)
+from gpt2kit._io import atomic_write
 from gpt2kit.distributed import Dist
 
 CHECKPOINT_NAME = "checkpoint.pt"

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import math
 import os
 import signal
@@ -49,13 +48,13 @@ from typing import Any
 import torch
 
 from gpt2kit import distributed, finetune, fsdp
+from gpt2kit._io import no_space_error, out_of_space
 from gpt2kit.metrics import PLOT_NAME, Metrics, Reporter
 from gpt2kit.optim import lr_factor
 from gpt2kit.run_dir import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_NAME,
     claim_out,
-    no_space,
     read_checkpoint,
     rng_state,
     write_checkpoint,
@@ -290,7 +289,9 @@ def _save(run: Run, metrics: Metrics | None, *, model_too: bool, state_too: bool
             try:
                 finetune.save_output(result, run.cfg, run.out)
                 run.output_step = run.step
-            except (OSError, RuntimeError) as e:
+            except Exception as e:  # safetensors' SafetensorError is neither an OSError nor a RuntimeError
+                if not isinstance(e, (OSError, RuntimeError)) and not out_of_space(e, run.out):
+                    raise
                 failed = e  # checkpoint.pt is still written: the training state is not lost with the export
         state = {
             "format": CHECKPOINT_FORMAT,
@@ -309,9 +310,9 @@ def _save(run: Run, metrics: Metrics | None, *, model_too: bool, state_too: bool
         if run.sharded:
             fsdp.remove_older(run.out, keep=run.sharded)
         if failed is not None:
-            if (isinstance(failed, OSError) and failed.errno == errno.ENOSPC) or no_space(run.out):
-                raise OSError(errno.ENOSPC, f"no space left on {run.out} while saving the model; "
-                                            f"{CHECKPOINT_NAME} (step {run.step}) was saved") from failed
+            if out_of_space(failed, run.out):
+                raise no_space_error(run.out, "saving the model",
+                                     f"{CHECKPOINT_NAME} (step {run.step}) was saved") from failed
             raise failed
         if model_too and metrics is not None and metrics.train:
             metrics.plot(run.out / PLOT_NAME, f"{run.cfg.model} on {Path(run.cfg.data).name}")
