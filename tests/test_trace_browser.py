@@ -246,3 +246,26 @@ def test_the_sae_panel_renders(tmp_path):
     assert p.errors.strip() == "" and p.body.get("data-rendered") == "ok"
     assert p.n("panel-sae", "tr") == T + 1 and p.n("panel-sae", "li") == len(tr.sae_features()["features"]) > 0
     assert 'id="sae-summary"' in dom and "fraction of variance explained" in dom
+
+
+def test_non_finite_logits_show_a_note_not_white_tokens(tmp_path):
+    from gpt2kit.trace import hook
+
+    T, p = 10, 4
+
+    def nan_from(x):
+        x = x.clone()
+        x[p:] = float("nan")
+        return x
+    tr = trace(random_model(), None, list(range(T)), interventions=[hook("h.1.mlp.out", nan_from)])
+    page = tmp_path / "nan.html"
+    tr.save_html(page)
+    dom = _chromium(tmp_path, page.as_uri(), "--dump-dom")
+    c = _Counter()
+    c.feed(dom)
+    assert c.errors.strip() == "" and c.body.get("data-rendered") == "ok"
+    note = re.search(r'<p class="warn" id="nonfinite">([^<]*)</p>', dom)
+    assert note and f"not finite (NaN or ±inf) at {T - p} of {T} positions (4, 5, 6, 7, 8, 9)" in note.group(1)
+    # tokens p+1 .. T-1 and the "next" marker are predicted from NaN logits
+    assert c.n("panel-tokens", "span.nonfinite") == T - p
+    assert "(over the positions with finite logits)" in dom and "mean surprisal 0.00" not in dom

@@ -145,3 +145,26 @@ def test_pieces_of_a_character_show_their_bytes():
     assert data["tokens"] == tr.tokens
     assert "\ufffd" not in json.dumps(data, ensure_ascii=False)
     assert data["vocab"]["9379"] == " robot" and data["vocab"]["97"] == "bytes:\\xa4"
+
+
+def _nan_from(p: int):
+    """A hook that makes every position from p on NaN (what a bad hook or weight does to the logits)."""
+    def fn(x):  # (T, C)
+        x = x.clone()
+        x[p:] = float("nan")
+        return x
+    return fn
+
+
+def test_non_finite_logits_are_marked_not_averaged_as_zero(tiny_model):
+    from gpt2kit.trace import hook
+
+    T, p = 10, 4
+    tr = trace(tiny_model, None, list(range(T)), interventions=[hook("h.1.mlp.out", _nan_from(p))])
+    assert bool(tr.logits[:p].isfinite().all()) and bool(tr.logits[p:].isnan().all())
+    stats = tr.to_json()["stats"]
+    assert stats["finite_logits"] == [True] * p + [False] * (T - p)
+    clean = trace(tiny_model, None, list(range(T))).next_token_stats()["surprisal_bits"]
+    assert stats["mean_surprisal_bits"] == pytest.approx(sum(clean[:p]) / p, rel=1e-5)  # causal: the first p agree
+    assert trace(tiny_model, None, list(range(T))).next_token_stats()["mean_surprisal_bits"] == \
+        pytest.approx(sum(clean) / len(clean), rel=1e-6)

@@ -21,23 +21,31 @@ function tipAt(e,text){tip.textContent=text;tip.style.display='block';
 function tipOff(){tip.style.display='none';}
 
 function summary(){
-  var c=D.config,s=D.stats.surprisal_bits,m=0;for(var i=0;i<s.length;i++)m+=s[i];
+  var c=D.config,S=D.stats,m=S.mean_surprisal_bits,bad=[];
+  for(var t=0;t<T;t++)if(!S.finite_logits[t])bad.push(t);
   document.getElementById('summary').textContent=(D.model?D.model+' \u2014 ':'')+'L='+c.n_layer+' layers, '+
     c.n_head+' heads, C='+c.n_embd+', V='+c.n_vocab+'; '+T+' tokens'+
-    (s.length?'; mean surprisal '+(m/s.length).toFixed(2)+' bits/token':'');
+    (T<2?'':m===null?'; mean surprisal: none (no position has finite logits)':
+      '; mean surprisal '+m.toFixed(2)+' bits/token'+(bad.length?' (over the positions with finite logits)':''));
+  if(bad.length)document.querySelector('header').appendChild(el('p',{'class':'warn',id:'nonfinite'},'\u26a0 The logits are '+
+    'not finite (NaN or \u00b1inf) at '+bad.length+' of '+T+' positions ('+bad.slice(0,12).join(', ')+
+    (bad.length>12?', \u2026':'')+'): what the model predicts there means nothing, and the tokens those positions '+
+    'predict are hatched. An intervention, a hook or the weights made them.'));
 }
 
 function tokens(){
   var strip=document.getElementById('strip'),S=D.stats;
   for(var t=0;t<=T;t++){
     var last=(t===T),span=el('span',{'class':'tok'},last?' \u25b8 next':show(D.tokens[t]));
-    var bits=(t>=1&&!last)?S.surprisal_bits[t-1]:null;
-    if(bits!==null){var a=Math.min(bits/15,1);span.style.background='hsl(0,85%,'+(100-45*a)+'%)';}
+    var bits=(t>=1&&!last)?S.surprisal_bits[t-1]:null,bad=t>=1&&!S.finite_logits[t-1];
+    if(bad)span.classList.add('nonfinite');
+    else if(bits!==null){var a=Math.min(bits/15,1);span.style.background='hsl(0,85%,'+(100-45*a)+'%)';}
     if(last)span.style.color='#07a';
     (function(t,bits,last){span.addEventListener('mousemove',function(e){
       var lines=[];
       if(t===0){lines.push('first token: nothing before it to predict it from');}
       else{var at=t-1;
+        if(!S.finite_logits[at])lines.push('the logits at position '+at+' are not finite (NaN or \u00b1inf)');
         if(!last){lines.push('token '+t+': '+JSON.stringify(D.tokens[t])+'  id '+D.ids[t]);
           lines.push('log p = '+fmt(S.next_logprob[at])+' nats, surprisal '+fmt(bits,3)+' bits, rank '+S.next_rank[at]);}
         else lines.push('what the model predicts after the last token');
@@ -249,7 +257,7 @@ function sae(){
   if(!S){box.appendChild(el('p',{'class':'help'},'No SAE was given (gpt2kit trace --sae DIR, an SAE saved in SAELens\u2019s format).'));return;}
   var l0=0;for(var i=0;i<S.l0.length;i++)l0+=S.l0[i];
   box.appendChild(el('p',{'class':'help',id:'sae-summary'},S.architecture+' SAE, '+S.d_sae+' features, read at '+S.hook_name+
-    ' (= '+S.name+'): reconstruction MSE '+fmt(S.mse,3)+' per dimension, fraction of variance explained '+
+    ' (= '+S.name+'): reconstruction MSE '+(S.mse===null?'not finite':fmt(S.mse,3))+' per dimension, fraction of variance explained '+
     (S.fve===null?'\u2013':fmt(S.fve,3))+', mean L0 '+fmt(l0/S.l0.length,3)+' active features per token.'));
   box.appendChild(el('p',{'class':'help'},'The most active features anywhere in the text, each with the tokens that activate it most:'));
   var ul=el('ul',{id:'sae-features'});
