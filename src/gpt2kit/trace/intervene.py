@@ -106,7 +106,8 @@ def finite_float32(values, where: str) -> np.ndarray:
     if len(bad):
         at = tuple(int(i) for i in bad[0])
         raise ValueError(f"{where}: {len(bad)} entr{'ies are' if len(bad) > 1 else 'y is'} not a finite float32 "
-                         f"(the first, {orig[at].item()!r}, at index {at}); every entry must be finite with |x| <= 3.4e38")
+                         f"(the first, {orig[at].item()!r}, at index {at}); every entry must be finite with "
+                         "|x| <= 3.4e38")
     return out
 
 

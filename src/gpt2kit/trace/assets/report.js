@@ -257,7 +257,8 @@ function sae(){
   if(!S){box.appendChild(el('p',{'class':'help'},'No SAE was given (gpt2kit trace --sae DIR, an SAE saved in SAELens\u2019s format).'));return;}
   var l0=0;for(var i=0;i<S.l0.length;i++)l0+=S.l0[i];
   box.appendChild(el('p',{'class':'help',id:'sae-summary'},S.architecture+' SAE, '+S.d_sae+' features, read at '+S.hook_name+
-    ' (= '+S.name+'): reconstruction MSE '+(S.mse===null?'not finite':fmt(S.mse,3))+' per dimension, fraction of variance explained '+
+    ' (= '+S.name+(S.centred?', each position centred: its mean over the width removed, as the SAE\u2019s cfg.json asks':'')+
+    '): reconstruction MSE '+(S.mse===null?'not finite':fmt(S.mse,3))+' per dimension, fraction of variance explained '+
     (S.fve===null?'\u2013':fmt(S.fve,3))+', mean L0 '+fmt(l0/S.l0.length,3)+' active features per token.'));
   box.appendChild(el('p',{'class':'help'},'The most active features anywhere in the text, each with the tokens that activate it most:'));
   var ul=el('ul',{id:'sae-features'});
