@@ -178,7 +178,8 @@ def test_compare_file_reads_the_comparison_as_file_reads_the_text(model_dir, tmp
     rc = main(["trace", "--model", str(model_dir), "--file", str(tmp_path / "a.py"),
                "--compare-file", str(tmp_path / "b.py"), "--json", str(js)])
     assert rc == 0, capsys.readouterr().err
-    assert json.loads(js.read_text())["patching"]["corrupt_ids"] == Tokenizer.default().encode(text.replace("path", "name"))
+    want = Tokenizer.default().encode(text.replace("path", "name"))
+    assert json.loads(js.read_text())["patching"]["corrupt_ids"] == want
     # what `--compare "$(sed s/path/name/g a.py)"` passes: the same text without its final newline
     for argv, needle in [
         (["--file", str(tmp_path / "a.py"), "--compare", text.replace("path", "name").rstrip("\n")],
@@ -217,3 +218,15 @@ def test_the_docs_patching_recipe_runs(model_dir, tmp_path):
         assert len(data["ids"]) == len(tok.encode(snippet.rstrip("\n"))) + len(final) == 51 + len(final)
         assert data["patching"]["corrupt_ids"] == tok.encode((snippet.rstrip("\n") + final).replace("path", "name"))
         assert (tmp_path / "r.html").stat().st_size > 0
+
+
+def test_the_walk_through_comes_early_and_empty_optional_panels_are_left_out(tiny_model, tmp_path):
+    from gpt2kit.trace import ablate
+
+    page = trace(tiny_model, None, list(range(8))).to_html()
+    assert 'id="panel-sae"' not in page and 'id="panel-intervene"' not in page
+    at = [page.index(f'<section id="panel-{p}"') for p in ("tokens", "walk", "heads", "lens", "dla", "norms", "patch")]
+    assert at == sorted(at)  # the walk-through right after the tokens
+    page = trace(tiny_model, None, list(range(8)), interventions=[ablate("h.0.mlp")]).to_html()
+    assert page.index('<section id="panel-tokens"') < page.index('<section id="panel-intervene"') < \
+        page.index('<section id="panel-walk"') and 'id="panel-sae"' not in page

@@ -194,10 +194,12 @@ function patch(){
   box.appendChild(el('p',{'class':'help',id:'patch-metric'},'Metric: '+P.metric_name+' (clean '+fmt(P.clean_metric,4)+
     ', corrupted '+fmt(P.corrupt_metric,4)+(P.n_pairs>1?'; means over '+P.n_pairs+' pairs':'')+').'));
   if(P.warning)box.appendChild(el('p',{'class':'warn',id:'patch-warning'},'\u26a0 '+P.warning));
-  box.appendChild(el('p',{'class':'help'},'The corrupted text runs with '+what+' taken from the clean text. '+
+  box.appendChild(el('p',{'class':'help',id:'patch-legend'},'The corrupted text runs with '+what+' taken from the clean text. '+
     (frac?'Cell: the fraction of the clean \u2212 corrupted metric difference the patch restores':
       'Cell: the metric\u2019s change m_patched \u2212 m_corrupt')+
-    (P.n_pairs>1?' (mean over pairs; hover for the spread)':'')+'. Blank: the two runs agree there.'));
+    (P.n_pairs>1?' (mean over pairs; hover for the spread)':'')+'. Blank: the two runs agree there, or the effect is under '+
+    (frac?P.blank_below:P.blank_below+' of the largest')+' (hover a cell for its value).'+
+    (P.mode!=='heads'?' The last position, where the metric is read, stays in view at the right.':'')));
   box.appendChild(patchGrid(P,frac?P.restored:P.change,frac,'patch-grid',P.spread));
   var A=P.attribution;
   if(A){var g=A.agreement;
@@ -213,22 +215,25 @@ function patchGrid(P,V,frac,id,spread){
   for(var c=0;c<P.columns.length;c++)hr.appendChild(el('th',null,pos?short(D.tokens[c],8)+
     (D.tokens[c]!==P.corrupt_tokens[c]?'\n'+short(P.corrupt_tokens[c],8):''):P.columns[c]));
   tbl.appendChild(hr);
-  var mx=1e-12;
+  var mx=1e-12,n=P.columns.length,key=pos?n-1:-1;  // key: the last position, where the metric is read
   if(!frac)for(var a=0;a<V.length;a++)for(var b=0;b<V[a].length;b++)if(V[a][b]!==null)mx=Math.max(mx,Math.abs(V[a][b]));
+  var small=frac?P.blank_below:P.blank_below*mx;
+  if(key>=0){hr.lastChild.classList.add('key');hr.lastChild.title='position '+key+': the metric is read here';}
   for(var r=P.rows.length-1;r>=0;r--){var tr=el('tr');tr.appendChild(el('th',null,P.rows[r]));
-    for(var t2=0;t2<P.columns.length;t2++){var v=V[r][t2],td=el('td',null,v===null?'':fmt(v,2));
-      if(v!==null){var x=Math.max(-1,Math.min(1,frac?v:v/mx));
+    for(var t2=0;t2<n;t2++){var v=V[r][t2],shown=v!==null&&Math.abs(v)>=small,td=el('td',null,shown?fmt(v,2):'');
+      if(t2===key)td.classList.add('key');
+      if(shown){var x=Math.max(-1,Math.min(1,frac?v:v/mx));
         td.style.background=x>=0?'hsl(270,60%,'+(100-50*x)+'%)':'hsl(30,80%,'+(100+40*x)+'%)';}
-      td.title=P.rows[r]+', '+(pos?'position ':'')+P.columns[t2]+(spread?': patched metric '+fmt(P.metric[r][t2],4)+
-        (spread[r][t2]!==null?'; spread over pairs (sd) '+fmt(spread[r][t2],3):''):': estimate '+fmt(v,4));tr.appendChild(td);}
+      td.title=P.rows[r]+', '+(pos?'position ':'')+P.columns[t2]+': '+(v===null?'the two runs agree here (not run)':
+        !spread?'estimate '+fmt(v,4):(frac?'restored ':'change ')+fmt(v,4)+', patched metric '+fmt(P.metric[r][t2],4)+
+        (spread[r][t2]!==null?'; spread over pairs (sd) '+fmt(spread[r][t2],3):''));tr.appendChild(td);}
     tbl.appendChild(tr);}
   var wrap=el('div',{'class':'scroll'});wrap.appendChild(tbl);return wrap;
 }
 
 function intervene(){
   var I=D.intervention,box=document.getElementById('intervene');
-  if(!I){box.appendChild(el('p',{'class':'help'},'No intervention was made (gpt2kit trace --ablate / --steer / --replace, '+
-    'or trace(..., interventions=...)).'));return;}
+  if(!I)return;  // the page has no such panel
   document.getElementById('summary').textContent+=' \u2014 every panel shows the INTERVENED run; clean vs intervened below.';
   var ul=el('ul');for(var i=0;i<I.interventions.length;i++)ul.appendChild(el('li',null,I.interventions[i]));box.appendChild(ul);
   box.appendChild(el('p',{'class':'help'},'Next-token distribution after the last token, clean vs intervened (the union of '+
@@ -254,7 +259,7 @@ function intervene(){
 
 function sae(){
   var S=D.sae,box=document.getElementById('sae');
-  if(!S){box.appendChild(el('p',{'class':'help'},'No SAE was given (gpt2kit trace --sae DIR, an SAE saved in SAELens\u2019s format).'));return;}
+  if(!S)return;  // the page has no such panel
   var l0=0;for(var i=0;i<S.l0.length;i++)l0+=S.l0[i];
   box.appendChild(el('p',{'class':'help',id:'sae-summary'},S.architecture+' SAE, '+S.d_sae+' features, read at '+S.hook_name+
     ' (= '+S.name+(S.centred?', each position centred: its mean over the width removed, as the SAE\u2019s cfg.json asks':'')+
