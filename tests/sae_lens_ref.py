@@ -6,6 +6,11 @@ the pinned sae-lens 6 + transformer-lens 3 of tests/sae-lens.txt ahead on PYTHON
 
     python sae_lens_ref.py make DIR     DIR/cases.json -> DIR/<i>/ (cfg.json, sae_weights.safetensors)
     python sae_lens_ref.py encode DIR   DIR/<i>/x.safetensors -> DIR/<i>/sae_lens.safetensors (f, rec)
+
+A case with "tl" reads its own activations instead of x.safetensors: the model in DIR/hf (transformers'
+format) loaded into TransformerLens as sae-lens tells a user of such an SAE to load it
+(HookedTransformer.from_pretrained_no_processing(..., **metadata.model_from_pretrained_kwargs)), run on
+the case's ids, and the SAE's hook read from its cache; the activations it read are saved too (x).
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ def make(case: dict, out: Path) -> None:
 
     cls, cfg_cls = {"standard": (StandardSAE, StandardSAEConfig), "jumprelu": (JumpReLUSAE, JumpReLUSAEConfig),
                     "topk": (TopKSAE, TopKSAEConfig)}[case["arch"]]
-    sae = cls(cfg_cls(d_in=case["d_in"], d_sae=case["d_sae"], metadata=SAEMetadata(hook_name=case["hook"]),
-                      **case["cfg"]))
+    meta = SAEMetadata(hook_name=case["hook"], **case.get("meta", {}))
+    sae = cls(cfg_cls(d_in=case["d_in"], d_sae=case["d_sae"], metadata=meta, **case["cfg"]))
     torch.manual_seed(case["seed"])
     with torch.no_grad():  # random weights (the thresholds positive): exactness needs no training
         for name, p in sae.named_parameters():
@@ -35,18 +40,43 @@ def make(case: dict, out: Path) -> None:
     sae.eval().save_model(out)
 
 
+def tl_activations(hf_dir: Path, ids: list[int], hook: str, kwargs: dict) -> torch.Tensor:
+    """The activations at hook of the transformers model in hf_dir, loaded into TransformerLens the way
+    from_pretrained_no_processing(**kwargs) loads a named model (no processing, then kwargs' own)."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions.gpt2 import convert_gpt2_weights
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    c = hf.config
+    cfg = HookedTransformerConfig(n_layers=c.n_layer, d_model=c.n_embd, d_head=c.n_embd // c.n_head,
+                                  n_heads=c.n_head, d_mlp=4 * c.n_embd, d_vocab=c.vocab_size, n_ctx=c.n_positions,
+                                  act_fn="gelu_new", normalization_type="LN", eps=c.layer_norm_epsilon)
+    model = HookedTransformer(cfg)
+    flags = {"fold_ln": False, "center_writing_weights": False, "center_unembed": False, "fold_value_biases": False}
+    model.load_and_process_state_dict(convert_gpt2_weights(hf, cfg), **{**flags, **kwargs})
+    with torch.no_grad():
+        _, cache = model.run_with_cache(torch.tensor([ids]))
+    return cache[hook][0]
+
+
 def encode(case: dict, out: Path) -> None:
     from sae_lens import SAE
 
     sae = SAE.load_from_disk(out)  # sae-lens reading the files it wrote, as a user of a saved SAE would
-    x = load_file(str(out / "x.safetensors"))["x"]
+    if case.get("tl"):
+        kwargs = sae.cfg.metadata.model_from_pretrained_kwargs or {}
+        x = tl_activations(out.parent / "hf", case["ids"], case["hook"], kwargs)  # (T, D) or (T, nh, hs)
+    else:
+        x = load_file(str(out / "x.safetensors"))["x"]
     t = x.shape[0]
     if case["hook"].endswith("hook_z"):  # hook_z SAEs take (..., n_head, head_dim)
         x = x.view(t, case["n_head"], -1)
     with torch.no_grad():
         f = sae.encode(x)
         rec = sae.decode(f).reshape(t, -1)
-    save_file({"f": f.contiguous(), "rec": rec.contiguous()}, str(out / "sae_lens.safetensors"))
+    save_file({"f": f.contiguous(), "rec": rec.contiguous(), "x": x.reshape(t, -1).contiguous()},
+              str(out / "sae_lens.safetensors"))
 
 
 def main(argv: list[str]) -> None:

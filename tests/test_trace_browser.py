@@ -222,6 +222,40 @@ def test_tables_are_readable_at_common_widths(tmp_path, width):
     assert p.body.get("data-page-wider") == "false"
 
 
+_KEY_COLUMN = """<script>(function(){var g=document.getElementById('patch-grid'),w=g.parentNode,out=0;
+var b=w.getBoundingClientRect();
+var rows=g.querySelectorAll('tr');for(var i=0;i<rows.length;i++){var r=rows[i].lastElementChild.getBoundingClientRect();
+if(r.right>b.right+1||r.left<b.left-1)out++;}
+document.body.setAttribute('data-key',out+' '+rows.length+' '+(w.scrollWidth>w.clientWidth+1));})();</script></body>"""
+
+
+def test_patching_grid_blanks_small_effects_and_keeps_the_last_position_in_view(tmp_path):
+    from helpers import varied_model
+
+    from gpt2kit.tokenizer import Tokenizer
+    from gpt2kit.trace.report import BLANK_BELOW
+
+    m = varied_model()  # a clean - corrupted difference of 15 logits: the cells are fractions restored
+    text = ("If you are in the top window, CTRL-W w jumps to the window below it. If you are in the "
+            "bottom window, CTRL-W w jumps to the")
+    tr = trace(m, Tokenizer.default(), text, patch_from=text.replace("top", "left"))
+    page = tmp_path / "k.html"
+    page.write_text(tr.to_html().replace("</body>", _KEY_COLUMN), encoding="utf-8")
+    dom = _chromium(tmp_path, page.as_uri(), "--window-size=1200,900", "--dump-dom")
+    out, rows, scrolls = re.search(r'data-key="(\d+) (\d+) (\w+)"', dom).groups()
+    assert scrolls == "true" and int(rows) == len(tr.patching.rows) + 1  # the grid is wider than its panel ...
+    assert out == "0"  # ... and the last column, where the metric is read, is in view in every row
+    P = tr.patching
+    assert P.shown == "restored"
+    V, small = P.restored, BLANK_BELOW
+    want = [v is not None and abs(v) >= small for row in reversed(V) for v in row]  # the grid's top row is the last
+    grid = re.search(r'<table class="lens" id="patch-grid">(.*?)</table>', dom, re.S).group(1)
+    got = [text != "" for text in re.findall(r"<td[^>]*>([^<]*)</td>", grid)]
+    assert got == want
+    assert sum(v is not None and abs(v) < small for row in V for v in row) > 0  # some were blanked
+    assert f"or the effect is under {BLANK_BELOW}" in dom
+
+
 def test_the_sae_panel_renders(tmp_path):
     import json
 
@@ -246,3 +280,26 @@ def test_the_sae_panel_renders(tmp_path):
     assert p.errors.strip() == "" and p.body.get("data-rendered") == "ok"
     assert p.n("panel-sae", "tr") == T + 1 and p.n("panel-sae", "li") == len(tr.sae_features()["features"]) > 0
     assert 'id="sae-summary"' in dom and "fraction of variance explained" in dom
+
+
+def test_non_finite_logits_show_a_note_not_white_tokens(tmp_path):
+    from gpt2kit.trace import hook
+
+    T, p = 10, 4
+
+    def nan_from(x):
+        x = x.clone()
+        x[p:] = float("nan")
+        return x
+    tr = trace(random_model(), None, list(range(T)), interventions=[hook("h.1.mlp.out", nan_from)])
+    page = tmp_path / "nan.html"
+    tr.save_html(page)
+    dom = _chromium(tmp_path, page.as_uri(), "--dump-dom")
+    c = _Counter()
+    c.feed(dom)
+    assert c.errors.strip() == "" and c.body.get("data-rendered") == "ok"
+    note = re.search(r'<p class="warn" id="nonfinite">([^<]*)</p>', dom)
+    assert note and f"not finite (NaN or ±inf) at {T - p} of {T} positions (4, 5, 6, 7, 8, 9)" in note.group(1)
+    # tokens p+1 .. T-1 and the "next" marker are predicted from NaN logits
+    assert c.n("panel-tokens", "span.nonfinite") == T - p
+    assert "(over the positions with finite logits)" in dom and "mean surprisal 0.00" not in dom

@@ -178,3 +178,52 @@ def test_cli_ablate_and_steer(tmp_path, capsys):
         err = capsys.readouterr().err
         assert rc == 1 and needle in err and len(err.strip().splitlines()) == 1, (argv, err)
         assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("iv, needle", [
+    (steer("h.1.resid", np.r_[np.ones(C - 1), np.nan]), "the first, nan, at index (31,)"),
+    (steer("h.1.resid", torch.full((C,), float("inf"))), "32 entries are not a finite float32"),
+    (steer("h.1.resid", np.full(C, 1e39)), "the first, 1e+39"),  # finite in float64, inf in float32
+    (steer("h.1.resid", np.ones(C), float("nan")), "the scale nan is not a finite float32"),
+    (steer("h.1.resid", np.ones(C), float("-inf")), "the scale -inf is not a finite float32"),
+    (steer("h.1.resid", np.ones(C), 1e39), "the scale 1e+39 is not a finite float32"),
+    (steer("h.1.resid", np.full(C, 1e20), 1e20), "1e+20 x the vector"),  # each finite, the product is not
+    (replace("h.1.mlp.out", np.r_[np.nan, np.ones(C - 1)]), "replace h.1.mlp.out: the value: 1 entry"),
+])
+def test_non_finite_interventions_are_refused(tiny_model, iv, needle):
+    with pytest.raises(ValueError) as e:
+        trace(tiny_model, None, IDS, interventions=[iv])
+    assert needle in str(e.value), str(e.value)
+
+
+def test_cli_refuses_non_finite_and_unreadable_vectors(tmp_path, capsys):
+    from gpt2kit import save_model
+
+    d = tmp_path / "m"
+    save_model(random_model(), d)
+    files = {"ok": np.ones(C, dtype=np.float32), "nan": np.r_[np.ones(C - 1), np.nan].astype(np.float32),
+             "big": np.full(C, 1e39), "huge": np.full(C, 1e30, dtype=np.float32), "text": np.array(["a"] * C)}
+    for name, arr in files.items():
+        np.save(tmp_path / f"{name}.npy", arr)
+    np.savez(tmp_path / "v.npz", a=np.ones(C))
+    (tmp_path / "junk.npy").write_bytes(b"not numpy")
+    f = {k: str(tmp_path / f"{k}.npy") for k in (*files, "junk")}
+    npz = str(tmp_path / "v.npz")
+    expected = "a 1-D float .npy (numpy.save) of the name's width, n_embd"
+    for argv, needles in [
+        (["--steer", f"resid.1:{f['nan']}"], [f["nan"], "the first, nan, at index (31,)"]),
+        (["--steer", f"resid.1:{f['ok']}*nan"], ["the scale nan is not a finite float32"]),
+        (["--steer", f"resid.1:{f['ok']}*inf"], ["the scale inf is not a finite float32"]),
+        (["--steer", f"resid.1:{f['ok']}*1e39"], ["the scale 1e+39 is not a finite float32"]),
+        (["--steer", f"resid.1:{f['huge']}*1e10"], ["1e+10 x the vector", "not a finite float32"]),
+        (["--steer", f"resid.1:{f['big']}"], [f["big"], "the first, 1e+39"]),
+        (["--replace", f"h.0.mlp.out:{f['nan']}"], [f["nan"], "not a finite float32"]),
+        (["--steer", f"resid.1:{npz}"], [npz, "an .npz archive (arrays: a)", expected]),
+        (["--steer", f"resid.1:{f['text']}"], [f["text"], "holds <U1 values, not numbers", expected]),
+        (["--replace", f"resid.1:{f['junk']}"], [f["junk"], "not a .npy array", expected]),
+    ]:
+        rc = main(["trace", "--model", str(d), TEXT, "--json", str(tmp_path / "x.json"), *argv])
+        err = capsys.readouterr().err
+        assert rc == 1 and len(err.strip().splitlines()) == 1, (argv, err)
+        assert all(n in err for n in needles), (argv, err)
+        assert "could not convert" not in err and not (tmp_path / "x.json").exists()

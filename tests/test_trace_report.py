@@ -145,3 +145,88 @@ def test_pieces_of_a_character_show_their_bytes():
     assert data["tokens"] == tr.tokens
     assert "\ufffd" not in json.dumps(data, ensure_ascii=False)
     assert data["vocab"]["9379"] == " robot" and data["vocab"]["97"] == "bytes:\\xa4"
+
+
+def _nan_from(p: int):
+    """A hook that makes every position from p on NaN (what a bad hook or weight does to the logits)."""
+    def fn(x):  # (T, C)
+        x = x.clone()
+        x[p:] = float("nan")
+        return x
+    return fn
+
+
+def test_non_finite_logits_are_marked_not_averaged_as_zero(tiny_model):
+    from gpt2kit.trace import hook
+
+    T, p = 10, 4
+    tr = trace(tiny_model, None, list(range(T)), interventions=[hook("h.1.mlp.out", _nan_from(p))])
+    assert bool(tr.logits[:p].isfinite().all()) and bool(tr.logits[p:].isnan().all())
+    stats = tr.to_json()["stats"]
+    assert stats["finite_logits"] == [True] * p + [False] * (T - p)
+    clean = trace(tiny_model, None, list(range(T))).next_token_stats()["surprisal_bits"]
+    assert stats["mean_surprisal_bits"] == pytest.approx(sum(clean[:p]) / p, rel=1e-5)  # causal: the first p agree
+    assert trace(tiny_model, None, list(range(T))).next_token_stats()["mean_surprisal_bits"] == \
+        pytest.approx(sum(clean) / len(clean), rel=1e-6)
+
+
+def test_compare_file_reads_the_comparison_as_file_reads_the_text(model_dir, tmp_path, capsys):
+    text = "class Point:\n    def __init__(self, path):\n        self.path = path\n"
+    (tmp_path / "a.py").write_text(text)
+    (tmp_path / "b.py").write_text(text.replace("path", "name"))
+    js = tmp_path / "t.json"
+    rc = main(["trace", "--model", str(model_dir), "--file", str(tmp_path / "a.py"),
+               "--compare-file", str(tmp_path / "b.py"), "--json", str(js)])
+    assert rc == 0, capsys.readouterr().err
+    want = Tokenizer.default().encode(text.replace("path", "name"))
+    assert json.loads(js.read_text())["patching"]["corrupt_ids"] == want
+    # what `--compare "$(sed s/path/name/g a.py)"` passes: the same text without its final newline
+    for argv, needle in [
+        (["--file", str(tmp_path / "a.py"), "--compare", text.replace("path", "name").rstrip("\n")],
+         "the difference is a trailing newline: the text ends with one, the comparison does not"),
+        ([text.rstrip("\n"), "--compare-file", str(tmp_path / "b.py")],
+         "the difference is a trailing newline: the comparison ends with one, the text does not"),
+        ([text, "--compare", "class Point:\n    def f(self, x, y, z):\n        self.x = x"],
+         "one difference is a trailing newline"),
+        ([text, "--compare", "x", "--compare-file", str(tmp_path / "b.py")], "not both"),
+    ]:
+        rc = main(["trace", "--model", str(model_dir), *argv, "--json", str(tmp_path / "x.json")])
+        err = capsys.readouterr().err
+        assert rc == 1 and needle in err and len(err.strip().splitlines()) == 1, (argv, err)
+    with pytest.raises(ValueError, match="pair 1: clean has .* the difference is a trailing newline: clean ends"):
+        trace(random_model(SMALL_VOCAB), Tokenizer.default(), None, pairs=[{"clean": text, "corrupt": text.rstrip()}])
+
+
+def test_the_docs_patching_recipe_runs(model_dir, tmp_path):
+    """docs/trace.md's command for its picture, as written, on a small model (bash, sed)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "trace.md").read_text(encoding="utf-8")
+    snippet = re.search(r"```python\n(class Point:.*?)```", doc, re.S).group(1)
+    cmd = re.search(r"`(sed s/path/name/g point\.py > point_name\.py && gpt2kit trace [^`]*)`", doc).group(1)
+    assert "--compare-file point_name.py" in cmd and "$(" not in cmd
+    cmd = cmd.replace("gpt2kit trace", f"{sys.executable} -m gpt2kit trace").replace("runs/stdlib", str(model_dir))
+    tok = Tokenizer.default()
+    for final in ("", "\n"):  # as the page says (no final newline: 51 tokens), and as an editor saves it
+        (tmp_path / "point.py").write_text(snippet.rstrip("\n") + final)
+        r = subprocess.run(["bash", "-c", cmd + " --json t.json"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        data = json.loads((tmp_path / "t.json").read_text())
+        assert len(data["ids"]) == len(tok.encode(snippet.rstrip("\n"))) + len(final) == 51 + len(final)
+        assert data["patching"]["corrupt_ids"] == tok.encode((snippet.rstrip("\n") + final).replace("path", "name"))
+        assert (tmp_path / "r.html").stat().st_size > 0
+
+
+def test_the_walk_through_comes_early_and_empty_optional_panels_are_left_out(tiny_model, tmp_path):
+    from gpt2kit.trace import ablate
+
+    page = trace(tiny_model, None, list(range(8))).to_html()
+    assert 'id="panel-sae"' not in page and 'id="panel-intervene"' not in page
+    at = [page.index(f'<section id="panel-{p}"') for p in ("tokens", "walk", "heads", "lens", "dla", "norms", "patch")]
+    assert at == sorted(at)  # the walk-through right after the tokens
+    page = trace(tiny_model, None, list(range(8)), interventions=[ablate("h.0.mlp")]).to_html()
+    assert page.index('<section id="panel-tokens"') < page.index('<section id="panel-intervene"') < \
+        page.index('<section id="panel-walk"') and 'id="panel-sae"' not in page

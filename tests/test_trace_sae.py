@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, random_model
+from helpers import TINY, hf_from_ours, random_model
 from safetensors.torch import load_file, save_file
 
 from gpt2kit.cli import main
@@ -30,7 +30,7 @@ IDS = [5, 17, 3, 99, 250, 17, 3, 42, 7, 600]
 F = 48
 
 
-def _write(d, *, hook="blocks.1.hook_resid_pre", d_in=C, arch="standard", extra=None, seed=0, **cfg):
+def _write(d, *, hook="blocks.1.hook_resid_pre", d_in=C, arch="standard", extra=None, seed=0, meta=None, **cfg):
     g = torch.Generator().manual_seed(seed)
     w = {"W_enc": torch.randn(d_in, F, generator=g) * 0.3, "b_enc": torch.randn(F, generator=g) * 0.1,
          "W_dec": torch.randn(F, d_in, generator=g) * 0.3, "b_dec": torch.randn(d_in, generator=g) * 0.1,
@@ -38,7 +38,8 @@ def _write(d, *, hook="blocks.1.hook_resid_pre", d_in=C, arch="standard", extra=
     d.mkdir(parents=True, exist_ok=True)
     save_file(w, str(d / "sae_weights.safetensors"))
     body = {"d_in": d_in, "d_sae": F, "architecture": arch, "apply_b_dec_to_input": True,
-            "normalize_activations": "none", "metadata": {"hook_name": hook, "sae_lens_version": "6.0.0"}, **cfg}
+            "normalize_activations": "none",
+            "metadata": {"hook_name": hook, "sae_lens_version": "6.0.0", **(meta or {})}, **cfg}
     (d / "cfg.json").write_text(json.dumps(body))
     return w
 
@@ -63,6 +64,48 @@ def test_standard_sae_by_its_formula(tiny_model, tmp_path):
     data = tr.to_json()
     assert data["sae"]["hook_name"] == "blocks.1.hook_resid_pre"
     assert "panel-sae" in tr.to_html()
+
+
+CENTRE = {"model_from_pretrained_kwargs": {"center_writing_weights": True}}
+
+
+def _relu_features(x, w):
+    return torch.relu((x - w["b_dec"]) @ w["W_enc"] + w["b_enc"])
+
+
+def test_centred_writing_weights_centre_what_the_sae_reads(tiny_model, tmp_path):
+    """center_writing_weights (SAELens 6: metadata.model_from_pretrained_kwargs; earlier: top level) means
+    the SAE was trained on a stream with each position's mean over the width removed: at the residual
+    and the attention/MLP outputs only (hook_z and the MLP's hidden units are what they were)."""
+    tr = trace(tiny_model, None, IDS)
+    x = tr["resid.1"]
+    centred = x - x.mean(-1, keepdim=True)
+    w = _write(tmp_path / "v6", meta=CENTRE)
+    sae = load_sae(tmp_path / "v6", L, NH)
+    assert sae.center_writing_weights and sae.centres
+    assert torch.allclose(sae.features(x), _relu_features(centred, w), atol=1e-6)
+    assert not torch.allclose(sae.features(x), _relu_features(x, w), atol=1e-3)  # centring matters here
+    v = trace(tiny_model, None, IDS, sae=sae).sae_features()
+    assert v["centred"] and v["l0"] == (_relu_features(centred, w) > 0).sum(-1).tolist()
+    rec = _relu_features(centred, w) @ w["W_dec"] + w["b_dec"]
+    assert v["mse"] == pytest.approx(float((centred - rec).pow(2).sum(-1).mean() / C), rel=1e-5)
+    # a batch of inputs (what a hook during generation sees) reads each row the same way
+    assert torch.allclose(sae.features(torch.stack([x, 2 * x])), torch.stack([sae.features(x), sae.features(2 * x)]))
+    # SAELens before 6: the training config at the top level, hook_point for hook_name
+    old = tmp_path / "v5"
+    _write(old, meta=CENTRE)
+    _edit(old / "cfg.json", lambda c: {**{k: v for k, v in c.items() if k != "metadata"},
+                                       "hook_point": "blocks.1.hook_resid_pre", **CENTRE})
+    assert load_sae(old, L, NH).centres and torch.equal(load_sae(old, L, NH).features(x), sae.features(x))
+    # said false, or not said: the raw stream
+    for meta in ({"model_from_pretrained_kwargs": {"center_writing_weights": False}}, {}):
+        _write(tmp_path / "raw", meta=meta)
+        assert torch.allclose(load_sae(tmp_path / "raw", L, NH).features(x), _relu_features(x, w), atol=1e-6)
+    # where the stream's mean does not reach: the heads' z (side by side) is read as it is
+    _write(tmp_path / "z", hook="blocks.1.attn.hook_z", meta=CENTRE)
+    zsae = load_sae(tmp_path / "z", L, NH)
+    z = tr["h.1.attn.z"].transpose(0, 1).reshape(len(IDS), C)
+    assert not zsae.centres and torch.allclose(zsae.features(tr["h.1.attn.z"]), _relu_features(z, w), atol=1e-6)
 
 
 def test_bad_saes_say_what_is_wrong(tiny_model, tmp_path, capsys):
@@ -97,6 +140,73 @@ def test_bad_saes_say_what_is_wrong(tiny_model, tmp_path, capsys):
         trace(tiny_model, None, IDS, sae=tmp_path / "mlp", what="resid")
 
 
+def _edit(path, fn) -> None:
+    """Rewrite a JSON file through fn(data) -> data."""
+    path.write_text(json.dumps(fn(json.loads(path.read_text()))))
+
+
+def _weights(d, **changes) -> None:
+    w = load_file(str(d / "sae_weights.safetensors"))
+    save_file({**w, **changes}, str(d / "sae_weights.safetensors"))
+
+
+def _bad_files(tmp_path) -> dict[str, tuple[object, list[str]]]:
+    """name -> (the file the message must name, what else it must say), each an SAE broken one way."""
+    cases: dict[str, tuple[object, list[str]]] = {}
+
+    def case(name, fix, file, *needles, **kw):
+        d = tmp_path / name
+        _write(d, **kw)
+        fix(d)
+        cases[name] = (d / file, list(needles))
+
+    cfg, wts = "cfg.json", "sae_weights.safetensors"
+    case("list", lambda d: (d / cfg).write_text("[1, 2]"), cfg, "holds an array; expected an object of settings")
+    case("meta", lambda d: _edit(d / cfg, lambda c: {**c, "metadata": ["blocks.1.hook_resid_pre"]}), cfg,
+         "metadata is an array; expected an object")
+    case("d_in", lambda d: _edit(d / cfg, lambda c: {**c, "d_in": "abc"}), cfg, 'd_in is "abc"; expected an integer')
+    case("hook", lambda d: _edit(d / cfg, lambda c: {**c, "metadata": {"hook_name": 5}}), cfg,
+         "hook_name is 5; expected a TransformerLens hook name")
+    case("flag", lambda d: _edit(d / cfg, lambda c: {**c, "apply_b_dec_to_input": "false"}), cfg,
+         'apply_b_dec_to_input is "false"; expected true or false')
+    case("centre", lambda d: None, cfg, 'model_from_pretrained_kwargs.center_writing_weights is "yes"; expected true',
+         meta={"model_from_pretrained_kwargs": {"center_writing_weights": "yes"}})
+    case("kwargs", lambda d: None, cfg, "model_from_pretrained_kwargs is true; expected an object",
+         meta={"model_from_pretrained_kwargs": True})
+    case("truncated", lambda d: (d / wts).write_bytes((d / wts).read_bytes()[:300]), wts,
+         "cannot read it as safetensors", "truncated")
+    case("enc1d", lambda d: _weights(d, W_enc=torch.ones(C)), wts, "W_enc has shape (32,); expected 2-D (d_in, d_sae)")
+    case("enc3d", lambda d: _weights(d, W_enc=torch.ones(2, C, F)), wts, "W_enc has shape (2, 32, 48); expected 2-D")
+    case("int", lambda d: _weights(d, W_dec=torch.ones(F, C, dtype=torch.int64)), wts,
+         "W_dec has dtype torch.int64; expected a float tensor")
+    case("nan", lambda d: _weights(d, W_enc=torch.ones(C, F).index_put_((torch.tensor(3), torch.tensor(5)),
+                                                                        torch.tensor(float("nan")))), wts,
+         "W_enc holds 1 value(s) that are not finite float32", "the first at (3, 5)")
+    case("big", lambda d: _weights(d, b_dec=torch.full((C,), 1e39, dtype=torch.float64)), wts,
+         "b_dec holds 32 value(s) that are not finite float32")  # finite in float64, inf in float32
+    case("threshold", lambda d: _weights(d, threshold=torch.ones(F + 1)), wts,
+         "threshold has shape (49,), expected (48,) from W_enc (32, 48)", arch="jumprelu")
+    return cases
+
+
+def test_bad_sae_files_name_the_file_and_what_is_expected(tiny_model, tmp_path, capsys):
+    from gpt2kit import save_model
+
+    d = tmp_path / "m"
+    save_model(tiny_model, d)
+    for name, (file, needles) in _bad_files(tmp_path / "saes").items():
+        with pytest.raises(ValueError) as e:
+            trace(tiny_model, None, IDS, sae=file.parent)
+        assert str(e.value).startswith(f"{file}: ") and all(n in str(e.value) for n in needles), (name, str(e.value))
+        if name not in ("list", "d_in", "truncated", "enc1d", "nan"):
+            continue  # the command line prints the same error: a few of them show that
+        rc = main(["trace", "--model", str(d), "The the, a.", "--json", str(tmp_path / "x.json"),
+                   "--sae", str(file.parent)])
+        err = capsys.readouterr().err
+        assert rc == 1 and str(file) in err and len(err.strip().splitlines()) == 1, (name, err)
+        assert not (tmp_path / "x.json").exists()
+
+
 CASES = [
     ("standard", "blocks.1.hook_resid_pre", {}),
     ("standard", "blocks.0.hook_mlp_out", {"apply_b_dec_to_input": False}),
@@ -106,6 +216,19 @@ CASES = [
     ("topk", "blocks.1.hook_resid_pre", {"k": 6}),
     ("topk", "blocks.0.mlp.hook_post", {"k": 4, "rescale_acts_by_decoder_norm": True}),
     ("standard", "blocks.1.attn.hook_z", {"reshape_activations": "hook_z"}),
+]
+# SAEs whose metadata asks for TransformerLens's centred writing weights, as sae-lens's gpt2-small-res-jb
+# set does; sae-lens's side reads its activations from TransformerLens loaded that way (sae_lens_ref.py),
+# not from gpt2kit's. The last one says false, which must leave the stream as it is.
+TL_CASES = [
+    ("standard", "blocks.1.hook_resid_pre", {}, CENTRE),
+    ("jumprelu", "blocks.0.hook_attn_out", {}, CENTRE),
+    ("topk", "blocks.1.hook_mlp_out", {"k": 6}, CENTRE),
+    ("standard", "blocks.1.hook_resid_post", {"normalize_activations": "layer_norm"}, CENTRE),
+    ("standard", "blocks.0.hook_resid_mid", {"normalize_activations": "constant_norm_rescale"}, CENTRE),
+    ("standard", "blocks.0.attn.hook_z", {"reshape_activations": "hook_z"}, CENTRE),
+    ("standard", "blocks.0.mlp.hook_post", {}, CENTRE),
+    ("standard", "blocks.1.hook_resid_pre", {}, {"model_from_pretrained_kwargs": {"center_writing_weights": False}}),
 ]
 
 
@@ -134,25 +257,37 @@ def sae_lens_runs(tmp_path_factory):
     if path is None:
         pytest.skip('no sae-lens: pip install --no-deps --target "$VIRTUAL_ENV/sae-lens" -r tests/sae-lens.txt')
     root = tmp_path_factory.mktemp("sae-lens")
-    cases = [{"arch": a, "hook": h, "cfg": cfg, "d_in": 4 * C if h.endswith("hook_post") else C, "d_sae": F,
-              "n_head": NH, "seed": 1 + i} for i, (a, h, cfg) in enumerate(CASES)]
+    cases = [{"arch": a, "hook": h, "cfg": cfg, "meta": meta, "tl": bool(meta), "ids": IDS, "n_head": NH,
+              "d_in": 4 * C if h.endswith("hook_post") else C, "d_sae": F, "seed": 1 + i}
+             for i, (a, h, cfg, meta) in enumerate([(*c, {}) for c in CASES] + TL_CASES)]
     (root / "cases.json").write_text(json.dumps(cases))
-    _sae_lens("make", root, path)
     model, runs = random_model(), []
+    hf_from_ours(model).save_pretrained(root / "hf")
+    _sae_lens("make", root, path)
     for i in range(len(cases)):
         ours = load_sae(root / str(i), L, NH)
         tr = trace(model, None, IDS, sae=ours)
-        x = activations(tr, ours)  # (T, D)
+        x = activations(tr, ours)  # (T, D): what the SAE reads
+        assert torch.equal(ours.features(tr[ours.name]), ours.encode(x))  # the one encode a hook would use
         save_file({"x": x.contiguous()}, str(root / str(i) / "x.safetensors"))
-        runs.append((ours.reconstruct(x), tr.sae_features()["l0"]))
+        runs.append((x, ours.reconstruct(x), tr.sae_features()["l0"]))
     _sae_lens("encode", root, path)
-    return [(f, rec, l0, load_file(str(root / str(i) / "sae_lens.safetensors"))) for i, ((f, rec), l0) in
+    return [(x, f, rec, l0, load_file(str(root / str(i) / "sae_lens.safetensors"))) for i, (x, (f, rec), l0) in
             enumerate(runs)]
 
 
-@pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{a}-{h}" for a, h, _ in CASES])
+IDS_ALL = [f"{a}-{h}" for a, h, _ in CASES] + [f"tl-{a}-{h}-{'centred' if m == CENTRE else 'raw'}"
+                                               for a, h, _, m in TL_CASES]
+
+
+@pytest.mark.parametrize("i", range(len(CASES) + len(TL_CASES)), ids=IDS_ALL)
 def test_features_equal_sae_lens_encode(sae_lens_runs, i):
-    f, rec, l0, want = sae_lens_runs[i]
+    x, f, rec, l0, want = sae_lens_runs[i]
+    if i >= len(CASES):  # sae-lens read TransformerLens's activations: gpt2kit's reading of its own equals them
+        assert (x - want["x"]).abs().max() < 1e-5
+        raw_mean = x.mean(-1).abs().max()
+        assert raw_mean < 1e-5 if IDS_ALL[i].endswith("centred") and "hook_z" not in IDS_ALL[i] \
+            and "hook_post" not in IDS_ALL[i] else raw_mean > 1e-3  # the case tests what it says it does
     assert f.shape == want["f"].shape and (f - want["f"]).abs().max() < 1e-5
     assert (rec - want["rec"]).abs().max() < 1e-5
     assert l0 == (want["f"] > 0).sum(-1).tolist()

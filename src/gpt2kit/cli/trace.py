@@ -31,8 +31,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     metric = parse_metric(args.metric)
     if args.patch not in MODES:
         raise CLIError(f"unknown --patch {args.patch!r}; choose from {', '.join(MODES)}")
-    if args.compare is not None and args.pairs is not None:
-        raise CLIError("give --compare TEXT or --pairs FILE, not both")
+    if args.compare is not None and args.compare_file is not None:
+        raise CLIError("give --compare TEXT or --compare-file FILE, not both")
+    compare = read_text(args.compare_file) if args.compare_file is not None else args.compare
+    if compare is not None and args.pairs is not None:
+        raise CLIError("give --compare/--compare-file or --pairs FILE, not both")
     check_load_args(args)  # before the model loads
     from gpt2kit.trace.intervene import parse_ablate, parse_replace, parse_steer
 
@@ -41,7 +44,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     model, tok = load_for(args)
     args.status.show(f"tracing {len(text):,} characters" if text is not None else f"tracing the pairs in {args.pairs}")
     tr = trace(model, tok, text, top_k=args.top_k, layers=args.layers, what=args.what,
-               prepend_eot=args.prepend_eot, patch_from=args.compare, name=str(args.model),
+               prepend_eot=args.prepend_eot, patch_from=compare, name=str(args.model),
                interventions=interventions, mean_over=args.mean_over, patch_mode=args.patch, metric=metric,
                pairs=args.pairs, attribution=args.attribution, sae=args.sae)
     wrote = []
@@ -74,6 +77,8 @@ def register_trace(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=10, help="next-token predictions shown per position (default 10)")
     p.add_argument("--compare", default=None, metavar="TEXT",
                    help="a corrupted text of the same token length: residual-stream activation patching")
+    p.add_argument("--compare-file", default=None, metavar="FILE",
+                   help="read the --compare text from a file, as --file reads the text (final newline kept)")
     p.add_argument("--pairs", default=None, metavar="FILE.jsonl",
                    help='patching averaged over (clean, corrupt) pairs: lines {"clean","corrupt","answer","wrong"}')
     p.add_argument("--patch", default="resid", metavar="MODE",

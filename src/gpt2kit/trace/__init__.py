@@ -43,7 +43,15 @@ from gpt2kit.trace.intervene import (
     resolve_all,
     steer,
 )
-from gpt2kit.trace.metrics import MetricSpec, Pair, make_metric, pairs_from_rows, parse_metric, read_pairs
+from gpt2kit.trace.metrics import (
+    MetricSpec,
+    Pair,
+    make_metric,
+    newline_hint,
+    pairs_from_rows,
+    parse_metric,
+    read_pairs,
+)
 from gpt2kit.trace.patching import PatchResult, default_metric, patch
 from gpt2kit.trace.points import ALIASES, capture_run, run_with_hooks
 from gpt2kit.trace.record import (
@@ -306,8 +314,10 @@ def _patching(model, tokenizer, ids, patch_from, pairs, mode, metric, answer, fo
         corrupt = _to_ids(tokenizer, patch_from, prepend_eot)
         _check_ids(model, corrupt)
         if len(corrupt) != len(ids):
+            hint = "" if tokenizer is None else \
+                newline_hint(tokenizer.decode(ids), tokenizer.decode(corrupt), tokenizer.encode)
             raise ValueError(f"patching needs inputs of equal token length: the text has {len(ids)} tokens, "
-                             f"the comparison {len(corrupt)}")
+                             f"the comparison {len(corrupt)}{hint}")
         mt = default_metric(model, ids, corrupt, answer, foil) if spec is None else \
             make_metric(spec, tokenizer, answer, foil)
         items = [(ids, corrupt, mt)]

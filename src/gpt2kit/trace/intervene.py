@@ -10,6 +10,7 @@ positions, W a name's width (C, or 4C for mlp.pre/post), nh heads, hs head size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,13 +88,51 @@ def parse_ablate(spec: str) -> Intervention:
     return Intervention(name, how or "zero", positions=pos)
 
 
+_EXPECTED = ("a 1-D float .npy (numpy.save) of the name's width, n_embd for a residual stream "
+             "(or one row per selected position)")
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def finite_float32(values, where: str) -> np.ndarray:
+    """values as a float32 array; ValueError naming `where` if any entry is NaN, infinite or beyond
+    float32's range (the network runs in float32, where 1e39 is inf)."""
+    try:
+        orig = np.asarray(values)
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = orig.astype(np.float32)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: not an array of numbers ({e})") from None
+    bad = np.argwhere(~np.isfinite(out))
+    if len(bad):
+        at = tuple(int(i) for i in bad[0])
+        raise ValueError(f"{where}: {len(bad)} entr{'ies are' if len(bad) > 1 else 'y is'} not a finite float32 "
+                         f"(the first, {orig[at].item()!r}, at index {at}); every entry must be finite with "
+                         "|x| <= 3.4e38")
+    return out
+
+
+def check_scale(scale: float, where: str) -> float:
+    if not (math.isfinite(scale) and abs(scale) <= FLOAT32_MAX):
+        raise ValueError(f"{where}: the scale {scale!r} is not a finite float32 number (|scale| <= 3.4e38)")
+    return scale
+
+
 def _load_vector(path: str) -> np.ndarray:
     if not Path(path).is_file():
-        raise ValueError(f"{path}: no such vector file (a .npy written by numpy.save)")
+        raise ValueError(f"{path}: no such vector file ({_EXPECTED})")
     try:
-        return np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path}: not a .npy array ({e})") from None
+        arr = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"{path}: not a .npy array ({e}); expected {_EXPECTED}") from None
+    if not isinstance(arr, np.ndarray):  # an .npz archive of named arrays
+        names = ", ".join(arr.files)
+        arr.close()
+        raise ValueError(f"{path}: an .npz archive (arrays: {names or 'none'}), not one array; expected {_EXPECTED}")
+    if arr.dtype.kind not in "fiu":
+        raise ValueError(f"{path}: holds {arr.dtype} values, not numbers; expected {_EXPECTED}")
+    if arr.ndim == 0:
+        raise ValueError(f"{path}: holds a single number (shape ()); expected {_EXPECTED}")
+    return finite_float32(arr, path)
 
 
 def parse_steer(spec: str) -> Intervention:
@@ -106,8 +145,11 @@ def parse_steer(spec: str) -> Intervention:
         s = float(scale)
     except ValueError:
         raise ValueError(f"--steer {spec!r}: the scale after * is a number, not {scale!r}") from None
+    check_scale(s, f"--steer {spec!r}")
     name, pos = _name_positions(head)
-    return Intervention(name, "add", positions=pos, value=_load_vector(path), scale=s)
+    iv = Intervention(name, "add", positions=pos, value=_load_vector(path), scale=s)
+    _value(iv)  # scale x vector overflowing float32 fails here, before the model loads
+    return iv
 
 
 def parse_replace(spec: str) -> Intervention:
@@ -136,6 +178,17 @@ def _width(model, name: str) -> int:
     return 4 * C if name.endswith(("mlp.pre", "mlp.post")) else C
 
 
+def _value(iv: Intervention) -> torch.Tensor:
+    """The intervention's array as float32, refused if any entry (or, for a steer, scale x entry) is not
+    a finite float32: a NaN or inf would only show up as NaN logits."""
+    v = iv.value.detach().cpu().float().numpy() if isinstance(iv.value, torch.Tensor) else iv.value
+    value = finite_float32(v, f"{iv.label()}: the {'vector' if iv.kind == 'add' else 'value'}")
+    if iv.kind == "add":
+        finite_float32(check_scale(iv.scale, iv.label()) * value.astype(np.float64),
+                       f"{iv.label()}: {iv.scale:g} x the vector overflows float32")
+    return torch.from_numpy(value)
+
+
 def resolve_all(model, interventions: Sequence[Intervention], T: int) -> list[Resolved]:
     cfg = model.config
     out = []
@@ -158,8 +211,7 @@ def resolve_all(model, interventions: Sequence[Intervention], T: int) -> list[Re
         shape = (hs,) if head is not None else (cfg.n_head, hs) if per_head else (_width(model, name),)
         value = None
         if iv.kind in ("replace", "add"):
-            value = torch.as_tensor(np.asarray(iv.value, dtype=np.float32) if not isinstance(iv.value, torch.Tensor)
-                                    else iv.value).float()
+            value = _value(iv)
             P = T if positions is None else len(positions)
             if tuple(value.shape) not in (shape, (P, *shape)):
                 raise ValueError(f"{iv.label()}: the vector has shape {tuple(value.shape)}; {name} takes {shape} "

@@ -97,6 +97,20 @@ def make_metric(spec: MetricSpec, tokenizer, answer: str | int | None = None, wr
     return Metric(spec.kind, a, w)
 
 
+def newline_hint(text: str, other: str, encode, names: tuple[str, str] = ("the text", "the comparison"),
+                 cause: str = " (--file and --compare-file keep a file's final newline; the shell's $(...) drops it)"
+                 ) -> str:
+    """'' or, for two texts of different token lengths where one ends with a newline and the other does
+    not, a clause saying so (and whether that is the whole difference)."""
+    a, b = text.endswith("\n"), other.endswith("\n")
+    if a == b:
+        return ""
+    has, lacks = names if a else names[::-1]
+    whole = len(encode(text.rstrip("\n"))) == len(encode(other.rstrip("\n")))
+    return f"; {'the difference is' if whole else 'one difference is'} a trailing newline: {has} ends with one, " \
+           f"{lacks} does not{cause}"
+
+
 @dataclass(frozen=True)
 class Pair:
     clean: list[int]
@@ -135,8 +149,9 @@ def pairs_from_rows(rows, tokenizer, prepend_eot: bool = False, where: str = "pa
         pre = [tokenizer.eot_token] if prepend_eot else []
         clean, corrupt = pre + tokenizer.encode(row["clean"]), pre + tokenizer.encode(row["corrupt"])
         if len(clean) != len(corrupt):
+            hint = newline_hint(row["clean"], row["corrupt"], tokenizer.encode, ("clean", "corrupt"), "")
             raise ValueError(f"{where}{n}: clean has {len(clean)} tokens, corrupt {len(corrupt)}; "
-                             "a patched pair needs one token length")
+                             f"a patched pair needs one token length{hint}")
         if pairs and len(clean) != len(pairs[0].clean):
             raise ValueError(f"{where}{n}: {len(clean)} tokens, {where}{pairs[0].line} has {len(pairs[0].clean)}; "
                              "every pair needs one token length (the grid's columns are positions)")

@@ -113,6 +113,10 @@ def walkthrough(tr, position: int) -> list[dict]:
     return steps
 
 
+# The patching grids leave a cell blank when its effect is under this: a fraction restored under 0.01,
+# or a metric change under 0.01 of the grid's largest (the value stays in the cell's tooltip).
+BLANK_BELOW = 0.01
+
 # Attention maps are nh * T^2 numbers per block; above these many, later blocks' maps are left out
 # (their scores stay) so a long input still makes a file a browser opens. The npz has them all.
 MAX_ATTENTION_BYTES = 12 * 2**20  # HTML, one byte each
@@ -153,6 +157,8 @@ def report_data(tr, *, attention_encoding: str | None = "list", position: int = 
     except ValueError as e:  # a partial selection: say why the panel is empty
         data["dla"] = {"unavailable": str(e)}
     data["patching"] = tr.patching.to_json() if tr.patching is not None else None
+    if data["patching"] is not None:
+        data["patching"]["blank_below"] = BLANK_BELOW
     data["intervention"] = None
     data["sae"] = tr.sae_features()
     used = set(tr.ids)
@@ -201,6 +207,18 @@ def _asset(name: str) -> str:
     return resources.files("gpt2kit.trace").joinpath("assets", name).read_text(encoding="utf-8")
 
 
+# Panels with nothing to show without their option are left out of the page.
+_OPTIONAL_PANELS = (("intervene", "intervention"), ("sae", "sae"))
+
+
+def _template(data: dict) -> str:
+    page = _asset("report.html")
+    for panel, key in _OPTIONAL_PANELS:
+        if data[key] is None:
+            page = re.sub(rf'<section id="panel-{panel}".*?</section>\n', "", page, count=1, flags=re.S)
+    return page
+
+
 def render_html(tr) -> str:
     data = _round_tree(report_data(tr, attention_encoding="u8"))
     # "</script" or "<!--" in the text would end or confuse the script element; "<" can only sit
@@ -209,4 +227,4 @@ def render_html(tr) -> str:
     title = html.escape(f"gpt2kit trace — {tr.name or 'model'} — {len(tr.ids)} tokens")
     fill = {"TITLE": title, "CSS": _asset("report.css"), "JS": _asset("report.js"), "DATA": payload}
     # One pass, so a placeholder-like string inside the user's text is never substituted.
-    return re.sub(r"__(TITLE|CSS|JS|DATA)__", lambda m: fill[m.group(1)], _asset("report.html"))
+    return re.sub(r"__(TITLE|CSS|JS|DATA)__", lambda m: fill[m.group(1)], _template(data))

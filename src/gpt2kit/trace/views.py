@@ -54,14 +54,18 @@ def _scratch(rows: int, V: int, like: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def next_token_stats(tr, k: int = 10) -> dict:
     """Per position t: the top-k next tokens and, for t < T-1, the actual next token's log-prob
-    (nats), surprisal (bits) and rank. Index t predicts token t + 1."""
+    (nats), surprisal (bits) and rank. Index t predicts token t + 1. Also whether each position's
+    logits are all finite, and the mean surprisal over the positions whose logits are."""
     logits = tr.logits.float()  # (T, V)
     k = min(k, logits.shape[-1])
     targets = torch.cat([_next_ids(tr), _next_ids(tr).new_zeros(1)])  # (T,): a stand-in at the end
     top_i, top_lp, lp, rank = _scan(logits, targets, k, _scratch(*logits.shape, logits))
     lp = lp[:-1]  # (T - 1,)
+    finite = torch.isfinite(logits).all(-1)  # (T,): NaN or inf logits (an intervention, a hook, bad weights)
+    bits = (-lp / LN2)[finite[:-1]]
     return {"top_ids": top_i.tolist(), "top_probs": top_lp.exp().tolist(), "next_logprob": lp.tolist(),
-            "surprisal_bits": (-lp / LN2).tolist(), "next_rank": rank[:-1].tolist()}
+            "surprisal_bits": (-lp / LN2).tolist(), "next_rank": rank[:-1].tolist(), "finite_logits": finite.tolist(),
+            "mean_surprisal_bits": float(bits.mean()) if len(bits) else None}
 
 
 def lens_layers(tr) -> list[int]:

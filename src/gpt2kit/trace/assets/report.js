@@ -21,23 +21,31 @@ function tipAt(e,text){tip.textContent=text;tip.style.display='block';
 function tipOff(){tip.style.display='none';}
 
 function summary(){
-  var c=D.config,s=D.stats.surprisal_bits,m=0;for(var i=0;i<s.length;i++)m+=s[i];
+  var c=D.config,S=D.stats,m=S.mean_surprisal_bits,bad=[];
+  for(var t=0;t<T;t++)if(!S.finite_logits[t])bad.push(t);
   document.getElementById('summary').textContent=(D.model?D.model+' \u2014 ':'')+'L='+c.n_layer+' layers, '+
     c.n_head+' heads, C='+c.n_embd+', V='+c.n_vocab+'; '+T+' tokens'+
-    (s.length?'; mean surprisal '+(m/s.length).toFixed(2)+' bits/token':'');
+    (T<2?'':m===null?'; mean surprisal: none (no position has finite logits)':
+      '; mean surprisal '+m.toFixed(2)+' bits/token'+(bad.length?' (over the positions with finite logits)':''));
+  if(bad.length)document.querySelector('header').appendChild(el('p',{'class':'warn',id:'nonfinite'},'\u26a0 The logits are '+
+    'not finite (NaN or \u00b1inf) at '+bad.length+' of '+T+' positions ('+bad.slice(0,12).join(', ')+
+    (bad.length>12?', \u2026':'')+'): what the model predicts there means nothing, and the tokens those positions '+
+    'predict are hatched. An intervention, a hook or the weights made them.'));
 }
 
 function tokens(){
   var strip=document.getElementById('strip'),S=D.stats;
   for(var t=0;t<=T;t++){
     var last=(t===T),span=el('span',{'class':'tok'},last?' \u25b8 next':show(D.tokens[t]));
-    var bits=(t>=1&&!last)?S.surprisal_bits[t-1]:null;
-    if(bits!==null){var a=Math.min(bits/15,1);span.style.background='hsl(0,85%,'+(100-45*a)+'%)';}
+    var bits=(t>=1&&!last)?S.surprisal_bits[t-1]:null,bad=t>=1&&!S.finite_logits[t-1];
+    if(bad)span.classList.add('nonfinite');
+    else if(bits!==null){var a=Math.min(bits/15,1);span.style.background='hsl(0,85%,'+(100-45*a)+'%)';}
     if(last)span.style.color='#07a';
     (function(t,bits,last){span.addEventListener('mousemove',function(e){
       var lines=[];
       if(t===0){lines.push('first token: nothing before it to predict it from');}
       else{var at=t-1;
+        if(!S.finite_logits[at])lines.push('the logits at position '+at+' are not finite (NaN or \u00b1inf)');
         if(!last){lines.push('token '+t+': '+JSON.stringify(D.tokens[t])+'  id '+D.ids[t]);
           lines.push('log p = '+fmt(S.next_logprob[at])+' nats, surprisal '+fmt(bits,3)+' bits, rank '+S.next_rank[at]);}
         else lines.push('what the model predicts after the last token');
@@ -186,10 +194,12 @@ function patch(){
   box.appendChild(el('p',{'class':'help',id:'patch-metric'},'Metric: '+P.metric_name+' (clean '+fmt(P.clean_metric,4)+
     ', corrupted '+fmt(P.corrupt_metric,4)+(P.n_pairs>1?'; means over '+P.n_pairs+' pairs':'')+').'));
   if(P.warning)box.appendChild(el('p',{'class':'warn',id:'patch-warning'},'\u26a0 '+P.warning));
-  box.appendChild(el('p',{'class':'help'},'The corrupted text runs with '+what+' taken from the clean text. '+
+  box.appendChild(el('p',{'class':'help',id:'patch-legend'},'The corrupted text runs with '+what+' taken from the clean text. '+
     (frac?'Cell: the fraction of the clean \u2212 corrupted metric difference the patch restores':
       'Cell: the metric\u2019s change m_patched \u2212 m_corrupt')+
-    (P.n_pairs>1?' (mean over pairs; hover for the spread)':'')+'. Blank: the two runs agree there.'));
+    (P.n_pairs>1?' (mean over pairs; hover for the spread)':'')+'. Blank: the two runs agree there, or the effect is under '+
+    (frac?P.blank_below:P.blank_below+' of the largest')+' (hover a cell for its value).'+
+    (P.mode!=='heads'?' The last position, where the metric is read, stays in view at the right.':'')));
   box.appendChild(patchGrid(P,frac?P.restored:P.change,frac,'patch-grid',P.spread));
   var A=P.attribution;
   if(A){var g=A.agreement;
@@ -205,22 +215,25 @@ function patchGrid(P,V,frac,id,spread){
   for(var c=0;c<P.columns.length;c++)hr.appendChild(el('th',null,pos?short(D.tokens[c],8)+
     (D.tokens[c]!==P.corrupt_tokens[c]?'\n'+short(P.corrupt_tokens[c],8):''):P.columns[c]));
   tbl.appendChild(hr);
-  var mx=1e-12;
+  var mx=1e-12,n=P.columns.length,key=pos?n-1:-1;  // key: the last position, where the metric is read
   if(!frac)for(var a=0;a<V.length;a++)for(var b=0;b<V[a].length;b++)if(V[a][b]!==null)mx=Math.max(mx,Math.abs(V[a][b]));
+  var small=frac?P.blank_below:P.blank_below*mx;
+  if(key>=0){hr.lastChild.classList.add('key');hr.lastChild.title='position '+key+': the metric is read here';}
   for(var r=P.rows.length-1;r>=0;r--){var tr=el('tr');tr.appendChild(el('th',null,P.rows[r]));
-    for(var t2=0;t2<P.columns.length;t2++){var v=V[r][t2],td=el('td',null,v===null?'':fmt(v,2));
-      if(v!==null){var x=Math.max(-1,Math.min(1,frac?v:v/mx));
+    for(var t2=0;t2<n;t2++){var v=V[r][t2],shown=v!==null&&Math.abs(v)>=small,td=el('td',null,shown?fmt(v,2):'');
+      if(t2===key)td.classList.add('key');
+      if(shown){var x=Math.max(-1,Math.min(1,frac?v:v/mx));
         td.style.background=x>=0?'hsl(270,60%,'+(100-50*x)+'%)':'hsl(30,80%,'+(100+40*x)+'%)';}
-      td.title=P.rows[r]+', '+(pos?'position ':'')+P.columns[t2]+(spread?': patched metric '+fmt(P.metric[r][t2],4)+
-        (spread[r][t2]!==null?'; spread over pairs (sd) '+fmt(spread[r][t2],3):''):': estimate '+fmt(v,4));tr.appendChild(td);}
+      td.title=P.rows[r]+', '+(pos?'position ':'')+P.columns[t2]+': '+(v===null?'the two runs agree here (not run)':
+        !spread?'estimate '+fmt(v,4):(frac?'restored ':'change ')+fmt(v,4)+', patched metric '+fmt(P.metric[r][t2],4)+
+        (spread[r][t2]!==null?'; spread over pairs (sd) '+fmt(spread[r][t2],3):''));tr.appendChild(td);}
     tbl.appendChild(tr);}
   var wrap=el('div',{'class':'scroll'});wrap.appendChild(tbl);return wrap;
 }
 
 function intervene(){
   var I=D.intervention,box=document.getElementById('intervene');
-  if(!I){box.appendChild(el('p',{'class':'help'},'No intervention was made (gpt2kit trace --ablate / --steer / --replace, '+
-    'or trace(..., interventions=...)).'));return;}
+  if(!I)return;  // the page has no such panel
   document.getElementById('summary').textContent+=' \u2014 every panel shows the INTERVENED run; clean vs intervened below.';
   var ul=el('ul');for(var i=0;i<I.interventions.length;i++)ul.appendChild(el('li',null,I.interventions[i]));box.appendChild(ul);
   box.appendChild(el('p',{'class':'help'},'Next-token distribution after the last token, clean vs intervened (the union of '+
@@ -246,10 +259,11 @@ function intervene(){
 
 function sae(){
   var S=D.sae,box=document.getElementById('sae');
-  if(!S){box.appendChild(el('p',{'class':'help'},'No SAE was given (gpt2kit trace --sae DIR, an SAE saved in SAELens\u2019s format).'));return;}
+  if(!S)return;  // the page has no such panel
   var l0=0;for(var i=0;i<S.l0.length;i++)l0+=S.l0[i];
   box.appendChild(el('p',{'class':'help',id:'sae-summary'},S.architecture+' SAE, '+S.d_sae+' features, read at '+S.hook_name+
-    ' (= '+S.name+'): reconstruction MSE '+fmt(S.mse,3)+' per dimension, fraction of variance explained '+
+    ' (= '+S.name+(S.centred?', each position centred: its mean over the width removed, as the SAE\u2019s cfg.json asks':'')+
+    '): reconstruction MSE '+(S.mse===null?'not finite':fmt(S.mse,3))+' per dimension, fraction of variance explained '+
     (S.fve===null?'\u2013':fmt(S.fve,3))+', mean L0 '+fmt(l0/S.l0.length,3)+' active features per token.'));
   box.appendChild(el('p',{'class':'help'},'The most active features anywhere in the text, each with the tokens that activate it most:'));
   var ul=el('ul',{id:'sae-features'});
