@@ -10,7 +10,7 @@
 `save_model` write it); the beam row's weights are --beam-model's (transformers reads the same
 directory for its side).
 
-1. prompt lookup (issue 22's target: >= 2x plain greedy) on code-editing tasks, where the output
+1. prompt lookup (the aim: >= 2x plain greedy) on code-editing tasks, where the output
    repeats most of the input: functions from the standard library (--edit MODULE:FUNCTION:OLD:NEW,
    a comma list; default EDITS, the modules edit_corpus.py never trains on), each read from this
    Python's own library, docstring left out so it fits a small context, then "# The same function

@@ -16,7 +16,7 @@ quantized) and int8 activations (the same int8 model, gpt2kit.quant.set_activati
 
 then the gate of gpt2kit.quant_gate (int8 activations against weight-only, LIMITS) on its own windows
 (quant_gate.read_windows of DATA), as `--int8-activations --gate-data DATA` would measure it. Quality
-only: no timings. docs/quantization.md has the figures of the model trained for issue 20.
+only: no timings. docs/quantization.md has the figures of a trained model.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """lm-eval through the server, this tree against another: `python benchmarks/bench_lm_eval.py --old TREE`.
 
-Issue 21's target "lm-eval local-completions on a 4-choice task: >= 3x today's requests/s through
-the same server, log-likelihoods unchanged (1e-5)". lm-evaluation-harness' `local-completions`
+What it checks: lm-eval local-completions on a 4-choice task through this tree's server against --old's,
+requests/s and log-likelihoods (required: unchanged within 1e-5). lm-evaluation-harness' `local-completions`
 model (token ids sent, `echo` + `logprobs` + `max_tokens: 0`: one loglikelihood request per
 choice) runs a 4-choice task built offline (--items synthetic items: a context of
 --context-words words and four endings of 4-16 words, seeded; or --data, a JSONL of

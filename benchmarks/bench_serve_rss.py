@@ -1,6 +1,6 @@
 """Server memory under a long mixed load: `python benchmarks/bench_serve_rss.py [--preset gpt2-tiny]`.
 
-Issue 21's check "1,000 requests leave RSS within 5% of where it settled": --requests requests
+What it checks: 1,000 requests leave RSS within 5% of where it settled. --requests requests
 (default 1,000), --clients at a time, a fixed mix that touches every path a request can take —
 completions whole and streamed, chat (n 1 and 2), echo scoring (lm-eval's `echo` +
 `logprobs` + `max_tokens: 0`, contexts sharing prefixes, so the prefix cache fills and evicts), a

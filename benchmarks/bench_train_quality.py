@@ -6,7 +6,7 @@ the same batch, and is evaluated on the same held-out batches. The contenders ta
 turn, round-robin, so a busy machine slows them alike; time is each contender's own process CPU time
 (one thread, so it measures work done, not how the machine was shared) and wall time.
 
-    today      gpt2kit before issue 11: shards read in order, AdamW, cosine, the model's own loss
+    today      the plain recipe: shards read in order, AdamW, cosine, the model's own loss
                over full (B, T, V) float32 logits, unpadded head
     nanogpt    nanoGPT's train.py loop: random windows (torch.randint), AdamW (fused, betas (0.9,
                0.95), weight decay 0.1 on 2-D weights), warmup + cosine to lr/10, grad clip 1.0,

@@ -4,7 +4,8 @@ Python's own standard library: the training data of the model its prompt-lookup 
     python benchmarks/edit_corpus.py OUT.jsonl [--plain 0.1] [--renames 2] [--max-tokens 480] [--seed 0]
                                      [--scramble 0] [--random-copies 0] [--quick]
     gpt2kit prepare OUT.jsonl --out DATA_DIR --val-fraction 0.01
-    gpt2kit train --data DATA_DIR ...   (docs/benchmarks.md, session 11, has the exact commands)
+    gpt2kit train --data DATA_DIR ...   (docs/benchmarks.md, "prompt lookup on a model trained to edit",
+                                         has the exact commands)
 
 Every function and method of every stdlib module (tests, idlelib, lib2to3, turtledemo and
 site-packages left out), its docstring removed and its body dedented (bench_decoding's
@@ -22,7 +23,7 @@ kept) renamed, consistently, to random identifiers of the library, so the prompt
 guessed from the language and the copy is the only way to predict them. --random-copies N adds N
 documents of pure copying: a prompt of 20-120 random library identifiers and punctuation in
 code-like lines, "# The same lines again:", and the same lines as the completion (copying is the
-only way down: the loss that teaches induction first; session 13, docs/benchmarks.md).
+only way down: the loss that teaches induction first; docs/benchmarks.md has the runs).
 
 The modules bench_decoding's lookup row edits (its EDITS, plus --holdout) are never read, so the
 benchmark's edits are of functions the model has not seen.

@@ -676,78 +676,6 @@ def test_cli_bad_values_one_line_nonzero(capsys, monkeypatch, model_dir, tmp_pat
     assert len(err.strip().splitlines()) == 1 and needle in err and "Traceback" not in err
 
 
-# --- the benchmark's pieces (the full run is `gpt2kit bench`) -------------------------------
-
-def test_bench_transformers_copy_and_table(model):
-    from gpt2kit.bench import core as bench
-    from gpt2kit.bench.report import format_table
-    from gpt2kit.bench.timing import time_alternating
-
-    hf = bench.to_transformers(model)
-    ids = torch.tensor([PROMPTS[2]])
-    with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-4)
-    out = []
-    bench.hf_decode(hf, ids, 5, out)()
-    assert out == [generate(model, [PROMPTS[2]], SamplingSettings(temperature=0, max_new_tokens=5,
-                                                                  stop_token_ids=()))[0].tokens]
-    timings = time_alternating({"a": lambda: None, "b": lambda: sum(range(1000))}, trials=2, max_trials=3)
-    assert set(timings) == {"a", "b"} and all(t.trials >= 2 and t.seconds < 1 for t in timings.values())
-    assert bench.weight_bytes_per_token(model) == 4 * (model.num_parameters() - model.wpe.weight[1:].numel())
-    tok_s = {wl: {"transformers/float32": 10.0, "gpt2kit/float32": 12.0, "gpt2kit/bfloat16": 20.0}
-             for wl in ("prefill", "decode_b1", "decode_b8")}
-    fake = {"machine": bench.machine(), "T": 1024, "new_tokens": 128, "tok_s": tok_s,
-            "quiet": {wl: dict.fromkeys(v, "3/3") for wl, v in tok_s.items()},
-            "peak_MiB": {"transformers/float32": 100.0, "gpt2kit/float32": 90.0, "gpt2kit/bfloat16": 50.0},
-            "limit_tok_s": {"float32": 40.0, "bfloat16": 80.0}, "bytes_per_token": {"float32": 5e8, "bfloat16": 2.5e8},
-            "bandwidth_GBs": 20.0, "dlogprob_next": 1e-3, "dlogprob_vocab": 2e-3, "greedy_identical": True}
-    table = format_table(fake)
-    assert "| decode tok/s, batch 1 (128 new) | 10.0 | 12.0 | 1.20x | 20.0 | 2.00x |" in table
-    assert "decode_b1 float32 1.20x >= 1.1" in table and "decode_b8 float32 1.20x < 1.6" in table
-
-
-def test_cli_bench_bad_threads(capsys):
-    from gpt2kit.cli import main
-
-    assert main(["bench", "--threads", "0"]) != 0
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "--threads" in err
-
-
-def test_bench_full_run_on_a_tiny_model():
-    from gpt2kit.bench import core as bench
-    from gpt2kit.bench.report import format_table
-
-    cfg = GPT2Config(n_vocab=50257, n_ctx=64, n_embd=32, n_head=4, n_layer=2)
-    r = bench.run(quick=True, memory=False, config=cfg, log=lambda s: None, device="cpu")
-    assert r["T"] == 64 and r["new_tokens"] == 32 and r["greedy_identical"]
-    assert all(v > 0 for wl in r["tok_s"].values() for v in wl.values())
-    assert r["machine"]["device_type"] == "cpu" and r["bandwidth_GBs"] > 0
-    assert "| prefill tok/s (T=64) |" in format_table(r)
-
-
-@pytest.mark.parametrize("device,needle", [("cuda", "CUDA is not available"), ("tpu", "not a device")])
-def test_cli_bench_bad_device_one_line(capsys, device, needle):
-    from gpt2kit.cli import main
-
-    if device == "cuda" and torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    assert main(["bench", "--device", device, "--no-memory"]) != 0
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and needle in err
-
-
-def test_bench_device_is_its_own_contract():
-    # devices.resolve_device takes any device a model loads onto; the benchmark's takes cpu or cuda only
-    from gpt2kit.bench.core import bench_device
-    from gpt2kit.devices import resolve_device
-
-    assert bench_device("cpu") == resolve_device("cpu") == torch.device("cpu")
-    assert resolve_device("meta") == torch.device("meta")
-    with pytest.raises(ValueError, match="the benchmark runs on cpu or cuda"):
-        bench_device("meta")
-
-
 def test_seeds_are_bounded_and_prompts_draw_their_own_numbers(model):
     with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
         SamplingSettings(seed=2**64)
@@ -771,16 +699,6 @@ def test_cli_generate_requires_a_model(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "hello"])
     assert "--model" in capsys.readouterr().err
-
-
-def test_cli_bench_size_runs_a_small_preset_and_names_bad_ones(capsys):
-    from gpt2kit.cli import main
-
-    assert main(["bench", "--size", "gpt3"]) == 1
-    assert "gpt2-tiny" in capsys.readouterr().err  # the presets are listed
-    assert main(["bench", "--size", "gpt2-tiny", "--quick", "--no-memory"]) == 0
-    out = capsys.readouterr().out
-    assert "| decode tok/s, batch 1" in out and "| workload |" in out
 
 
 def test_cli_a_distribution_that_is_not_finite_is_one_line(capsys, monkeypatch, tmp_path):

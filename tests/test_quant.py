@@ -990,17 +990,21 @@ def test_int8_activation_gate_on_a_trained_model(trained):
 
 
 def test_bench_int8_column_on_a_tiny_model():
-    from gpt2kit.bench import core as bench
+    from gpt2kit.bench import runner as bench
     from gpt2kit.bench.report import format_table
 
     cfg = GPT2Config(n_vocab=50257, n_ctx=64, n_embd=64, n_head=4, n_layer=2)
     r = bench.run(quick=True, memory=False, config=cfg, log=lambda s: None, device="cpu", quantize="int8")
     assert all(r["tok_s"][wl]["gpt2kit/int8"] > 0 for wl in ("prefill", "decode_b1", "decode_b8"))
+    assert set(r["doubt"]["decode_b1"]) == {"transformers/float32", "gpt2kit/float32", "gpt2kit/bfloat16",
+                                            "gpt2kit/int8"}
     assert r["weight_MB"]["int8"] <= 0.30 * r["weight_MB"]["float32"]
     assert r["bytes_per_token"]["int8"] < 0.3 * r["bytes_per_token"]["float32"]
     table = format_table(r)
-    assert "| gpt2kit int8 | ratio | quiet trials |" in table and "decode_b1 int8" in table
-    assert "physical limit" in table and "weight memory" in table
+    assert "| gpt2kit int8 | ratio | quiet trials |" in table and "|---|--:|--:|--:|--:|--:|--:|--:|---|" in table
+    b1 = next(line for line in table.splitlines() if line.startswith("| decode tok/s, batch 1")).split(" | ")
+    assert len(b1) == 9 and b1[-1].count("/") == 4  # int8's figure and ratio, and its quiet trials
+    assert "physical limit" in table and "weight memory" in table and "(<= 30%)" not in table  # no verdicts
     with pytest.raises(ValueError, match="unknown quantization scheme 'int2'"):
         bench.run(quick=True, memory=False, config=cfg, quantize="int2")
     a8 = bench.run(quick=True, memory=False, config=cfg, log=lambda s: None, device="cpu", quantize="int8",

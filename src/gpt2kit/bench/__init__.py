@@ -1,5 +1,5 @@
-"""`gpt2kit bench`: generation speed against transformers, side by side (measured by core.py,
-timed by timing.py, printed by report.py).
+"""`gpt2kit bench`: generation speed against transformers, side by side (run by runner.py, measured by
+core.py, timed and judged by timing.py, printed by report.py).
 
 This module owns the command's options and is light to import (no torch), so the CLI can build its
 parser without loading the benchmark. `gpt2kit bench` is the one entry point (the memory worker is
@@ -14,10 +14,12 @@ import os
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's options: the one definition, for `gpt2kit bench`."""
-    p.add_argument("--quick", action="store_true", help="T=256 prefill, 32 new tokens, fewer trials")
+    p.add_argument("--quick", action="store_true",
+                   help="a short run (T=128 prefill, 16 new tokens, 2-3 trials each, no peak memory): "
+                        "a first look, not figures to quote")
     p.add_argument("--size", default="gpt2", metavar="PRESET",
-                   help="the model's size, a preset (gpt2 default; gpt2-tiny/gpt2-mini for a run of seconds; "
-                        "gpt2-medium, ...); random weights; peak memory is measured for gpt2 only")
+                   help="the model's size, a preset (gpt2 default; gpt2-tiny for a short check of the command; "
+                        "gpt2-mini, gpt2-medium, ...); random weights; peak memory is measured for gpt2 only")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
@@ -61,7 +63,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         return _print_kernels(args)
     if not getattr(args, "_memory_worker", None):
         require_transformers()
-    from gpt2kit.bench.core import measure_from_args
+    from gpt2kit.bench.runner import measure_from_args
 
     return measure_from_args(args)
 

@@ -1,30 +1,22 @@
-"""`gpt2kit bench`: generation speed against transformers, side by side in one run.
+"""What `gpt2kit bench` measures: the workloads of each library, the weights a token reads, the memory
+bandwidth, bfloat16's drift and peak memory in a fresh process (runner.py runs them in turn).
 
-Both libraries run the same random-weight GPT-2 124M (gpt2kit's init; transformers gets a copy of
-the weights), eagerly, with default settings and the same thread count, on the same prompts:
+Both libraries run the same random-weight model (gpt2kit's init; transformers gets a copy of the
+weights), eagerly, with default settings and the same thread count, on the same prompts:
 
-* prefill: tokens/s encoding a T = 1024 prompt into the KV cache (logits of the last position
-  only, as both generators do: gpt2kit's ``prefill``, transformers' ``logits_to_keep=1``);
-* decode: tokens/s of greedy generation of 128 new tokens after a 16-token prompt, at batch 1 and
+* prefill: tokens/s encoding a T-token prompt into the KV cache (logits of the last position only,
+  as both generators do: gpt2kit's ``prefill``, transformers' ``logits_to_keep=1``);
+* decode: tokens/s of greedy generation of n new tokens after a 16-token prompt, at batch 1 and
   batch 8, through each library's own generate (prefill included, no stop token);
 * peak memory: the peak RSS of a fresh process (VmHWM), above its RSS after imports, while it
-  builds the model and runs the T = 1024 prefill and the batch-8 decode (tracemalloc cannot see
-  PyTorch's allocator);
+  builds gpt2 124M and runs the prefill and the batch-8 decode (tracemalloc cannot see PyTorch's
+  allocator); on cuda, the GPU memory allocated;
 * the physical limit of batch-1 decode: the bytes of weights each token reads, divided by the
   memory bandwidth measured in the same run (a 1 GiB float32 sum).
-
-gpt2kit runs in float32 and in bfloat16 (``model.to(torch.bfloat16)``); transformers in float32.
-``--device cuda`` runs it all on a GPU (peak memory is then the GPU memory allocated).
-Each timing is the best of a few trials, alternating the libraries; on Linux a trial during which
-other processes used the CPU is discarded (and retried) when possible, and the table says how many
-trials were quiet. Ratios are gpt2kit / transformers (for memory, lower is better).
-
-This module measures; the trials are timed by timing.py and the results printed by report.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import subprocess
@@ -33,21 +25,16 @@ from collections.abc import Callable
 
 import torch
 
-from gpt2kit._io import atomic_write_text
 from gpt2kit.bench.machine import cpu_info
-from gpt2kit.bench.report import format_table
-from gpt2kit.bench.timing import synced, time_alternating, trial
+from gpt2kit.bench.timing import synced, trial
 from gpt2kit.checkpoint.keymap import to_hf_state
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import prefill, use_decode_layout
-from gpt2kit.decode.int8 import chosen
-from gpt2kit.decode.int8act import chosen as int8act_chosen
 from gpt2kit.generate import generate
 from gpt2kit.kv_cache import KVCache
 from gpt2kit.model import GPT2
-from gpt2kit.quant import check_scheme, quantize_model, quantized_skeleton, set_activations, weight_bytes
+from gpt2kit.quant import quantized_skeleton
 from gpt2kit.sampling import SamplingSettings
-from gpt2kit.tokenizer import Tokenizer
 
 TEXT = (
     "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
@@ -125,12 +112,14 @@ def memory_bandwidth(trials: int = 5, device: torch.device | str = "cpu") -> flo
     """Bytes/s of a 1 GiB float32 sum on the device (CPU: with the current thread count, on huge pages
     where decode/layout.py puts a model's weights, so the figure is what the decode step can stream)."""
     device = torch.device(device)
-    x = torch.ones(2**28, device=device)
+    n = 2**28
     if device.type == "cpu":
         from gpt2kit.decode.layout import huge_pages_available, on_huge_pages
 
-        if huge_pages_available():
-            x = on_huge_pages(x)
+        # filled in place on huge pages: no second GiB written first on ordinary pages
+        x = on_huge_pages(torch.ones(1).expand(n)) if huge_pages_available() else torch.ones(n)
+    else:
+        x = torch.ones(n, device=device)
     fn = synced(lambda: x.sum(), device)
     fn()
     best = min(trial(fn)[0] for _ in range(trials))
@@ -177,9 +166,10 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _memory_worker(engine: str, dtype: str, T: int, n: int, threads: int, device: str = "cpu") -> None:
-    """Build the model and run the workloads; print the peak memory above the post-import
-    baseline: RSS on CPU, allocated GPU memory on cuda (where the model is built)."""
+def memory_worker(engine: str, dtype: str, T: int, n: int, threads: int, device: str = "cpu") -> None:
+    """Build the model and run the workloads, a line of progress on stderr after each; print the peak
+    memory above the post-import baseline: RSS on CPU, allocated GPU memory on cuda (where the model is
+    built)."""
     torch.set_num_threads(threads)
     dev = torch.device(device)
     if engine == "transformers":
@@ -203,8 +193,10 @@ def _memory_worker(engine: str, dtype: str, T: int, n: int, threads: int, device
         with dev:
             hf = GPT2LMHeadModel(HFConfig(bos_token_id=None, eos_token_id=None)).eval()
         runs = [hf_prefill(hf, ids[0]), hf_decode(hf, ids[1], n)]
-    for run in runs:
+    print("model built", file=sys.stderr, flush=True)
+    for what, run in zip((f"prefill T={T}", f"batch-8 decode, {n} new tokens"), runs, strict=True):
         synced(run, dev)()
+        print(f"{what} done", file=sys.stderr, flush=True)
     peak = _status_bytes("VmHWM") if dev.type == "cpu" else torch.cuda.max_memory_allocated(dev)
     print(json.dumps({"peak_above_baseline": peak - baseline}))
 
@@ -229,20 +221,24 @@ def _int8_model(config: GPT2Config, device: torch.device) -> GPT2:
 
 
 def peak_memory(engine: str, dtype: str, T: int, n: int, threads: int,
-                device: torch.device | str = "cpu") -> float | None:
+                device: torch.device | str = "cpu", log: Callable[[str], None] | None = None) -> float | None:
     """MiB of peak memory above the post-import baseline, in a fresh process: RSS on CPU (None
-    where it cannot be measured), allocated GPU memory on cuda."""
+    where it cannot be measured), allocated GPU memory on cuda. log: each line the process writes to
+    stderr (its progress), as it comes."""
     if torch.device(device).type == "cpu" and not sys.platform.startswith("linux"):
         return None
     cmd = [sys.executable, "-m", "gpt2kit", "bench", "--_memory-worker", engine, dtype, str(T), str(n),
            str(threads), str(device)]
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        raise RuntimeError(f"memory worker failed: {r.stderr.strip().splitlines()[-1:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])["peak_above_baseline"] / 2**20
-
-
-# --- the run ---------------------------------------------------------------------------------------
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        err = []
+        for line in proc.stderr:  # stdout is one short line: it cannot fill its pipe meanwhile
+            err.append(line.rstrip())
+            if log is not None and err[-1]:
+                log(err[-1])
+        out = proc.stdout.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory worker failed: {[e for e in err if e][-1:]}")
+    return json.loads(out.strip().splitlines()[-1])["peak_above_baseline"] / 2**20
 
 
 def machine(device: torch.device | str = "cpu") -> dict[str, object]:
@@ -254,116 +250,3 @@ def machine(device: torch.device | str = "cpu") -> dict[str, object]:
     return {**info, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "threads": torch.get_num_threads(),
             "device": name, "device_type": device.type}
-
-
-def run(quick: bool = False, threads: int | None = None, memory: bool = True, wait: float = 0.0,
-        log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
-        device: str | torch.device = "cpu", config: GPT2Config | None = None, quantize: str | None = None,
-        int8_activations: bool = False) -> dict:
-    """Run the benchmark; returns the results (also what `format_table` prints). wait: seconds to
-    wait, before each trial, for other processes to leave the CPU (for shared machines). device:
-    cpu or cuda (on cuda each trial ends with a synchronize; memory is the peak allocated).
-    config: another model than gpt2 124M (the tests run a tiny one). quantize: "int8" adds gpt2kit
-    with int8 weights (gpt2kit.quant, LM head included) as a third column; int8_activations: that
-    column with int8 activations too (gpt2kit.decode.int8act; speed only: no quality gate on random weights)."""
-    if quantize is not None:
-        check_scheme(quantize)
-    device = bench_device(device)
-    config = config or GPT2Config()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    threads = torch.get_num_threads()
-    T, n, trials, max_trials = (256, 32, 2, 4) if quick else (1024, 128, 3, 6)
-    T, n = min(T, config.n_ctx), min(n, config.n_ctx - 16)
-    info = machine(device)
-    log(f"gpt2kit bench: {info['device']}, {threads} threads; prefill T={T}, decode {n} new tokens")
-    torch.manual_seed(0)
-    ours32 = GPT2(config).eval()
-    hf = to_transformers(ours32).to(device)
-    ours16 = GPT2(config).eval()
-    ours16.load_state_dict(ours32.state_dict())
-    ours32, ours16 = ours32.to(device), ours16.to(device, torch.bfloat16)
-    ours8 = None
-    if quantize is not None:
-        ours8 = GPT2(config).eval()
-        ours8.load_state_dict(ours32.state_dict())
-        ours8 = quantize_model(ours8.to(device), quantize, lm_head=True)
-        if int8_activations:
-            set_activations(ours8, "int8")
-    for model in (ours32, ours16):  # what generate does first; here so that prefill has it too
-        use_decode_layout(model)
-    engines = {"transformers/float32": (hf, hf_prefill, hf_decode),
-               "gpt2kit/float32": (ours32, ours_prefill, ours_decode),
-               "gpt2kit/bfloat16": (ours16, ours_prefill, ours_decode)}
-    if ours8 is not None:
-        engines["gpt2kit/int8"] = (ours8, ours_prefill, ours_decode)
-    g = torch.Generator().manual_seed(1)
-    V = config.n_vocab
-    long_prompt = torch.randint(0, V, (1, T), generator=g).to(device)
-    prompts = {B: torch.randint(0, V, (B, 16), generator=g).to(device) for B in (1, 8)}
-
-    results: dict[str, dict] = {"machine": info, "T": T, "new_tokens": n, "tok_s": {}, "quiet": {}}
-    greedy: dict[str, list] = {"transformers/float32": [], "gpt2kit/float32": []}
-    for wl, tokens in (("prefill", T), ("decode_b1", n), ("decode_b8", 8 * n)):
-        log(f"  {wl} ...")
-        fns = {}
-        for name, (model, make_prefill, make_decode) in engines.items():
-            if wl == "prefill":
-                fns[name] = make_prefill(model, long_prompt)
-            else:
-                B = 1 if wl == "decode_b1" else 8
-                fns[name] = make_decode(model, prompts[B], n, greedy.get(name) if B == 1 else None)
-            fns[name] = synced(fns[name], device)
-            fns[name]()  # warm-up (and, at batch 1, the greedy tokens)
-        timings = time_alternating(fns, trials, max_trials, wait)
-        results["tok_s"][wl] = {k: tokens / t.seconds for k, t in timings.items()}
-        results["quiet"][wl] = {k: f"{t.quiet}/{t.trials}" for k, t in timings.items()}
-        log("    " + ", ".join(f"{k} {v:.1f} tok/s ({results['quiet'][wl][k]} quiet)"
-                               for k, v in results["tok_s"][wl].items()))
-    results["greedy_identical"] = greedy["transformers/float32"] == greedy["gpt2kit/float32"]
-
-    ids = torch.tensor([Tokenizer.default().encode(TEXT * 8)[: min(512, config.n_ctx)]], device=device)
-    results["dlogprob_next"], results["dlogprob_vocab"] = logprob_drift(ours32, ours16, ids)
-    bw = memory_bandwidth(device=device)
-    results["bandwidth_GBs"] = bw / 1e9
-    results["limit_tok_s"] = {"float32": bw / weight_bytes_per_token(ours32),
-                              "bfloat16": bw / weight_bytes_per_token(ours16)}
-    results["bytes_per_token"] = {"float32": weight_bytes_per_token(ours32),
-                                  "bfloat16": weight_bytes_per_token(ours16)}
-    if ours8 is not None:
-        results["limit_tok_s"]["int8"] = bw / weight_bytes_per_token(ours8)
-        results["bytes_per_token"]["int8"] = weight_bytes_per_token(ours8)
-        results["weight_MB"] = {"float32": weight_bytes(ours32) / 1e6, "int8": weight_bytes(ours8) / 1e6}
-        results["dlogprob_int8_next"], results["dlogprob_int8_vocab"] = logprob_drift(ours32, ours8, ids)
-        results["int8_kernels"] = int8act_chosen() if int8_activations else chosen()
-        results["int8_activations"] = int8_activations
-    if memory:
-        log("  peak memory (fresh processes) ...")
-        results["peak_MiB"] = {
-            "transformers/float32": peak_memory("transformers", "float32", T, n, threads, device),
-            "gpt2kit/float32": peak_memory("gpt2kit", "float32", T, n, threads, device),
-            "gpt2kit/bfloat16": peak_memory("gpt2kit", "bfloat16", T, n, threads, device),
-        }
-        if ours8 is not None:
-            results["peak_MiB"]["gpt2kit/int8"] = peak_memory("gpt2kit", "int8", T, n, threads, device)
-    return results
-
-
-def measure_from_args(args: argparse.Namespace) -> int:
-    """The measurement (or, with --_memory-worker, one worker's part of it) for checked arguments; the table
-    printed, the JSON written."""
-    if getattr(args, "_memory_worker", None):
-        engine, dtype, T, n, threads, device = args._memory_worker
-        _memory_worker(engine, dtype, int(T), int(n), int(threads), device)
-        return 0
-    size = getattr(args, "size", "gpt2")
-    config = GPT2Config.from_name(size)  # a name that is not a preset: ValueError listing them
-    results = run(quick=args.quick, threads=args.threads, memory=not args.no_memory and size == "gpt2",
-                  wait=args.wait, device=getattr(args, "device", "cpu"), quantize=getattr(args, "quantize", None),
-                  config=None if size == "gpt2" else config,
-                  int8_activations=getattr(args, "int8_activations", False))
-    print(format_table(results))
-    if args.json:
-        atomic_write_text(args.json, json.dumps(results, indent=2))
-    return 0
-
