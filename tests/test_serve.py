@@ -526,7 +526,8 @@ def test_warpers_and_constraints_match_the_library(client, model, tok):
     ({"bad_words": [""]}, "bad_words.0", "at least 1 character"),
     ({"bad_words": "the"}, "bad_words", "valid list"),
     ({"suppress_tokens": [-3]}, "suppress_tokens.0", "greater than or equal to 0"),
-    ({"bad_words": ["  "]}, None, "bad_words entries must be non-empty text"),
+    ({"bad_words": ["  "]}, None, "bad_words entry '  ' is only whitespace"),
+    ({"bad_words": ["\x85"]}, None, "bad_words entry '\\x85' is only whitespace"),
     ({"min_tokens": 9}, None, "min_tokens must be an integer in [0, max_tokens=8], got 9"),
     ({"suppress_tokens": [50257]}, None, "suppress_tokens token id 50257 is outside the vocabulary [0, 50257)"),
 ])

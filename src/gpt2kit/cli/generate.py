@@ -180,8 +180,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
     check_load_args(args)  # before the model loads
-    if any(not w.strip() for w in args.bad_words or ()):
-        raise CLIError("--bad-words must be non-empty text")
+    from gpt2kit.sampling import bad_word_text
+
+    for w in args.bad_words or ():
+        bad_word_text(w, "--bad-words")  # before the model loads
     texts = _read_prompts(args.prompts_file) if args.prompts_file is not None else [args.prompt or ""]
     model, tok = load_for(args)
     settings = _with_bad_words(settings, tok, args)
