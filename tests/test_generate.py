@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import SMALL, cached_real_gpt2, hf_from_ours, needs_real_gpt2, random_model, varied_model
+from helpers import SMALL, cached_real_gpt2, error_lines, hf_from_ours, needs_real_gpt2, random_model, varied_model
 
 from gpt2kit import generate as gen
 from gpt2kit import sampler
@@ -673,7 +673,7 @@ def test_cli_bad_values_one_line_nonzero(capsys, monkeypatch, model_dir, tmp_pat
     except SystemExit as e:  # argparse usage errors exit 2 after printing one line
         code, (_, err) = e.code, capsys.readouterr()
     assert code != 0
-    assert len(err.strip().splitlines()) == 1 and needle in err and "Traceback" not in err
+    assert len(error_lines(err)) == 1 and needle in err and "Traceback" not in err
 
 
 # --- the benchmark's pieces (the full run is `gpt2kit bench`) -------------------------------
@@ -711,7 +711,7 @@ def test_cli_bench_bad_threads(capsys):
 
     assert main(["bench", "--threads", "0"]) != 0
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "--threads" in err
+    assert len(error_lines(err)) == 1 and "--threads" in err
 
 
 def test_bench_full_run_on_a_tiny_model():
@@ -734,7 +734,7 @@ def test_cli_bench_bad_device_one_line(capsys, device, needle):
         pytest.skip("this machine has CUDA")
     assert main(["bench", "--device", device, "--no-memory"]) != 0
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and needle in err
+    assert len(error_lines(err)) == 1 and needle in err
 
 
 def test_bench_device_is_its_own_contract():
@@ -796,6 +796,6 @@ def test_cli_a_distribution_that_is_not_finite_is_one_line(capsys, monkeypatch, 
     for extra in ([], ["--greedy"]):
         code, _, err = run_cli(capsys, monkeypatch, ["-m", str(tmp_path / "nan"), "--seed", "1", "-n", "8",
                                                      *extra, "Hello world"])
-        assert code != 0 and len(err.strip().splitlines()) == 1, err
+        assert code != 0 and len(error_lines(err)) == 1, err
         assert "probability tensor" not in err and "Traceback" not in err
         assert "finite" in err or "nan" in err.lower()  # at the draw, or (should loading check it) at load

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from helpers import SMALL, TINY, hf_from_ours, random_hf_model, varied_model
+from helpers import SMALL, TINY, error_lines, hf_from_ours, random_hf_model, varied_model
 
 from gpt2kit.checkpoint import save_model
 from gpt2kit.generate import generate
@@ -311,7 +311,7 @@ def test_cli_bad_values_one_line_nonzero(capsys, model_dir, argv, needle, monkey
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     code, _, err = run_cli(capsys, ["hi", "-m", str(model_dir), "-n", "4", *argv])
     assert code != 0
-    assert len(err.strip().splitlines()) == 1 and needle in err and "Traceback" not in err, err
+    assert len(error_lines(err)) == 1 and needle in err and "Traceback" not in err, err
 
 
 def test_cli_help_names_each_option_and_default(capsys):

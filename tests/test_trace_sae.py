@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, random_model
+from helpers import TINY, error_lines, random_model
 from safetensors.torch import load_file, save_file
 
 from gpt2kit.cli import main
@@ -89,7 +89,7 @@ def test_bad_saes_say_what_is_wrong(tiny_model, tmp_path, capsys):
         rc = main(["trace", "--model", str(d), "The the, a.", "--json", str(tmp_path / "x.json"),
                    "--sae", str(tmp_path / name)])
         err = capsys.readouterr().err
-        assert rc == 1 and needle in err and len(err.strip().splitlines()) == 1, (name, err)
+        assert rc == 1 and needle in err and len(error_lines(err)) == 1, (name, err)
         assert not (tmp_path / "x.json").exists()
     # a hook point the selection left out
     _write(tmp_path / "mlp", hook="blocks.0.hook_mlp_out")
