@@ -1,5 +1,6 @@
 """What the tests share: small random GPT-2 models in our layout and in transformers', models whose
-greedy output varies, the real-weights skip marker, and a live server.
+greedy output varies, the real-weights skip marker, a live server, and a command's stderr without
+its stage lines.
 
 Tests import these by name (`from helpers import random_model`); conftest.py holds only pytest's
 set-up and fixtures.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import socket
 import subprocess
 import sys
@@ -24,6 +26,14 @@ from gpt2kit.config import GPT2Config
 from gpt2kit.model import GPT2
 
 TINY = GPT2Config(n_vocab=1000, n_ctx=64, n_embd=32, n_head=4, n_layer=2)
+
+_STAGE = re.compile(r"gpt2kit [a-z-]+: (?!error: |warning: )")
+
+
+def error_lines(err: str) -> list[str]:
+    """A command's stderr without the lines naming its stages (`gpt2kit score: loading M`, one per
+    stage off a terminal: gpt2kit.progress): its errors and warnings."""
+    return [line for line in err.strip().splitlines() if not _STAGE.match(line)]
 
 
 def hf_config(cfg: GPT2Config):

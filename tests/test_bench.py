@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL, varied_model
+from helpers import SMALL, error_lines, varied_model
 
 from gpt2kit.bench import core
 from gpt2kit.bench import timing as bench_timing
@@ -203,7 +203,7 @@ def test_cli_bench_bad_threads(capsys):
 
     assert main(["bench", "--threads", "0"]) != 0
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "--threads" in err
+    assert len(error_lines(err)) == 1 and "--threads" in err
 
 
 def test_cli_bench_names_the_presets_for_a_bad_size(capsys):
@@ -211,7 +211,7 @@ def test_cli_bench_names_the_presets_for_a_bad_size(capsys):
 
     assert main(["bench", "--size", "gpt3"]) == 1
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "gpt2-tiny" in err  # the presets are listed
+    assert len(error_lines(err)) == 1 and "gpt2-tiny" in err  # the presets are listed
 
 
 @pytest.mark.parametrize("device,needle", [("cuda", "CUDA is not available"), ("tpu", "not a device")])
@@ -222,7 +222,7 @@ def test_cli_bench_bad_device_one_line(capsys, device, needle):
         pytest.skip("this machine has CUDA")
     assert main(["bench", "--device", device, "--no-memory"]) != 0
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and needle in err
+    assert len(error_lines(err)) == 1 and needle in err
 
 
 def test_bench_device_is_its_own_contract():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_model
+from helpers import error_lines, random_model
 
 from gpt2kit.checkpoint import load_model, save_model
 from gpt2kit.cli import main
@@ -83,7 +83,7 @@ def test_errors_are_one_line_without_traceback(capsys, monkeypatch, argv, needle
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, out, err = run(capsys, argv)
     assert code == 1
-    assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert needle in err and len(error_lines(err)) == 1 and "Traceback" not in err
 
 
 def test_corrupt_checkpoint_one_line(capsys, tmp_path, model_dir):
@@ -93,7 +93,7 @@ def test_corrupt_checkpoint_one_line(capsys, tmp_path, model_dir):
     shutil.copytree(model_dir, d)
     (d / "model.safetensors").write_bytes(b"\x00" * 100)
     code, _, err = run(capsys, ["info", str(d)])
-    assert code == 1 and "model.safetensors" in err and len(err.strip().splitlines()) == 1
+    assert code == 1 and "model.safetensors" in err and len(error_lines(err)) == 1
 
 
 def test_bad_flag_exits_2_with_one_line(capsys):
@@ -101,7 +101,7 @@ def test_bad_flag_exits_2_with_one_line(capsys):
         main(["tokenize", "--frobnicate"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--frobnicate" in err and len(err.strip().splitlines()) == 1
+    assert "--frobnicate" in err and len(error_lines(err)) == 1
 
 
 def test_debug_shows_traceback():
@@ -144,7 +144,7 @@ def test_train_refuses_out_equal_to_the_model_it_fine_tunes(capsys, tmp_path, mo
 def test_device_cuda_without_cuda_is_one_line(capsys, tmp_path):
     (tmp_path / "t.txt").write_text("hello")
     code, _, err = run(capsys, ["score", "--model", str(FIXTURE_TF), "--device", "cuda", str(tmp_path / "t.txt")])
-    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert code == 1 and len(error_lines(err)) == 1
     assert "device 'cuda' asked for, but" in err and "--device cpu" in err
 
 
@@ -209,7 +209,7 @@ def test_tokenize_then_detokenize_gives_the_bytes_back(tmp_path):
 ])
 def test_detokenize_bad_ids_are_one_line(capsys, monkeypatch, argv, stdin, needle):
     code, out, err = run(capsys, argv, stdin, monkeypatch)
-    assert code == 1 and out == "" and needle in err and len(err.strip().splitlines()) == 1
+    assert code == 1 and out == "" and needle in err and len(error_lines(err)) == 1
 
 
 def test_detokenize_and_version_do_not_import_torch():
@@ -247,10 +247,16 @@ def _progress_argvs(model_dir, tmp_path):
 def test_long_commands_show_progress_on_a_terminal_only(command, capsys, monkeypatch, tmp_path, model_dir):
     for d in ("piped", "tty"):
         (tmp_path / d).mkdir()
-    argv, _ = _progress_argvs(model_dir, tmp_path / "piped")[command]
+    argv, stages = _progress_argvs(model_dir, tmp_path / "piped")[command]
     code, piped_out, err = run(capsys, argv)
     assert code == 0, err
-    assert err == ""  # piped or redirected: nothing but the command's own output
+    # piped or redirected: one plain line per stage as it begins (the bar is a terminal's only)
+    lines = err.splitlines()
+    assert err.endswith("\n") and "\r" not in err and "\x1b" not in err and len(set(lines)) == len(lines)
+    assert all(line.startswith(f"gpt2kit {command}: ") for line in lines), err
+    for stage in (s for s in stages if s != "generating"):
+        assert len([line for line in lines if line.startswith(f"gpt2kit {command}: {stage}")]) == 1, (stage, err)
+    assert lines[0].startswith(f"gpt2kit {command}: loading "), err
 
     argv, stages = _progress_argvs(model_dir, tmp_path / "tty")[command]
     terminal = _Terminal()
@@ -280,13 +286,13 @@ def test_an_error_wipes_the_progress_line_before_its_one_line(capsys, monkeypatc
 def test_trace_out_in_a_missing_directory_names_the_users_path(capsys, tmp_path, model_dir):
     out = tmp_path / "nonexistent" / "x.html"
     code, _, err = run(capsys, ["trace", "Hello", "--model", str(model_dir), "--out", str(out)])
-    assert code == 1 and str(out) in err and ".tmp" not in err and len(err.strip().splitlines()) == 1
+    assert code == 1 and str(out) in err and ".tmp" not in err and len(error_lines(err)) == 1
 
 
 def test_bench_without_transformers_names_the_extra(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # what an environment without it gives
     code, _, err = run(capsys, ["bench", "--size", "gpt2-tiny", "--quick", "--no-memory"])
-    assert code == 1 and "pip install 'gpt2kit[bench]'" in err and len(err.strip().splitlines()) == 1
+    assert code == 1 and "pip install 'gpt2kit[bench]'" in err and len(error_lines(err)) == 1
 
 
 # --- flags built from the dataclass that owns the setting --------------------------------------
@@ -328,4 +334,97 @@ def test_generate_takes_openais_penalties_checked_by_sampling_settings(capsys, m
 def test_serve_values_are_checked_by_serve_options_before_loading(capsys):
     pytest.importorskip("fastapi")
     code, _, err = run(capsys, ["serve", "-m", "/no/such/model", "--max-batch", "0"])
-    assert code == 1 and "max_batch must be an integer >= 1, got 0" in err and len(err.strip().splitlines()) == 1
+    assert code == 1 and "max_batch must be an integer >= 1, got 0" in err and len(error_lines(err)) == 1
+
+
+def test_score_prints_each_tokens_log_prob_then_the_totals(capsys, monkeypatch, model_dir):
+    tok = Tokenizer.default()
+    text = "Hello there,\n world \u2014 \u201c\u00e9\u201d"  # a newline, and characters split over tokens
+    code, out, err = run(capsys, ["score", "--model", str(model_dir)], text, monkeypatch)
+    assert code == 0, err
+    ref = score_text(load_model(model_dir), tok, text)
+    lines = out.splitlines()
+    assert lines[0].split() == ["index", "log-prob", "token"] and len(lines) == len(ref.tokens) + 2
+    shown = []
+    for i, (row, t, lp) in enumerate(zip(lines[1:-1], ref.tokens, ref.logprobs, strict=True)):
+        index, value, token = row.split(None, 2)
+        assert int(index) == i and abs(float(value) - lp) <= 5e-5  # printed to 4 decimals
+        data = tok.decode_bytes([t])
+        try:
+            assert token == json.dumps(data.decode("utf-8"), ensure_ascii=False)
+        except UnicodeDecodeError:
+            assert token == "bytes:" + "".join(f"\\x{c:02x}" for c in data)
+        shown.append(token)
+    assert '"\\n"' in shown and any(s.startswith("bytes:") for s in shown)
+    assert lines[-1] == (f"tokens: {len(ref.tokens)}  nll: {ref.nll:.4f} nats/token  perplexity: {ref.ppl:.3f}  "
+                         f"bits/byte: {ref.bits_per_byte:.4f}")
+
+
+def test_info_on_an_int8_copy_says_its_weights_are_int8(capsys, tmp_path, model_dir):
+    q = tmp_path / "q"
+    assert run(capsys, ["quantize", str(model_dir), str(q), "--int8"])[0] == 0
+    state = load_model(q).state_dict()
+    n_int8 = sum(t.numel() for t in state.values() if t.dtype == torch.int8)
+    code, out, err = run(capsys, ["info", str(q)])
+    assert code == 0, err
+    total = json.loads(run(capsys, ["info", "--json", str(q)])[1])["parameters"]
+    dtype = [line for line in out.splitlines() if line.startswith("dtype:")]
+    assert dtype == [f"dtype:      int8 ({n_int8:,} of the {total:,} parameters, with float32 scales); "
+                     "other tensors float32"]
+    info = json.loads(run(capsys, ["info", "--json", str(q)])[1])
+    assert info["parameters_by_dtype"] == {"float32": total - n_int8, "int8": n_int8}
+    assert run(capsys, ["info", str(model_dir)])[1].splitlines()[3] == "dtype:      float32"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero"])
+def test_gate_data_that_is_not_a_regular_file_is_named_so_before_loading(tmp_path, model_dir, kind):
+    import os
+
+    if kind == "fifo":
+        path, what = tmp_path / "fifo", "a FIFO (named pipe)"
+        os.mkfifo(path)  # no writer: opening it to read would block, so the command runs under a timeout
+    else:
+        path, what = kind, "a character device"
+    proc = subprocess.run([sys.executable, "-m", "gpt2kit", "score", "/dev/null", "-m", str(model_dir), "--quantize",
+                           "int8", "--int8-activations", "--gate-data", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == f"gpt2kit score: error: --gate-data {path}: is {what}, not a regular file or a directory\n"
+
+
+def test_a_warning_is_one_line_after_the_streamed_sample_never_inside_it(monkeypatch, tmp_path, model_dir):
+    """The kernel cache's RuntimeWarning raised while a sample streams: on a stream that carries stdout
+    and stderr both (2>&1), the sample's text arrives whole and the warning follows it as one line."""
+    import os
+
+    import gpt2kit.generate as gen
+    from gpt2kit.decode import kernel_cache
+
+    argv = ["generate", "Hello", "-m", str(model_dir), "--max-new-tokens", "8", "--greedy", "--ignore-eot"]
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    real = gen.generate_stream
+
+    def warning_mid_sample(*args, **kwargs):
+        for k, step in enumerate(real(*args, **kwargs)):
+            if k == 3:
+                assert kernel_cache.open_cache(shared) is None  # warns: others can write the directory
+            yield step
+
+    def both(patched: bool) -> str:
+        buf = io.StringIO()
+        with monkeypatch.context() as m:
+            m.setattr(sys, "stdout", buf)
+            m.setattr(sys, "stderr", buf)
+            if patched:
+                m.setattr(gen, "generate_stream", warning_mid_sample)
+            assert main(argv) == 0
+        return buf.getvalue()
+
+    plain = both(False)
+    assert plain.startswith(f"gpt2kit generate: loading {model_dir}\n") and plain.count("\n") == 2
+    warned = both(True)
+    assert warned == plain + (f"gpt2kit generate: warning: the kernel cache {shared} is not used: it is writable by "
+                              "its group and all users (mode 777); the kernel is built for this process alone (use a "
+                              "directory only you can write: chmod 700 it, or set GPT2KIT_CACHE)\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import random_model
+from helpers import error_lines, random_model
 
 from gpt2kit.checkpoint import save_model
 from gpt2kit.cli import main
@@ -51,7 +51,7 @@ def test_bad_speculative_flags_are_one_line(capsys, dirs, argv, needle):
     argv = [{"DRAFT": dirs["draft"], "SMALL": dirs["small_vocab"]}.get(a, a) for a in argv]
     code = main(["generate", "hi", "-m", dirs["target"], "-n", "3", "--greedy"] + argv)
     err = capsys.readouterr().err
-    assert code != 0 and needle in err and len(err.strip().splitlines()) == 1
+    assert code != 0 and needle in err and len(error_lines(err)) == 1
 
 
 def test_beams_from_the_command_line_are_generates(capsys, dirs):
@@ -79,7 +79,7 @@ def test_beams_from_the_command_line_are_generates(capsys, dirs):
 def test_bad_beam_flags_are_one_line(capsys, dirs, argv, needle):
     code = main(["generate", "hi", "-m", dirs["target"], "-n", "3"] + argv)
     err = capsys.readouterr().err
-    assert code != 0 and needle in err and len(err.strip().splitlines()) == 1
+    assert code != 0 and needle in err and len(error_lines(err)) == 1
 
 
 def test_contrastive_search_from_the_command_line_is_generates(capsys, dirs):
@@ -96,4 +96,4 @@ def test_contrastive_search_from_the_command_line_is_generates(capsys, dirs):
     assert got == [c.tokens for c in want]
     code = main(argv[:-1] + ["--penalty-alpha", "2"])
     err = capsys.readouterr().err
-    assert code != 0 and "penalty_alpha must be a number in [0, 1]" in err and len(err.strip().splitlines()) == 1
+    assert code != 0 and "penalty_alpha must be a number in [0, 1]" in err and len(error_lines(err)) == 1

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import SMALL, cached_real_gpt2, hf_from_ours, needs_real_gpt2, random_model, varied_model
+from helpers import SMALL, cached_real_gpt2, error_lines, hf_from_ours, needs_real_gpt2, random_model, varied_model
 
 from gpt2kit import generate as gen
 from gpt2kit import sampler
@@ -676,7 +676,7 @@ def test_cli_bad_values_one_line_nonzero(capsys, monkeypatch, model_dir, tmp_pat
     except SystemExit as e:  # argparse usage errors exit 2 after printing one line
         code, (_, err) = e.code, capsys.readouterr()
     assert code != 0
-    assert len(err.strip().splitlines()) == 1 and needle in err and "Traceback" not in err
+    assert len(error_lines(err)) == 1 and needle in err and "Traceback" not in err
 
 
 def test_seeds_are_bounded_and_prompts_draw_their_own_numbers(model):
@@ -717,6 +717,6 @@ def test_cli_a_distribution_that_is_not_finite_is_one_line(capsys, monkeypatch, 
     for extra in ([], ["--greedy"]):
         code, _, err = run_cli(capsys, monkeypatch, ["-m", str(tmp_path / "nan"), "--seed", "1", "-n", "8",
                                                      *extra, "Hello world"])
-        assert code != 0 and len(err.strip().splitlines()) == 1, err
+        assert code != 0 and len(error_lines(err)) == 1, err
         assert "probability tensor" not in err and "Traceback" not in err
         assert "finite" in err or "nan" in err.lower()  # at the draw, or (should loading check it) at load

@@ -1,4 +1,4 @@
-"""gpt2kit._io: the one atomic writer."""
+"""gpt2kit._io: the one atomic writer, and the one check of a path a user names as input."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections import namedtuple
 
 import pytest
 
-from gpt2kit._io import atomic_write, atomic_write_at, atomic_write_text
+from gpt2kit._io import atomic_write, atomic_write_at, atomic_write_text, check_input
 
 
 def test_atomic_write_replaces_whole_with_the_umask_mode(tmp_path):
@@ -100,3 +100,46 @@ def test_a_kill_point_that_does_not_exist_is_named(tmp_path, monkeypatch):
         with atomic_directory(tmp_path / "model") as stage:
             (stage / "a").write_text("new")
     assert (tmp_path / "model" / "a").read_text() == "old" and os.listdir(tmp_path) == ["model"]
+
+
+def _checked(path, **kw):
+    """check_input(path) in a thread that must end within 30 s: opening a FIFO without a writer would block."""
+    import threading
+
+    out = {}
+
+    def run():
+        try:
+            out["ok"] = check_input(path, "--gate-data", **kw)
+        except Exception as e:  # what the check raised, for the test to look at
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), f"check_input({path}) blocked"
+    return out
+
+
+def test_an_input_path_is_a_regular_file_or_says_what_it_is(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "f.txt").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    cases = [
+        (fifo, {}, ValueError, f"--gate-data {fifo}: is a FIFO (named pipe), not a regular file"),
+        (fifo, {"directory": True}, ValueError,
+         f"--gate-data {fifo}: is a FIFO (named pipe), not a regular file or a directory"),
+        ("/dev/zero", {}, ValueError, "--gate-data /dev/zero: is a character device, not a regular file"),
+        (tmp_path / "none", {}, FileNotFoundError, f"--gate-data {tmp_path / 'none'}: no such file"),
+        (tmp_path / "none", {"directory": True}, FileNotFoundError,
+         f"--gate-data {tmp_path / 'none'}: no such file or directory"),
+        (tmp_path / "dangling", {}, FileNotFoundError,
+         f"--gate-data {tmp_path / 'dangling'}: a symlink to {tmp_path / 'gone'}, which does not exist"),
+        (tmp_path, {}, IsADirectoryError, f"--gate-data {tmp_path}: is a directory, expected a file"),
+    ]
+    for path, kw, kind, said in cases:
+        out = _checked(path, **kw)
+        assert type(out.get("error")) is kind and str(out["error"]) == said, (path, out)
+    assert _checked(tmp_path / "f.txt")["ok"] == tmp_path / "f.txt"
+    assert _checked(tmp_path, directory=True)["ok"] == tmp_path

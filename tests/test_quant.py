@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_model
+from helpers import error_lines, random_model
 
 from gpt2kit.checkpoint import CheckpointError, describe, load_model, load_state, save_model
 from gpt2kit.cli import main as cli_main
@@ -792,7 +792,7 @@ def test_training_from_an_int8_checkpoint_is_refused_up_front(model, tmp_path, c
     rc = cli_main(["train", "--model", str(path), "--data", str(data), "--out", str(tmp_path / "o"),
                    "--max-steps", "1"])
     out, err = capsys.readouterr()
-    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert rc == 1 and len(error_lines(err)) == 1, err
     assert "int8-quantized model (gpt2kit quantize), which is for inference only; training needs the float" in err
     assert "parameters" not in out + err and "optimizer" not in err
 
@@ -875,7 +875,7 @@ def test_quantize_never_replaces_a_model_unasked_nor_its_own_source(model, tmp_p
                         ([str(tmp_path / "link"), f"{f}/../f/", "--overwrite"], "is the source being quantized")]:
         assert cli_main(["quantize", *argv, "--int8"]) == 1
         err = capsys.readouterr().err
-        assert len(err.strip().splitlines()) == 1 and words in err, err
+        assert len(error_lines(err)) == 1 and words in err, err
     assert {p.name: p.read_bytes() for p in f.iterdir()} == floats and not is_quantized(load_model(f))
     assert {p.name: p.read_bytes() for p in q.iterdir()} == int8
     with pytest.raises(ValueError, match="is the source being quantized"):
@@ -904,7 +904,7 @@ def test_cli_bad_input_is_one_line_and_nonzero(model, tmp_path, capsys, argv, wo
     if words is None:  # converting an int8 checkpoint copies it (still int8), it does not fail
         assert rc == 0 and is_quantized(load_model(tmp_path / "o"))
         return
-    assert rc != 0 and len(err.strip().splitlines()) == 1 and words in err, err
+    assert rc != 0 and len(error_lines(err)) == 1 and words in err, err
 
 
 # --- the quality gate on a trained model ---------------------------------------------------------

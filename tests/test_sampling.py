@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from helpers import SMALL, TINY, hf_from_ours, random_hf_model, varied_model
+from helpers import SMALL, TINY, error_lines, hf_from_ours, random_hf_model, varied_model
 
 from gpt2kit.checkpoint import save_model
 from gpt2kit.generate import generate
@@ -78,8 +78,16 @@ def test_bad_words_text_is_tokenized_as_vllm_does():
     # each word bare and with a leading space (mid-text GPT-2 tokens differ)
     assert got == (tuple(tok.encode("hello")), tuple(tok.encode(" hello")),
                    tuple(tok.encode("world")), tuple(tok.encode(" world")))
-    with pytest.raises(ValueError, match="bad_words entries must be non-empty text, got ' '"):
-        bad_words_ids(tok, [" "])
+    # leading whitespace is what str.lstrip strips (as vLLM's bad_words): NEL and no-break space too
+    assert bad_words_ids(tok, ["\x85\xa0hello"]) == bad_words_ids(tok, ["hello"])
+    for word, shown in ((" ", "' '"), ("\x85", "'\\x85'"), ("\xa0\u3000\t", "'\\xa0\\u3000\\t'")):
+        with pytest.raises(ValueError) as e:
+            bad_words_ids(tok, [word])
+        assert str(e.value) == (f"bad_words entry {shown} is only whitespace: a bad word's leading whitespace is "
+                                "stripped (as vLLM does), which leaves no text to ban")
+    for word in ("", 5):
+        with pytest.raises(ValueError, match=r"bad_words entry must be non-empty text, got (''|5)"):
+            bad_words_ids(tok, [word])
 
 
 # --- each warper against transformers' processor ----------------------------------------------
@@ -292,7 +300,8 @@ def test_cli_options_equal_the_library(capsys, model_dir, model):
     (["--eta-cutoff", "2"], "eta_cutoff must be a number in [0, 1)"),
     (["--no-repeat-ngram-size", "-2"], "no_repeat_ngram_size must be an integer >= 0"),
     (["--min-new-tokens", "20", "-n", "10"], "min_new_tokens must be an integer in [0, max_new_tokens=10]"),
-    (["--bad-words", " "], "--bad-words must be non-empty text"),
+    (["--bad-words", " "], "--bad-words ' ' is only whitespace"),
+    (["--bad-words", "\x85"], "--bad-words '\\x85' is only whitespace"),
     (["--bad-words-ids", "1,,2"], "--bad-words-ids takes comma-separated token ids"),
     (["--bad-words-ids", "1,-2"], "bad_words entry 0 entry must be an integer >= 0, got -2"),
     (["--suppress-tokens", "a"], "--suppress-tokens takes comma-separated token ids"),
@@ -302,7 +311,7 @@ def test_cli_bad_values_one_line_nonzero(capsys, model_dir, argv, needle, monkey
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     code, _, err = run_cli(capsys, ["hi", "-m", str(model_dir), "-n", "4", *argv])
     assert code != 0
-    assert len(err.strip().splitlines()) == 1 and needle in err and "Traceback" not in err, err
+    assert len(error_lines(err)) == 1 and needle in err and "Traceback" not in err, err
 
 
 def test_cli_help_names_each_option_and_default(capsys):

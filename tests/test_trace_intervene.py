@@ -12,7 +12,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers import TINY, random_model
+from helpers import TINY, error_lines, random_model
 
 from gpt2kit.cli import main
 from gpt2kit.trace import ALIASES, Intervention, ablate, hook, replace, run_with_hooks, steer, trace
@@ -176,7 +176,7 @@ def test_cli_ablate_and_steer(tmp_path, capsys):
                          (["--steer", "h.1.resid:missing.npy"], "no such vector file")]:
         rc = main(["trace", "--model", str(d), TEXT, "--json", str(tmp_path / "x.json"), *argv])
         err = capsys.readouterr().err
-        assert rc == 1 and needle in err and len(err.strip().splitlines()) == 1, (argv, err)
+        assert rc == 1 and needle in err and len(error_lines(err)) == 1, (argv, err)
         assert not (tmp_path / "x.json").exists()
 
 
@@ -224,6 +224,6 @@ def test_cli_refuses_non_finite_and_unreadable_vectors(tmp_path, capsys):
     ]:
         rc = main(["trace", "--model", str(d), TEXT, "--json", str(tmp_path / "x.json"), *argv])
         err = capsys.readouterr().err
-        assert rc == 1 and len(err.strip().splitlines()) == 1, (argv, err)
+        assert rc == 1 and len(error_lines(err)) == 1, (argv, err)
         assert all(n in err for n in needles), (argv, err)
         assert "could not convert" not in err and not (tmp_path / "x.json").exists()

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from helpers import TINY, hf_from_ours, random_model
+from helpers import TINY, error_lines, hf_from_ours, random_model
 
 from gpt2kit.cli import main
 from gpt2kit.config import GPT2Config
@@ -302,7 +302,7 @@ def test_bad_pairs_name_the_line(tmp_path, capsys):
         f.write_text("\n".join(lines) + "\n")
         rc = main(["trace", "--model", str(d), "--pairs", str(f), "--json", str(tmp_path / "x.json"), *extra])
         err = capsys.readouterr().err
-        assert rc == 1 and needle in err and len(err.strip().splitlines()) == 1, (needle, err)
+        assert rc == 1 and needle in err and len(error_lines(err)) == 1, (needle, err)
         assert not (tmp_path / "x.json").exists()
 
 

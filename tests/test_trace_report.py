@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from helpers import random_model
+from helpers import error_lines, random_model
 
 from gpt2kit import save_model
 from gpt2kit.cli import main
@@ -108,7 +108,7 @@ def test_cli_trace_bad_input_is_one_line(model_dir, tmp_path, capsys, monkeypatc
     rc = main(["trace", "--model", str(model_dir), *argv])
     err = capsys.readouterr().err
     assert rc != 0
-    assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert needle in err and len(error_lines(err)) == 1 and "Traceback" not in err
     assert not (tmp_path / "x.html").exists()
 
 
@@ -192,7 +192,7 @@ def test_compare_file_reads_the_comparison_as_file_reads_the_text(model_dir, tmp
     ]:
         rc = main(["trace", "--model", str(model_dir), *argv, "--json", str(tmp_path / "x.json")])
         err = capsys.readouterr().err
-        assert rc == 1 and needle in err and len(err.strip().splitlines()) == 1, (argv, err)
+        assert rc == 1 and needle in err and len(error_lines(err)) == 1, (argv, err)
     with pytest.raises(ValueError, match="pair 1: clean has .* the difference is a trailing newline: clean ends"):
         trace(random_model(SMALL_VOCAB), Tokenizer.default(), None, pairs=[{"clean": text, "corrupt": text.rstrip()}])
 

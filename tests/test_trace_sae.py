@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, hf_from_ours, random_model
+from helpers import TINY, error_lines, hf_from_ours, random_model
 from safetensors.torch import load_file, save_file
 
 from gpt2kit.cli import main
@@ -132,7 +132,7 @@ def test_bad_saes_say_what_is_wrong(tiny_model, tmp_path, capsys):
         rc = main(["trace", "--model", str(d), "The the, a.", "--json", str(tmp_path / "x.json"),
                    "--sae", str(tmp_path / name)])
         err = capsys.readouterr().err
-        assert rc == 1 and needle in err and len(err.strip().splitlines()) == 1, (name, err)
+        assert rc == 1 and needle in err and len(error_lines(err)) == 1, (name, err)
         assert not (tmp_path / "x.json").exists()
     # a hook point the selection left out
     _write(tmp_path / "mlp", hook="blocks.0.hook_mlp_out")
@@ -203,7 +203,7 @@ def test_bad_sae_files_name_the_file_and_what_is_expected(tiny_model, tmp_path, 
         rc = main(["trace", "--model", str(d), "The the, a.", "--json", str(tmp_path / "x.json"),
                    "--sae", str(file.parent)])
         err = capsys.readouterr().err
-        assert rc == 1 and str(file) in err and len(err.strip().splitlines()) == 1, (name, err)
+        assert rc == 1 and str(file) in err and len(error_lines(err)) == 1, (name, err)
         assert not (tmp_path / "x.json").exists()
 
 

@@ -1,10 +1,13 @@
-"""What a command shows while it works: one status line on stderr, only when stderr is a terminal.
+"""What a command shows while it works, on stderr: a status line on a terminal, a log line elsewhere.
 
-`Status.show("loading runs/stdlib")` draws `gpt2kit generate: loading runs/stdlib (0:00:07)` and
-redraws it twice a second, so a load or a long forward pass is visibly alive; the next `show`
-replaces it, `hide` (before the command's own output reaches the same terminal) and `close` wipe
-it. `Status.bar` gives a tqdm bar on the same terms. Piped or redirected stderr gets nothing at
-all, so logs and scripts see exactly the command's output. Torch-free.
+On a terminal, `Status.show("loading runs/stdlib")` draws `gpt2kit generate: loading runs/stdlib
+(0:00:07)` and redraws it twice a second, so a load or a long forward pass is visibly alive; the
+next `show` replaces it, `hide` (before the command's own output reaches the same terminal) and
+`close` wipe it. `Status.bar` gives a tqdm bar on the same terms. Piped or redirected stderr gets
+one plain line per stage instead (`gpt2kit generate: loading runs/stdlib`), written when the stage
+begins, so a log says what a command was doing and nothing on stdout changes; bars are terminal
+only. `Status.message` writes a line of its own (a warning) without tearing the status line.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -43,8 +46,12 @@ class Status:
         self._thread: threading.Thread | None = None
 
     def show(self, text: str) -> None:
-        """Replace the line with `text` and the time since that stage began (a no-op off a terminal)."""
+        """Replace the line with `text` and the time since that stage began; off a terminal, one line
+        `PROG: TEXT` when the stage is not the one last written."""
         if not self.enabled:
+            if text != self._last:
+                self._last = text
+                self._write(f"{self.prog}: {text}\n")
             return
         with self._lock:
             if text != self._last:  # the same stage shown again after a hide keeps its clock
@@ -61,6 +68,12 @@ class Status:
             shown, self._text = self._text, None
             if shown is not None:
                 self._write(_CLEAR)
+
+    def message(self, line: str) -> None:
+        """`line` on a line of its own, the status line (if shown) wiped first and drawn again after it."""
+        with self._lock:
+            self._write((_CLEAR if self._text is not None else "") + line + "\n")
+        self._draw()
 
     def bar(self, total: int, *, unit: str, desc: str):
         """A tqdm bar on the stream (the status line hidden first), or None off a terminal."""

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from gpt2kit._io import check_input
 from gpt2kit.quant import activations, quality, set_activations
 
 LIMITS = {"ppl_rise": 0.02, "agree": 0.97}
@@ -107,23 +108,21 @@ def windows_of(tokens: Sequence[int] | torch.Tensor, n_ctx: int, count: int = WI
 
 def read_windows(path: str | Path, tokenizer, n_ctx: int, n_vocab: int) -> torch.Tensor:
     """Held-out windows (N, T) from `path`: a directory of prepared shards (val_*.bin), one .bin shard,
-    or a UTF-8 text file; ValueError naming the path when it is none of them or holds ids >= n_vocab."""
+    or a UTF-8 text file; one error naming the path when it is none of them (missing, or a FIFO or a
+    device: _io.check_input, which never opens it) or holds ids >= n_vocab."""
     from gpt2kit.data.shard import find_shards, read_shard
 
-    path = Path(path)
+    path = check_input(path, "--gate-data", directory=True)
     if path.is_dir():
         tokens = torch.cat([torch.from_numpy(read_shard(f).astype("int64")) for f in find_shards(path, "val")])
     elif path.suffix == ".bin" and path.is_file():
         tokens = torch.from_numpy(read_shard(path).astype("int64"))
-    elif path.is_file():
+    else:
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"--gate-data {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
-    else:
-        raise ValueError(f"--gate-data {path}: no such file or directory (a text file, a .bin shard or a "
-                         "directory of val_*.bin shards)")
     if tokens.numel() and int(tokens.max()) >= n_vocab:
         raise ValueError(f"--gate-data {path}: token {int(tokens.max())} is outside the model's vocabulary "
                          f"(n_vocab {n_vocab})")

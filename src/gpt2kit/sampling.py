@@ -217,16 +217,28 @@ def _check_bad_words(words) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
+def bad_word_text(word: object, name: str = "bad_words entry") -> str:
+    """The text of a bad word that is tokenized: the word with its leading whitespace stripped, as vLLM
+    strips it (str.lstrip: Unicode whitespace, NEL and no-break space included). ValueError, the word
+    shown escaped, when that leaves nothing to tokenize: a word that is only whitespace bans nothing."""
+    if not isinstance(word, str) or not word:
+        raise ValueError(f"{name} must be non-empty text, got {word!r}")
+    text = word.lstrip()
+    if not text:
+        raise ValueError(f"{name} {word!r} is only whitespace: a bad word's leading whitespace is stripped "
+                         "(as vLLM does), which leaves no text to ban")
+    return text
+
+
 def bad_words_ids(tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
     """The token sequences of words for SamplingSettings.bad_words, as vLLM tokenizes its bad_words:
     each word with its leading spaces stripped, and with one leading space (GPT-2's tokens differ
     mid-text) where that gives as many tokens and another first token."""
     out = []
     for w in words:
-        if not isinstance(w, str) or not w.strip():
-            raise ValueError(f"bad_words entries must be non-empty text, got {w!r}")
-        bare = tokenizer.encode(w.lstrip())
-        spaced = tokenizer.encode(" " + w.lstrip())
+        text = bad_word_text(w)
+        bare = tokenizer.encode(text)
+        spaced = tokenizer.encode(" " + text)
         out.append(tuple(bare))
         if len(spaced) == len(bare) and spaced[0] != bare[0]:
             out.append(tuple(spaced))

@@ -51,7 +51,8 @@ def describe(name_or_path: str | os.PathLike[str]) -> dict:
 
     `parameters` is the float model's count for an int8 checkpoint too (an int8 code is the weight
     it stands for; a scale is not a parameter); `weight_bytes` is what the tensors take as stored
-    (int8 codes, scales and float tensors), `dtype` the float tensors' dtype."""
+    (int8 codes, scales and float tensors), `dtype` the float tensors' dtype, `parameters_by_dtype`
+    the parameters held in each dtype (an int8 checkpoint's matrices under "int8")."""
     kind, path = resolve_source(name_or_path)
     scheme = int8_format.read_scheme(path) if kind == "hf" else None
     if scheme is not None:
@@ -60,6 +61,9 @@ def describe(name_or_path: str | os.PathLike[str]) -> dict:
         kind, path, config, infos = read_checked_header(path)
     weights = {k: i for k, i in infos.items() if not (scheme and k.endswith(".scale"))}
     dtypes = sorted({i.dtype for i in weights.values() if i.dtype != "int8"})
+    by_dtype: dict[str, int] = {}
+    for i in weights.values():
+        by_dtype[i.dtype] = by_dtype.get(i.dtype, 0) + i.numel
     files = sorted(f.name for f in path.iterdir() if f.is_file() and not f.name.startswith("."))
     return {
         "source": "huggingface" if kind == "hf" else "openai-tf",
@@ -67,6 +71,7 @@ def describe(name_or_path: str | os.PathLike[str]) -> dict:
         "config": dict(config.__dict__),
         "parameters": sum(i.numel for i in weights.values()),
         "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+        "parameters_by_dtype": dict(sorted(by_dtype.items())),
         "weight_bytes": sum(i.numel * DTYPE_BYTES.get(i.dtype, 4) for i in infos.values()),
         "files": {f: (path / f).stat().st_size for f in files},
         "quantization": scheme,

@@ -49,17 +49,53 @@ def read_text(path: str | None) -> str:
         return data.decode("utf-8", errors="replace")
 
 
+class WarningLines:
+    """Python's warnings as `gpt2kit COMMAND: warning: ...` lines on stderr, without Python's file, line
+    and source (through the command's status, so a status line is not torn). While `holding` (a
+    sample streams to stdout), the lines wait for `release`, so none lands between streamed tokens."""
+
+    def __init__(self, status=None) -> None:
+        self.status, self.held = status, None
+
+    def show(self, message, category, filename, lineno, file=None, line=None) -> None:
+        text = f"{prog()}: warning: {' '.join(str(message).split())}"
+        if self.held is not None:
+            self.held.append(text)
+        else:
+            self._write(text)
+
+    def release(self) -> None:
+        """Write the held lines (the streamed line has ended)."""
+        for text in self.held or ():
+            self._write(text)
+        if self.held is not None:
+            self.held = []
+
+    def _write(self, text: str) -> None:
+        if self.status is not None:
+            self.status.message(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        self.held = []
+        try:
+            yield
+        finally:
+            self.release()
+            self.held = None
+
+
 @contextlib.contextmanager
-def one_line_warnings(command: str) -> Iterator[None]:
-    """Warnings as `gpt2kit COMMAND: warning: ...` lines, without Python's file, line and source."""
+def one_line_warnings(status=None) -> Iterator[WarningLines]:
+    """Every warning raised inside as one line (WarningLines), Python's own format never."""
     import warnings
 
-    def show(message, category, filename, lineno, file=None, line=None) -> None:
-        print(f"gpt2kit {command}: warning: {message}", file=sys.stderr, flush=True)
-
+    lines = WarningLines(status)
     with warnings.catch_warnings():
-        warnings.showwarning = show
-        yield
+        warnings.showwarning = lines.show
+        yield lines
 
 
 class DefaultsShown(argparse.HelpFormatter):

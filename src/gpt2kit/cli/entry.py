@@ -1,7 +1,7 @@
 """The parser of every command and the one place errors become exit codes: a library error
 (ValueError, OSError, CheckpointError, ...) is one line on stderr and exit code 1 (2 for usage
 errors, 130 on Ctrl-C, 141 when the reader of stdout went away); `--debug` shows the traceback
-instead. Each command's status line (gpt2kit.progress) is opened here."""
+instead. Each command's status (gpt2kit.progress) and its one-line warnings are opened here."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 
 from gpt2kit.cli.bench import register_bench
-from gpt2kit.cli.common import prog, set_prog
+from gpt2kit.cli.common import one_line_warnings, prog, set_prog
 from gpt2kit.cli.generate import register_generate, register_score
 from gpt2kit.cli.models import (
     register_convert,
@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     from gpt2kit.progress import Status
 
     try:
-        with Status(prog()) as args.status:  # a status line while the command works, on a terminal only
+        # the stages on stderr (a status line on a terminal, log lines elsewhere); warnings as one line each
+        with Status(prog()) as args.status, one_line_warnings(args.status) as args.warnings:
             code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed stdout shows up here, not at interpreter exit
         return code

@@ -48,14 +48,28 @@ def cmd_score(args: argparse.Namespace) -> int:
     args.status.hide()
     if args.json:
         print(json.dumps(result.to_json()))
-    else:
-        print(f"tokens: {len(result.tokens)}  nll: {result.nll:.4f} nats/token  "
-              f"perplexity: {result.ppl:.3f}  bits/byte: {result.bits_per_byte:.4f}")
+        return 0
+    print(f"{'index':>7}  {'log-prob':>9}  token")
+    for i, (t, lp) in enumerate(zip(result.tokens, result.logprobs, strict=True)):
+        print(f"{i:>7}  {lp:>9.4f}  {_token_shown(tok, t)}")
+    print(f"tokens: {len(result.tokens)}  nll: {result.nll:.4f} nats/token  "
+          f"perplexity: {result.ppl:.3f}  bits/byte: {result.bits_per_byte:.4f}")
     return 0
 
 
+def _token_shown(tok, t: int) -> str:
+    """A token as score's table shows it: its text JSON-quoted (spaces and newlines visible), or its
+    bytes as `bytes:\\xNN...` when they are not UTF-8 on their own (part of a character)."""
+    data = tok.decode_bytes([t])
+    try:
+        return json.dumps(data.decode("utf-8"), ensure_ascii=False)
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{c:02x}" for c in data)
+
+
 def register_score(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("score", help="how likely a text is under a model (log-probs, NLL, perplexity)")
+    p = sub.add_parser("score", help="how likely a text is under a model: each token's log-prob, then NLL, "
+                                     "perplexity and bits per byte")
     p.add_argument("file", nargs="?", help="text file (default: stdin)")
     add_model_args(p)
     p.add_argument("--stride", type=int, default=None, help="sliding-window stride for long texts (default n_ctx/2)")
@@ -136,36 +150,38 @@ def _generate_and_print(model, tok, texts: list[str], settings, args: argparse.N
                               "tokens": tokens[k], "text": text[k], "finish_reason": done[k]}), flush=True)
         else:
             print(flush=True)
+        args.warnings.release()  # the line has ended: warnings held meanwhile go out now
 
     args.status.hide()  # the samples (or the token bar) take the terminal from here
     bar = None if is_terminal(sys.stdout) else args.status.bar(n_rows * settings.max_new_tokens, unit="token",
                                                                   desc="generating")
     try:
-        header(0)
-        drafted = accepted = 0
-        for step in generate_stream(model, ids, settings, tokenizer=tok, batch_size=args.batch_size,
-                                    draft_model=args.draft):
-            for d, a in step.drafts.values():
-                drafted, accepted = drafted + d, accepted + a
-            for k, t in step.tokens.items():
-                tokens[k].append(t)
-            if bar is not None:
-                bar.update(len(step.tokens))
-            for k, piece in step.text.items():
-                text[k] += piece
-                if k == head and piece and not args.json:
-                    sys.stdout.write(piece)
-                    sys.stdout.flush()
-            done.update(step.finished)
-            while head in done:
-                finish(head)
-                head += 1
-                if head < n_rows:
-                    header(head)
-                    if not args.json and text[head]:
-                        sys.stdout.write(text[head])  # buffered while an earlier sample was printing
+        with args.warnings.holding():  # a warning waits for the end of the line being streamed
+            header(0)
+            drafted = accepted = 0
+            for step in generate_stream(model, ids, settings, tokenizer=tok, batch_size=args.batch_size,
+                                        draft_model=args.draft):
+                for d, a in step.drafts.values():
+                    drafted, accepted = drafted + d, accepted + a
+                for k, t in step.tokens.items():
+                    tokens[k].append(t)
+                if bar is not None:
+                    bar.update(len(step.tokens))
+                for k, piece in step.text.items():
+                    text[k] += piece
+                    if k == head and piece and not args.json:
+                        sys.stdout.write(piece)
                         sys.stdout.flush()
-        report_acceptance(args, drafted, accepted)
+                done.update(step.finished)
+                while head in done:
+                    finish(head)
+                    head += 1
+                    if head < n_rows:
+                        header(head)
+                        if not args.json and text[head]:
+                            sys.stdout.write(text[head])  # buffered while an earlier sample was printing
+                            sys.stdout.flush()
+            report_acceptance(args, drafted, accepted)
     finally:
         if bar is not None:
             bar.close()
@@ -180,8 +196,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
     check_load_args(args)  # before the model loads
-    if any(not w.strip() for w in args.bad_words or ()):
-        raise CLIError("--bad-words must be non-empty text")
+    from gpt2kit.sampling import bad_word_text
+
+    for w in args.bad_words or ():
+        bad_word_text(w, "--bad-words")  # before the model loads
     texts = _read_prompts(args.prompts_file) if args.prompts_file is not None else [args.prompt or ""]
     model, tok = load_for(args)
     settings = _with_bad_words(settings, tok, args)

@@ -61,7 +61,7 @@ def check_load_args(args: argparse.Namespace) -> None:
 
 
 def check_activation_args(args: argparse.Namespace) -> None:
-    """--int8-activations needs --gate-data that exists (and --gate-data needs it); a kernel forced by
+    """--int8-activations needs --gate-data, a file or directory (and --gate-data needs it); a kernel forced by
     GPT2KIT_INT8ACT_KERNEL must be one that runs here."""
     on, data = getattr(args, "int8_activations", False), getattr(args, "gate_data", None)
     if on and data is None:
@@ -70,8 +70,10 @@ def check_activation_args(args: argparse.Namespace) -> None:
     if data is not None and not on:
         raise ValueError("--gate-data is the held-out text of --int8-activations' quality gate; add "
                          "--int8-activations, or drop --gate-data")
-    if data is not None and not os.path.exists(data):
-        raise ValueError(f"--gate-data {data}: no such file or directory")
+    if data is not None:
+        from gpt2kit._io import check_input
+
+        check_input(data, "--gate-data", directory=True)  # a FIFO or a device is named as such, never read
     if on and os.environ.get("GPT2KIT_INT8ACT_KERNEL"):
         from gpt2kit.decode.int8act import ENV, check_kernel
 

@@ -98,8 +98,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"config:     {cfg['n_layer']} layers, n_embd {cfg['n_embd']}, {cfg['n_head']} heads, "
           f"n_ctx {cfg['n_ctx']}, n_vocab {cfg['n_vocab']}")
     print(f"parameters: {info['parameters']:,}")
-    print(f"dtype:      {info['dtype']}")
     q = info.get("quantization")
+    print(f"dtype:      {_dtype_line(info)}")
     stored, full = f"{info['weight_bytes'] / 1e6:,.1f} MB as stored", info["parameters"] * 4
     if q:  # the parameters are the float model's count; the int8 codes and scales are their storage
         stored += f" ({q['scheme']} codes, scales: {info['weight_bytes'] / full:.0%} of float32's {full / 1e6:,.1f} MB)"
@@ -110,6 +110,17 @@ def cmd_info(args: argparse.Namespace) -> int:
     for name, size in info["files"].items():
         print(f"file:       {name} ({size:,} bytes)")
     return 0
+
+
+def _dtype_line(info: dict) -> str:
+    """The dtype the weights are stored in; for an int8 checkpoint, which share is int8, with what scales."""
+    q, rest = info.get("quantization"), info["dtype"]
+    rest = rest if isinstance(rest, str) else ", ".join(rest)
+    if not q:
+        return rest
+    n = info["parameters_by_dtype"].get(q["scheme"], 0)
+    return (f"{q['scheme']} ({n:,} of the {info['parameters']:,} parameters, with {q['scale_dtype']} scales); "
+            f"other tensors {rest}")
 
 
 def register_info(sub: argparse._SubParsersAction) -> None:

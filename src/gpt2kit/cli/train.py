@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from gpt2kit.cli.common import FLAG_TYPES, CLIError, field_kind, one_line_warnings
+from gpt2kit.cli.common import FLAG_TYPES, CLIError, field_kind
 from gpt2kit.train_config import TrainConfig
 
 
@@ -18,15 +18,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     pairs = [is_prompt_completion(i) for i in args.inputs]
     if any(pairs) and not all(pairs):
         raise CLIError("prompt/completion .jsonl files cannot be mixed with text inputs in one prepare")
-    with one_line_warnings("prepare"):
-        if all(pairs):  # {"prompt", "completion"} lines: shards + loss masks (docs/training.md)
-            s = prepare_completions(args.inputs, args.out, val_fraction=args.val_fraction,
-                                    shard_size=args.shard_size, overwrite=args.overwrite,
-                                    shuffle_seed=None if args.no_shuffle else args.shuffle_seed)
-        else:
-            s = prepare(args.inputs, args.out, val_fraction=args.val_fraction, glob=args.glob,
-                        workers=args.workers, shard_size=args.shard_size, progress=sys.stderr.isatty(),
-                        overwrite=args.overwrite, shuffle_seed=None if args.no_shuffle else args.shuffle_seed)
+    if all(pairs):  # {"prompt", "completion"} lines: shards + loss masks (docs/training.md)
+        s = prepare_completions(args.inputs, args.out, val_fraction=args.val_fraction,
+                                shard_size=args.shard_size, overwrite=args.overwrite,
+                                shuffle_seed=None if args.no_shuffle else args.shuffle_seed)
+    else:
+        s = prepare(args.inputs, args.out, val_fraction=args.val_fraction, glob=args.glob,
+                    workers=args.workers, shard_size=args.shard_size, progress=sys.stderr.isatty(),
+                    overwrite=args.overwrite, shuffle_seed=None if args.no_shuffle else args.shuffle_seed)
     print(f"{s.documents:,} documents: {s.train_tokens:,} train tokens in {len(s.train_shards)} shard(s), "
           f"{s.val_tokens:,} val tokens ({s.val_documents:,} documents) in {len(s.val_shards)} shard(s), "
           f"in {s.out_dir}")
@@ -74,8 +73,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise CLIError("--data is required: a directory of shards written by `gpt2kit prepare`")
     else:
         cfg = TrainConfig(**given)
-    with one_line_warnings("train"):
-        result = train(cfg)
+    result = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0 and result.tokens == 0:
         print(f"nothing to do: {result.out} is already at step {result.step}; pass a larger --max-steps "
               f"with --resume to extend the run")

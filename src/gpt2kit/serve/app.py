@@ -1,7 +1,8 @@
 """The HTTP layer: FastAPI routes and the ASGI middleware (API key, request counter; the body's
 size and deadline in serve/gate.py) over the server's state (serve/server.py: the model and its
 engine loop, a worker thread, so the event loop never waits on the model). What /v1/completions
-computes is serve/completions.py; log-probs are formatted in serve/logprobs.py.
+computes is serve/completions.py, what /v1/chat/completions adds serve/chat.py; log-probs are
+formatted in serve/logprobs.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
+import gpt2kit.serve.chat as chat
 import gpt2kit.serve.schemas as S
 from gpt2kit.serve.completions import complete, plan, stream
 from gpt2kit.serve.errors import APIError, error_body, install
@@ -110,27 +112,16 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
         return await complete(server, job, request)
 
     @app.post("/v1/chat/completions", response_model=S.ChatCompletion, response_model_exclude_unset=True,
-              responses=_ERRORS)
-    async def chat(body: S.ChatRequest, request: Request):
+              responses={**_STREAM_200, **_ERRORS})
+    async def chat_completions(body: S.ChatRequest, request: Request):
         server.require_ready()
-        if opts.chat_template is None:
-            raise APIError(400, "GPT-2 has no chat format: start the server with --chat-template FILE (a Jinja2 "
-                                "template over `messages`) to enable /v1/chat/completions; or use /v1/completions",
-                           param="messages", code="chat_template_missing")
+        server.check_model(body.model)
+        prompt = chat.render(server.chat_template, body, server.tokenizer.eot_text)
+        job = plan(server, chat.completion_request(body, prompt), server.chat_stops)
         if body.stream:
-            raise APIError(400, "streaming chat is not supported; use /v1/completions with stream", param="stream")
-        prompt = _render_chat(opts.chat_template, body)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        req = S.CompletionRequest(
-            model=body.model, prompt=prompt, max_tokens=max_tokens if max_tokens is not None else 16,
-            temperature=body.temperature, top_p=body.top_p, n=body.n, stop=body.stop,
-            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            logit_bias=body.logit_bias, seed=body.seed, user=body.user,
-            **body.model_dump(include=_CHAT_EXTENSIONS, exclude_unset=True))
-        out = await complete(server, plan(server, req), request)
-        return {"id": out["id"].replace("cmpl-", "chatcmpl-"), "object": "chat.completion",
-                "created": out["created"], "model": out["model"], "usage": out["usage"],
-                "choices": [_chat_choice(c) for c in out["choices"]]}
+            return StreamingResponse(chat.stream(server, job, request), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return chat.response(await complete(server, job, request))
 
     @app.get("/v1/models", response_model=S.ModelList, responses=_ERRORS)
     async def models():
@@ -179,6 +170,9 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
                     op.get("responses", {}).pop("422", None)
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
+            if not server.ready:  # the token ids' bound comes with the model: this document is not the last
+                return schema
+            _token_id_bounds(schema.get("components", {}).get("schemas", {}), server)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -196,26 +190,24 @@ def _card(server: Server) -> dict:
             "quantization": q and q["scheme"]}
 
 
-_CHAT_EXTENSIONS = {*S.Extensions.model_fields, "best_of"}  # passed to the completion as sent
+def _token_id_bounds(schemas: dict, server: Server) -> None:
+    """Each request field of token ids gets its vocabulary's last id as `maximum` (its `minimum` is 0),
+    the bound its 400 enforces: detokenize's tokens the tokenizer's, a prompt's both's, suppress_tokens
+    the model's."""
+    n_model, n_tok = server.model.config.n_vocab, server.tokenizer.n_vocab
+    for name, field, n in (("DetokenizeRequest", "tokens", n_tok), ("CompletionRequest", "prompt", min(n_model, n_tok)),
+                           ("CompletionRequest", "suppress_tokens", n_model),
+                           ("ChatRequest", "suppress_tokens", n_model)):
+        _cap_ids(schemas.get(name, {}).get("properties", {}).get(field), n - 1)
 
 
-def _chat_choice(c: dict) -> dict:
-    choice = {"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-              "finish_reason": c["finish_reason"], "logprobs": None}
-    if "score" in c:  # beam search
-        choice["score"] = c["score"]
-    return choice
-
-
-def _render_chat(template: str, body: S.ChatRequest) -> str:
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise APIError(400, "--chat-template needs Jinja2: pip install 'gpt2kit[serve]'") from None
-    try:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(template).render(messages=[m.model_dump() for m in body.messages],
-                                                add_generation_prompt=True)
-    except Exception as e:  # a template error is the request's (or the operator's) problem
-        raise APIError(400, f"the chat template failed on these messages: {type(e).__name__}: {e}",
-                       param="messages") from None
+def _cap_ids(node: object, top: int) -> None:
+    """`maximum: top` on every integer schema with minimum 0 under node (a token id)."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer" and node.get("minimum") == 0:
+            node["maximum"] = top
+        for v in node.values():
+            _cap_ids(v, top)
+    elif isinstance(node, list):
+        for v in node:
+            _cap_ids(v, top)

@@ -10,6 +10,7 @@ exceed that gets 429 with Retry-After.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -82,9 +83,9 @@ class Job:
 # --- planning ---------------------------------------------------------------------------------
 
 
-def plan(server: Server, body: S.CompletionRequest) -> Job:
+def plan(server: Server, body: S.CompletionRequest, more_stops: tuple[str, ...] = ()) -> Job:
     """Check a request against the model and the limits (400/404/429 name what is wrong), then
-    submit its rows."""
+    submit its rows. more_stops: stop strings besides the request's own (a chat template's turn marker)."""
     from gpt2kit.engine import RowKey
     from gpt2kit.sampler import resolve_seed
 
@@ -114,7 +115,8 @@ def plan(server: Server, body: S.CompletionRequest) -> Job:
                             f"{longest + max_tokens} tokens ({longest} in your prompt; {max_tokens} for the "
                             f"completion). Please reduce your prompt or completion length.",
                        param="max_tokens", code="context_length_exceeded")
-    settings = _settings(body, max_tokens, cfg.n_vocab, server.tokenizer, kind, n, best_of)
+    # beam and contrastive search take no stop strings: a template's turn marker is not theirs
+    settings = _settings(body, max_tokens, cfg.n_vocab, server.tokenizer, kind, n, best_of, () if kind else more_stops)
     rows = len(prompts) * per_prompt if max_tokens > 0 else 0
     limit = server.opts.max_batch + server.opts.max_queue
     if rows > limit:
@@ -151,7 +153,7 @@ def plan(server: Server, body: S.CompletionRequest) -> Job:
 
 
 def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int, tokenizer, kind: str | None, n: int,
-              best_of: int):
+              best_of: int, more_stops: tuple[str, ...] = ()):
     """The request's SamplingSettings (with kind: its search's); a value they refuse is a 400."""
     from gpt2kit.sampling import EOT_ID, SamplingSettings
 
@@ -168,7 +170,8 @@ def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int, tokenize
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             logit_bias=bias, seed=None if body.seed is None else body.seed % 2**63,
-            stop_token_ids=(EOT_ID,) if EOT_ID < n_vocab and not body.ignore_eos else (), stop_strings=tuple(stops), strict=True,
+            stop_token_ids=(EOT_ID,) if EOT_ID < n_vocab and not body.ignore_eos else (),
+            stop_strings=tuple(dict.fromkeys([*stops, *more_stops])), strict=True,
             **body.warper_settings(tokenizer, n_vocab, max_tokens), **search.settings_fields(body, kind, n, best_of))
         search.check_settings(kind, settings)
         return settings
@@ -368,14 +371,24 @@ def _choices(job: Job, out: Response) -> list[dict]:
 
 
 async def stream(server: Server, job: Job, request: Request) -> AsyncIterator[str]:
+    """The completion as server-sent events: each chunk (stream_objects), then `data: [DONE]`."""
+    async with contextlib.aclosing(stream_objects(server, job, request)) as objects:
+        async for obj in objects:
+            yield f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def stream_objects(server: Server, job: Job, request: Request) -> AsyncIterator[dict]:
+    """The streamed completion's chunks (`text_completion` objects) as they come; an error ends them
+    with an error body (the stream then ends as every stream does). Chat streams these too."""
     body = job.body
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chunk(out: Response, choices: list[dict], usage: dict | None = None) -> str:
+    def chunk(out: Response, choices: list[dict], usage: dict | None = None) -> dict:
         obj = out.envelope(choices)
         if include_usage:
             obj["usage"] = usage
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        return obj
 
     try:
         out = Response(server.tokenizer, job, await echo_logprobs(server, job, request))
@@ -392,10 +405,8 @@ async def stream(server: Server, job: Job, request: Request) -> AsyncIterator[st
                 yield chunk(out, [_choice(ev.text, c.prompt_index * job.n + c.sample_index, lp, ev.finish_reason)])
         if include_usage:
             yield chunk(out, [], usage(job))
-        yield "data: [DONE]\n\n"
-    except APIError as e:  # an error event, then [DONE]: the stream ends as every stream does
-        yield f"data: {json.dumps(error_body(e.status, e.message, e.param, e.code))}\n\n"
-        yield "data: [DONE]\n\n"
+    except APIError as e:
+        yield error_body(e.status, e.message, e.param, e.code)
     except asyncio.CancelledError:  # Starlette saw the client leave (or uvicorn gave up at shutdown)
         cancel(server, job, "stream cancelled (client gone, or the server stopping)")
         raise

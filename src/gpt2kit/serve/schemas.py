@@ -153,8 +153,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(Extensions, _SamplingRequest):
-    """POST /v1/chat/completions (only with --chat-template): the rendered messages are completed as
-    /v1/completions completes a prompt, with the same extensions and checks."""
+    """POST /v1/chat/completions: the messages rendered by the chat template (serve/chat.py) are
+    completed as /v1/completions completes a prompt, with the same extensions and checks."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1)
@@ -162,6 +162,7 @@ class ChatRequest(Extensions, _SamplingRequest):
     best_of: int | None = Field(None, ge=1, le=128, description="extension (completions' field): server-side "
                                                                 "candidates, n best by mean log-prob; beam search's "
                                                                 "width")
+    stream_options: StreamOptions | None = None
 
 
 class ChatChoiceMessage(BaseModel):
