@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, random_model
+from helpers import TINY, error_lines, random_model
 from safetensors.torch import load_file, save_file
 
 from gpt2kit.checkpoint import CheckpointError, apply_adapter, load_model, read_adapter, save_adapter, save_model
@@ -80,7 +80,7 @@ def test_a_regular_expression_key_is_refused_at_once_through_the_cli(tmp_path, b
             "serve": ["serve", "--model", base, "--adapter", ad, "--port", "0"]}[command]
     proc = _run(*argv)  # a loader running the key as a pattern never returns: the timeout fails the test
     assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.count("\n") == 1
+    assert len(error_lines(proc.stderr)) == 1
     assert f"{cfg_file}: alpha_pattern key {CRAFTED!r} is not a module name" in proc.stderr
     assert not (tmp_path / "out").exists()
 
@@ -130,7 +130,7 @@ def test_a_non_finite_tensor_is_refused_naming_it_and_merge_writes_nothing(tmp_p
         read_adapter(ad)
     assert main(["merge", str(base), str(ad), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and words in err
+    assert len(error_lines(err)) == 1 and words in err
     assert not (tmp_path / "out").exists()
     assert main(["generate", "hi", "--model", str(base), "--adapter", str(ad), "-n", "2"]) == 1
     assert words in capsys.readouterr().err
@@ -208,7 +208,7 @@ def test_a_merge_beyond_the_dtype_is_refused_before_anything_changes(tmp_path, b
     assert all(torch.equal(after[k], t) for k, t in before.items())
     assert main(["merge", str(base), str(ad), str(tmp_path / "out"), "--dtype", "float16"]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "tensor h.1.attn.c_attn.weight holds" in err and "float16" in err
+    assert len(error_lines(err)) == 1 and "tensor h.1.attn.c_attn.weight holds" in err and "float16" in err
     assert not (tmp_path / "out").exists()
     assert main(["merge", str(base), str(ad), str(tmp_path / "out")]) == 0  # float32 holds it
     _tensors(ad, lambda state: state["base_model.model.transformer.ln_f.bias"].fill_(1e5))
@@ -238,8 +238,8 @@ def test_merge_on_a_full_disk_names_the_output(tmp_path, base, capsys, monkeypat
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     out = tmp_path / "merged"
     assert main(["merge", str(base), str(ad), str(out)]) == 1
-    assert capsys.readouterr().err == (f"gpt2kit merge: error: [Errno 28] no space left on {out} while writing the "
-                                       f"merged model; nothing was written to {out}\n")
+    assert error_lines(capsys.readouterr().err) == [f"gpt2kit merge: error: [Errno 28] no space left on {out} while "
+                                                    f"writing the merged model; nothing was written to {out}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base"]  # no output, no staging left
 
 
@@ -253,7 +253,7 @@ def test_an_adapter_given_as_the_model_says_whose_it_is_and_how_to_use_it(tmp_pa
         load_model(ad)
     assert str(e.value) == words
     assert main(["generate", "hi", "--model", str(ad)]) == 1
-    assert capsys.readouterr().err == f"gpt2kit generate: error: {words}\n"
+    assert error_lines(capsys.readouterr().err) == [f"gpt2kit generate: error: {words}"]
     _config(ad, base_model_name_or_path=None)
     with pytest.raises(CheckpointError) as e:
         load_model(ad)

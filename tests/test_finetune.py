@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import random_hf_model, train_one_and_two_ranks
+from helpers import error_lines, random_hf_model, train_one_and_two_ranks
 
 from gpt2kit.checkpoint import load_model
 from gpt2kit.config import GPT2Config
@@ -216,9 +216,9 @@ def test_a_lora_run_says_it_wrote_an_adapter_and_the_loader_says_how_to_use_it(d
     assert last.startswith("done: step 2, loss ")
     assert last.endswith(f"; adapter in {out} (use --model {base} --adapter {out}, or gpt2kit merge)"), last
     assert main(["generate", "hello", "--model", str(out)]) == 1
-    assert capsys.readouterr().err == (f"gpt2kit generate: error: {out}: a LoRA adapter (peft's format), not a model; "
-                                       f"made for the base {str(base)!r}: use --model {base} --adapter {out}, or "
-                                       "gpt2kit merge\n")
+    assert error_lines(capsys.readouterr().err) == [f"gpt2kit generate: error: {out}: a LoRA adapter (peft's format), "
+                                                    f"not a model; made for the base {str(base)!r}: use --model "
+                                                    f"{base} --adapter {out}, or gpt2kit merge"]
     assert main(["train", "--data", str(data), "--model", str(base), "--out", str(tmp_path / "full"), "--batch-size",
                  "2", "--seq-len", "32", "--max-steps", "1", "--eval-every", "0"]) == 0
     assert capsys.readouterr().err.splitlines()[-1].endswith(f"; model in {tmp_path / 'full'}")
