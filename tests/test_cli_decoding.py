@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from helpers import error_lines, random_model
@@ -18,7 +21,8 @@ CFG = GPT2Config(n_vocab=50257, n_ctx=128, n_embd=32, n_head=4, n_layer=2)
 def dirs(tmp_path_factory):
     out = {}
     for name, cfg, seed in (("target", CFG, 5), ("draft", CFG, 6),
-                            ("small_vocab", GPT2Config(n_vocab=1000, n_ctx=128, n_embd=32, n_head=4, n_layer=2), 7)):
+                            ("small_vocab", GPT2Config(n_vocab=1000, n_ctx=128, n_embd=32, n_head=4, n_layer=2), 7),
+                            ("short_ctx", CFG.replace(n_ctx=32), 8)):
         d = tmp_path_factory.mktemp(name)
         save_model(random_model(cfg, seed=seed), d)
         out[name] = str(d)
@@ -52,6 +56,26 @@ def test_bad_speculative_flags_are_one_line(capsys, dirs, argv, needle):
     code = main(["generate", "hi", "-m", dirs["target"], "-n", "3", "--greedy"] + argv)
     err = capsys.readouterr().err
     assert code != 0 and needle in err and len(error_lines(err)) == 1
+
+
+def test_a_draft_with_a_shorter_context_is_refused_in_one_line(capsys, dirs):
+    needle = f"the draft model {dirs['short_ctx']} has a context of n_ctx=32, shorter than the target's n_ctx=128"
+    code = main(["generate", "hi", "-m", dirs["target"], "-n", "3", "--greedy", "--draft-model", dirs["short_ctx"]])
+    err = capsys.readouterr().err
+    assert code != 0 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_with_a_draft_with_a_shorter_context_refuses_to_start_in_one_line(dirs):
+    """In a process of its own, with a time limit: a server that started anyway would never return."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    env = {"PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "gpt2kit", "serve", "-m", dirs["target"], "--port", "0",
+                           "--draft-model", dirs["short_ctx"]], capture_output=True, text=True, env=env, timeout=300)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and [line for line in err if "error" in line] == err[-1:], done.stderr
+    assert f"the draft model {dirs['short_ctx']} has a context of n_ctx=32, shorter than the target's n_ctx=128" \
+        in err[-1]
 
 
 def test_beams_from_the_command_line_are_generates(capsys, dirs):

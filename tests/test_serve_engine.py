@@ -276,3 +276,21 @@ def test_an_idle_engine_loop_gathers_arrivals_within_its_admission_window_into_o
         loop.stop()
     assert first_step_rows == [{id(a), id(b)}]
     assert a.tokens == _alone(model, [1, 2, 3], s) and b.tokens == _alone(model, [4, 5], s)
+
+
+def test_rows_whose_slots_cannot_be_had_go_back_on_the_queue_for_reset(monkeypatch):
+    """Admission raises (the slot pool cannot be made): the rows it took off the queue are put back,
+    in order, so that the caller's reset() returns them to be failed, none lost between queue and batch."""
+    from gpt2kit.engine.batch_cache import SlotPool
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("no memory for the slots")
+
+    engine = Engine(random_model(SMALL))
+    rows = [engine.new_row(p, s, seed=s.seed) for p, s in zip(PROMPTS, SETTINGS, strict=True)]
+    engine.submit(rows)
+    monkeypatch.setattr(SlotPool, "for_model", no_memory)
+    with pytest.raises(RuntimeError, match="no memory for the slots"):
+        engine.step()
+    assert engine.n_waiting == len(rows) and engine.n_running == 0
+    assert engine.reset() == rows and not engine.has_work

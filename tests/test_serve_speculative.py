@@ -67,3 +67,40 @@ def test_server_refuses_both_or_bad_counts():
         ServeOptions(draft_model="x", prompt_lookup=2)
     with pytest.raises(ValueError, match=r"draft_tokens must be an integer in \[1, 64\]"):
         ServeOptions(draft_tokens=0)
+
+
+def test_a_failing_draft_fails_its_requests_alone_and_promptly(dirs, monkeypatch, tmp_path):
+    """The start-up check bypassed, a draft whose cache cannot be had (its context shorter than the
+    target's): the greedy requests it takes get an error at once, not a hang; sampled requests beside
+    them get their own completions; /metrics counts no row once every request is answered."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpt2kit.engine import speculative
+
+    short = tmp_path / "short"
+    save_model(varied_model(CFG.replace(n_ctx=32), seed=4), short)
+    monkeypatch.setattr(speculative, "check_draft_model", lambda *a: None)
+    model, tok = load_model(dirs["target"]), load_tokenizer(dirs["target"])
+    sampled = [dict(max_tokens=30, temperature=0.9, seed=s) for s in (5, 6)]
+    want = [generate(model, [PROMPTS[0]], SamplingSettings(max_new_tokens=30, temperature=0.9, seed=kw["seed"]),
+                     tokenizer=tok)[0].text for kw in sampled]
+
+    def post(prompt, **kw):  # a request that hangs fails the test at its timeout
+        return httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, **kw}, timeout=120)
+
+    with live_server(lambda: (load_model(dirs["target"]), load_tokenizer(dirs["target"])),
+                     ServeOptions(served_model_name="tiny", draft_model=str(short))) as (url, app):
+        for _ in range(2):  # the engine goes on serving after the failure
+            with ThreadPoolExecutor(3) as pool:
+                futures = [pool.submit(post, PROMPTS[0], **kw) for kw in sampled]
+                futures.append(pool.submit(post, "Hi", max_tokens=10, temperature=0))
+                *plain, greedy = [f.result() for f in futures]
+            assert [(r.status_code, r.json()["choices"][0]["text"]) for r in plain] == [(200, t) for t in want]
+            assert greedy.status_code == 500 and greedy.json()["error"]["message"] == "generation failed"
+        metrics = httpx.get(url + "/metrics").text
+        counts = {name: float(re.search(rf"^{name} (\S+)$", metrics, re.M).group(1))
+                  for name in ("gpt2kit_batch_size", "gpt2kit_queue_length")}
+        assert counts == {"gpt2kit_batch_size": 0.0, "gpt2kit_queue_length": 0.0}
+        engine = app.state.server.engine_loop.engine
+        assert not engine.spec.has_work and not engine.plain.has_work

@@ -210,3 +210,128 @@ def test_a_forked_sampler_observes_alone():
     for t in (9, 1):
         fork.observe(t)
     assert torch.equal(row.warped(logits), before) and not torch.equal(fork.warped(logits), before)
+
+
+# --- a draft that cannot cover the target's context; failures kept to their own rows ---------------
+
+SHORT = GPT2Config(n_vocab=50257, n_ctx=32, n_embd=32, n_head=4, n_layer=2)
+
+
+def test_a_draft_with_a_shorter_context_is_refused_naming_both_contexts(target):
+    from gpt2kit.engine.speculative import SpeculativeEngine, check_draft_model
+
+    short = varied_model(SHORT, seed=1)
+    needle = "has a context of n_ctx=32, shorter than the target's n_ctx=256"
+    with pytest.raises(ValueError, match=f"the draft model {needle}"):
+        generate(target, PROMPTS, _greedy(5), draft_model=short)  # before any row runs, not at its first step
+    with pytest.raises(ValueError, match=needle):
+        SpeculativeEngine(target, draft=short)
+    with pytest.raises(ValueError, match=f"the draft model gpt2-short {needle}"):
+        check_draft_model(target, short, "gpt2-short")
+    check_draft_model(short, target)  # a draft with a longer context than its target drafts
+
+
+def _engines(target, draft, monkeypatch):
+    """A RoutedEngine of a plain and a speculative engine on target with draft, its start-up check
+    bypassed (what the engines do when drafting itself fails)."""
+    from gpt2kit.engine import Engine, speculative
+    from gpt2kit.engine.routing import RoutedEngine
+
+    monkeypatch.setattr(speculative, "check_draft_model", lambda *a: None)
+    return RoutedEngine(Engine(target), speculative.SpeculativeEngine(target, draft=draft), 4)
+
+
+def _drain(engine, rows, joins=(), steps=200):
+    """Step engine (rows submitted at step 0, joins at step 1) until it is idle, at most `steps` steps
+    (a lost row would keep it busy or never end); each row's events. After every step each row is
+    running, waiting or ended, counted once."""
+    events = {row: [] for row in [*rows, *joins]}
+    engine.submit(rows)
+    for k in range(steps):
+        if k == 1:
+            engine.submit(joins)
+        if not engine.has_work and k > 1:
+            break
+        for e in engine.step():
+            events[e.row].append(e)
+        ended = sum(1 for evs in events.values() if evs and evs[-1].finish_reason is not None)
+        assert engine.n_running + engine.n_waiting + ended == len(rows) + (len(joins) if k >= 1 else 0)
+    assert not engine.has_work and engine.n_running == engine.n_waiting == 0
+    return events
+
+
+def _plain_rows(engine, target):
+    """Two sampled rows (the plain engine's) and the tokens each gets alone."""
+    settings = [SamplingSettings(max_new_tokens=8, seed=s, temperature=0.9, stop_token_ids=()) for s in (5, 6)]
+    rows = [engine.new_row(p, s, seed=s.seed) for p, s in zip(PROMPTS[:2], settings, strict=True)]
+    want = [generate(target, [p], s)[0].tokens for p, s in zip(PROMPTS[:2], settings, strict=True)]
+    return rows, want
+
+
+def _assert_finished_alone(events, rows, want):
+    for row, tokens in zip(rows, want, strict=True):  # every token of theirs has its event: none dropped
+        assert row.finish_reason == "length" and row.tokens == tokens
+        assert [e.token for e in events[row]] == tokens and all(e.error is None for e in events[row])
+
+
+def _assert_failed_once(events, rows, needle):
+    for row in rows:
+        assert len(events[row]) == 1 and events[row][0].error is row.error and events[row][0].token == -1
+        assert row.finish_reason == "error" and needle in str(row.error)
+
+
+def test_a_speculative_admission_that_fails_fails_its_rows_alone(target, monkeypatch):
+    """A draft whose cache cannot be had (its context too short, the check bypassed): the greedy
+    rows it takes fail with an event each; the plain rows beside them finish with their own tokens."""
+    engine = _engines(target, varied_model(SHORT, seed=1), monkeypatch)
+    plain, want = _plain_rows(engine, target)
+    spec = [engine.new_row(p, _greedy(12)) for p in PROMPTS[2:]]
+    events = _drain(engine, plain, spec)
+    _assert_failed_once(events, spec, "exceeds the model's context n_ctx=32")
+    _assert_finished_alone(events, plain, want)
+
+
+def test_rows_joining_running_speculative_rows_fail_alone_when_their_prefill_raises(target, monkeypatch):
+    from gpt2kit.engine import speculative
+
+    real, calls = speculative._prefill_rows, []
+
+    def second_fails(engine, rows, M):
+        calls.append(rows)
+        if len(calls) == 2:
+            raise RuntimeError("no memory for the joining rows' cache")
+        return real(engine, rows, M)
+
+    monkeypatch.setattr(speculative, "_prefill_rows", second_fails)
+    engine = speculative.SpeculativeEngine(target, draft=varied_model(CTX, seed=1))
+    first = [engine.new_row(p, _greedy(20)) for p in PROMPTS[:2]]
+    late = [engine.new_row(p, _greedy(20)) for p in PROMPTS[2:]]
+    events = _drain(engine, first, late)
+    _assert_failed_once(events, late, "no memory for the joining rows' cache")
+    _assert_finished_alone(events, first, [generate(target, [p], _greedy(20))[0].tokens for p in PROMPTS[:2]])
+
+
+@pytest.mark.parametrize("failing", ["spec", "plain"])
+def test_an_engine_whose_step_raises_fails_its_own_rows_and_keeps_the_others_events(target, monkeypatch, failing):
+    """One of a RoutedEngine's engines raises at its second step: its rows (running and waiting)
+    fail, an event each; the other engine's rows, stepped in the same call, lose no event."""
+    engine = _engines(target, varied_model(CTX, seed=1), monkeypatch)
+    broken = getattr(engine, failing)
+    real, calls = broken.step, []
+
+    def second_raises():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the step failed")
+        return real()
+
+    monkeypatch.setattr(broken, "step", second_raises)
+    plain, plain_want = _plain_rows(engine, target)
+    spec = [engine.new_row(p, _greedy(12)) for p in PROMPTS[2:]]
+    spec_want = [generate(target, [p], _greedy(12))[0].tokens for p in PROMPTS[2:]]
+    events = _drain(engine, plain + spec)
+    bad, good, want = (spec, plain, plain_want) if failing == "spec" else (plain, spec, spec_want)
+    for row in bad:
+        assert events[row][-1].error is row.error and "the step failed" in str(row.error)
+        assert sum(e.error is not None for e in events[row]) == 1
+    _assert_finished_alone(events, good, want)

@@ -48,7 +48,7 @@ def load_draft(args: argparse.Namespace, model, tok):
         raise ValueError(f"--draft-model {args.draft_model} has another tokenizer than --model {args.model}: "
                          f"a draft model must share the target's vocabulary")
     draft = load_model(path, dtype=args.dtype, device=args.device)
-    check_draft_model(model, draft)
+    check_draft_model(model, draft, args.draft_model)
     return draft
 
 

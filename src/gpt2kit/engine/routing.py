@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from gpt2kit.engine.rows import fail
+
 if TYPE_CHECKING:
     from gpt2kit.engine.rows import Row, RowEvent
     from gpt2kit.engine.scheduler import Engine
@@ -54,11 +56,22 @@ class RoutedEngine:
         return self.plain.n_waiting + self.spec.n_waiting
 
     def step(self) -> list[RowEvent]:
-        events = self.plain.step() if self.plain.has_work else []
-        return events + (self.spec.step() if self.spec.has_work else [])
+        """Both engines' steps; one that raises fails its own rows (an event each), never the other's,
+        and the other's events of this step are kept."""
+        return _step_alone(self.plain) + _step_alone(self.spec)
 
     def reset(self) -> list[Row]:
         return self.plain.reset() + self.spec.reset()
+
+
+def _step_alone(engine) -> list[RowEvent]:
+    """engine's step, or when it raises every row it held, failed (engine.reset())."""
+    if not engine.has_work:
+        return []
+    try:
+        return engine.step()
+    except Exception as e:  # this engine's rows fail; the caller goes on serving
+        return fail(engine.reset(), e)
 
 
 def serve_engine(model, tokenizer, *, max_batch: int | None, pack_weights: bool | None,
@@ -69,7 +82,7 @@ def serve_engine(model, tokenizer, *, max_batch: int | None, pack_weights: bool 
     draft_model (a checkpoint name, loaded like the model, refused unless it shares the model's
     tokenizer) or prompt_lookup a RoutedEngine."""
     from gpt2kit.engine.scheduler import DEFAULT_PREFILL_CHUNK, Engine
-    from gpt2kit.engine.speculative import SpeculativeEngine
+    from gpt2kit.engine.speculative import SpeculativeEngine, check_draft_model
 
     plain = Engine(model, tokenizer, max_batch=max_batch, pack_weights=pack_weights,
                    prefill_chunk=prefill_chunk or DEFAULT_PREFILL_CHUNK, prefill_idle_budget=prefill_idle_budget)
@@ -87,6 +100,7 @@ def serve_engine(model, tokenizer, *, max_batch: int | None, pack_weights: bool 
                              f"must share the target's vocabulary")
         w = model.wpe.weight
         draft = load_model(draft_model, dtype=w.dtype, device=w.device)
+        check_draft_model(model, draft, draft_model)  # the server refuses to start, naming the draft
     spec = SpeculativeEngine(model, tokenizer, draft=draft, max_batch=max_batch, pack_weights=pack_weights,
                              lookup=prompt_lookup or None)
     return RoutedEngine(plain, spec, draft_tokens if draft is not None else prompt_lookup)

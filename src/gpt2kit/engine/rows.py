@@ -1,11 +1,17 @@
-"""A row (one sample of one prompt being generated), its routing key and its per-step event."""
+"""A row (one sample of one prompt being generated), its routing key and its per-step event; how an
+engine gives rows up when it cannot run them (failed with an event each, or back on its queue)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import threading
+    from collections import deque
+    from collections.abc import Iterator
+
     from gpt2kit.engine.beam import Beam
     from gpt2kit.engine.beam_rows import BeamGroup
     from gpt2kit.engine.outputs import RowText
@@ -83,3 +89,23 @@ class RowEvent:
     @classmethod
     def failed(cls, row: Row, error: BaseException) -> RowEvent:
         return cls(row, -1, "", "error", error=error)
+
+
+def fail(rows: list[Row], error: BaseException) -> list[RowEvent]:
+    """Rows that end with error (finish_reason "error"), one RowEvent.failed each: rows an engine
+    drops because its step or their admission raised, so that no caller waits on them."""
+    for row in rows:
+        row.finish_reason, row.error = "error", error
+    return [RowEvent.failed(row, error) for row in rows]
+
+
+@contextlib.contextmanager
+def requeued_on_error(waiting: deque[Row], lock: threading.Lock, rows: list[Row]) -> Iterator[None]:
+    """Rows an engine took off the front of waiting go back there, in order, if the block raises
+    (admission could not be had): the engine's reset() then fails them with the rest."""
+    try:
+        yield
+    except BaseException:
+        with lock:
+            waiting.extendleft(reversed(rows))
+        raise

@@ -42,7 +42,7 @@ from gpt2kit.engine.batch_cache import SlotPool
 from gpt2kit.engine.beam_rows import BeamGroup, admit, choose_tokens, prefill_index
 from gpt2kit.engine.outputs import RowText, advance, token_logprobs
 from gpt2kit.engine.prefill import ChunkedPrefill, Joining
-from gpt2kit.engine.rows import Row, RowEvent, RowKey
+from gpt2kit.engine.rows import Row, RowEvent, RowKey, requeued_on_error
 from gpt2kit.sampler import RowSampler
 from gpt2kit.sampling import SamplingSettings
 from gpt2kit.validate import check_int
@@ -214,13 +214,15 @@ class Engine:
             join = admit(self._waiting, room)  # in order; a beam group whole
         if not join:
             return
-        if self.pool is None:
-            self.pool = SlotPool.for_model(self.model, self.max_batch or len(join), self.max_len)
-        if self.pool.n_free < len(join):  # no max_batch: more slots (the one copy: SlotPool.grow)
-            self.pool.grow(max(2 * self.pool.n_slots, self.n_running + len(join)))
-        n_ctx = self.model.config.n_ctx
-        contexts = [row.context(n_ctx, self._window(row)) for row in join]
-        self._joining.add(joinings(join, [self.pool.take() for _ in join], contexts))
+        with requeued_on_error(self._waiting, self._lock, join):  # none lost off the queue: reset() fails them
+            if self.pool is None:
+                self.pool = SlotPool.for_model(self.model, self.max_batch or len(join), self.max_len)
+            if self.pool.n_free < len(join):  # no max_batch: more slots (the one copy: SlotPool.grow)
+                self.pool.grow(max(2 * self.pool.n_slots, self.n_running + len(join)))
+            n_ctx = self.model.config.n_ctx
+            contexts = [row.context(n_ctx, self._window(row)) for row in join]
+            joining = joinings(join, [self.pool.take() for _ in join], contexts)
+        self._joining.add(joining)
 
     def _window(self, row: Row) -> int:
         return row.settings.window_for(self.model.config.n_ctx)

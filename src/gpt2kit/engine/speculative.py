@@ -12,12 +12,14 @@ computes what it would alone. The first rows' prefill caches are the batch's (th
 are right-aligned already), sized for every step the rows may still take (up to n_ctx: columns
 never written cost no memory on CPU); rows that finish are dropped in place (KVCache.keep). Only
 when the cache fills, or rows join running ones, are every row's real columns packed right-aligned
-into a new one.
+into a new one (the columns' geometry: gpt2kit.engine.spec_cache).
 
 Rows join as in gpt2kit.engine.scheduler: at the next step after a prefill of their own (their
 first token from it), at most max_batch running; rows joining running ones: both parts' real
 columns are then packed into new caches. The whole sequence stays in the context: prompt + max_new_tokens +
-draft tokens must fit in n_ctx (checked before anything runs: gpt2kit.generate, the server's routing).
+draft tokens must fit in n_ctx (checked before anything runs: gpt2kit.generate, the server's routing),
+and a draft model's n_ctx must be at least the target's (check_draft_model). Rows whose admission
+raises fail alone, an event each; a step that raises leaves every row to reset(), whose caller fails them.
 
 Legend: L layers, B rows, K drafts per row this step, P cache columns, M cache size, V vocab.
 """
@@ -34,8 +36,9 @@ import torch
 from gpt2kit.config import EOT_ID
 from gpt2kit.decode import Kernels, decode_step, decode_tokens, kernels_for, prefill
 from gpt2kit.engine.outputs import advance, token_logprobs
-from gpt2kit.engine.rows import Row, RowEvent
+from gpt2kit.engine.rows import Row, RowEvent, fail
 from gpt2kit.engine.scheduler import Engine
+from gpt2kit.engine.spec_cache import cache_columns, joined, pack_columns
 from gpt2kit.kv_cache import KVCache
 from gpt2kit.sampler import check_finite, next_tokens, warp
 from gpt2kit.sampling import SamplingSettings
@@ -45,17 +48,22 @@ if TYPE_CHECKING:
     from gpt2kit.model import GPT2
     from gpt2kit.tokenizer import Tokenizer
 
-ROOM = 128  # cache columns added past the widest row when the cache is (re)built
 
-
-def check_draft_model(model: GPT2, draft: GPT2) -> None:
-    """ValueError unless draft can draft for model: the same vocabulary, device and dtype."""
+def check_draft_model(model: GPT2, draft: GPT2, name: str | None = None) -> None:
+    """ValueError unless draft can draft for model: the same vocabulary, device and dtype, and a context
+    at least the target's (the draft's cache holds every column the target's does). name: the draft's
+    checkpoint, for the message."""
+    what = "the draft model" + (f" {name}" if name else "")
     if draft.config.n_vocab != model.config.n_vocab:
-        raise ValueError(f"the draft model's vocabulary has {draft.config.n_vocab} tokens, the target's "
-                         f"{model.config.n_vocab}: a draft model needs the target's tokenizer")
+        raise ValueError(f"{what}: its vocabulary has {draft.config.n_vocab} tokens, the target's "
+                         f"{model.config.n_vocab}; a draft model needs the target's tokenizer")
+    if draft.config.n_ctx < model.config.n_ctx:
+        raise ValueError(f"{what} has a context of n_ctx={draft.config.n_ctx}, shorter than the target's "
+                         f"n_ctx={model.config.n_ctx}: a draft model must cover the target's whole context "
+                         f"(n_ctx at least {model.config.n_ctx})")
     dd, td = draft.wpe.weight, model.wpe.weight
     if dd.device != td.device or dd.dtype != td.dtype:
-        raise ValueError(f"the draft model is on {dd.device} in {dd.dtype}, the target on {td.device} in "
+        raise ValueError(f"{what} is on {dd.device} in {dd.dtype}, the target on {td.device} in "
                          f"{td.dtype}: load both the same way")
 
 
@@ -73,6 +81,7 @@ class SpeculativeEngine:
         self.lookup = lookup
         self.drafted = self.accepted = 0  # totals over every row (a server's acceptance rate)
         self.rows: list[Row] = []
+        self._joining: list[Row] = []  # taken off the queue, being admitted (counted as running)
         self._waiting: deque[Row] = deque()
         self._lock = threading.Lock()
         self._caches: list[KVCache] = []  # the target's, then the draft's
@@ -98,7 +107,7 @@ class SpeculativeEngine:
 
     @property
     def n_running(self) -> int:
-        return len(self.rows)
+        return len(self.rows) + len(self._joining)
 
     @property
     def n_waiting(self) -> int:
@@ -107,7 +116,7 @@ class SpeculativeEngine:
     def reset(self) -> list[Row]:
         """Drop every row, running and waiting; returns them (after an error, to fail them)."""
         with self._lock:
-            dropped = self.rows + list(self._waiting)
+            dropped, self._joining = self.rows + self._joining + list(self._waiting), []
             self._waiting.clear()
         self.rows, self._caches, self._mask, self._pending, self._P, self._kernel_sets = [], [], None, None, 0, {}
         return dropped
@@ -130,8 +139,7 @@ class SpeculativeEngine:
             try:
                 kept, nxt = greedy_accept(argmax[r], drafts[r]) if argmax else _accept(row, logits[r], drafts[r], q)
             except Exception as e:  # this row alone fails, as in Engine.step
-                row.finish_reason, row.error = "error", e
-                events.append(RowEvent.failed(row, e))
+                events += fail([row], e)
                 continue
             row.drafted += len(drafts[r])
             row.accepted += kept
@@ -155,12 +163,19 @@ class SpeculativeEngine:
 
     def _admit(self) -> list[RowEvent]:
         """Prefill the waiting rows there is room for, give each its first token, and add those that
-        go on to the running rows (both parts' real columns packed into new caches)."""
+        go on to the running rows. Rows whose admission raises fail, one event each (the running
+        rows go on: their state changes only once everything is made)."""
         with self._lock:
             room = len(self._waiting) if self.max_batch is None else self.max_batch - len(self.rows)
-            rows = _take(self._waiting, room)
-        if not rows:
-            return []
+            self._joining = _take(self._waiting, room)  # off the queue: running until they join or fail
+        try:
+            return self._join(self._joining) if self._joining else []
+        except Exception as e:  # e.g. a cache or a forward that cannot be had: these rows alone
+            return fail(self._joining, e)
+        finally:
+            self._joining = []
+
+    def _join(self, rows: list[Row]) -> list[RowEvent]:
         self._kernel_sets = {}
         T = max(len(row.prompt) for row in rows)
         M = T if self.rows else self._columns(T, rows)  # alone, the prefill's caches are the batch's
@@ -170,8 +185,7 @@ class SpeculativeEngine:
         events, keep = [], []
         for r, row in enumerate(rows):
             if r in failed:
-                row.finish_reason, row.error = "error", failed[r]
-                events.append(RowEvent.failed(row, failed[r]))
+                events += fail([row], failed[r])
                 continue
             events.append(_emit(row, int(tok[r]), logits[r:r + 1]))
             if row.finish_reason is None:
@@ -181,16 +195,10 @@ class SpeculativeEngine:
             if len(keep) < len(rows):
                 for c in caches:
                     c.keep(keep)
-                mask = mask[sel]
-            if not self.rows:  # the prefill's caches as they are: real columns already right-aligned
-                self._caches, self._P = caches, T
-                self._mask = torch.zeros(len(keep), M, dtype=torch.long, device=mask.device)  # (B, M)
-                self._mask[:, :T] = mask
-            else:
-                parts = [(self._caches, self._mask[:, :self._P]), (caches, mask)]
-                W = max(int(m.sum(-1).max()) for _, m in parts)
-                self._caches, self._mask, self._P = pack_columns(parts, self._columns(W, self.rows + rows))
-            self._pending = tok[sel] if not self.rows else torch.cat([self._pending, tok[sel]])
+            running = (self._caches, self._mask, self._P) if self.rows else None
+            batch = joined(running, caches, mask[sel], M, lambda W: self._columns(W, self.rows + rows))
+            pending = tok[sel] if not self.rows else torch.cat([self._pending, tok[sel]])
+            (self._caches, self._mask, self._P), self._pending = batch, pending  # set at once, all made
             self.rows = self.rows + [rows[r] for r in keep]
         return events
 
@@ -242,7 +250,7 @@ class SpeculativeEngine:
             self._caches, self._mask, self._P = pack_columns([(self._caches, self._mask[:, :self._P])], M)
 
     def _columns(self, W: int, rows: Sequence[Row]) -> int:
-        return _cache_columns(W, rows, self.model.config.n_ctx, self.draft is not None, self.lookup)
+        return cache_columns(W, rows, self.model.config.n_ctx, self.draft is not None, self.lookup)
 
     def _keep(self, keep: list[int], pending: torch.Tensor | None = None) -> None:
         """Keep batch rows `keep` (with each one's pending token, when given)."""
@@ -269,44 +277,6 @@ def _take(waiting: deque[Row], room: int) -> list[Row]:
         if not row.cancelled:
             rows.append(row)
     return rows
-
-
-def _cache_columns(W: int, rows: Sequence[Row], n_ctx: int, drafting: bool, lookup: int | None) -> int:
-    """Cache columns for rows whose longest holds W: room for every step they may still take (a step
-    writes its drafts + 1 columns and gives a row at least one token), at least ROOM, at most n_ctx.
-    Columns past those written are never touched: on CPU their pages are not committed, so the room
-    costs no memory until it is used, and no repack while it lasts."""
-    per_step = [(row.settings.draft_tokens if drafting else lookup or row.settings.prompt_lookup) + 1 for row in rows]
-    need = max((k * (row.settings.max_new_tokens - len(row.tokens)) for k, row in zip(per_step, rows, strict=True)),
-               default=0)
-    return min(n_ctx, W + 1 + max(ROOM, need))
-
-
-def pack_columns(parts: list[tuple[list[KVCache], torch.Tensor]], M: int
-                 ) -> tuple[list[KVCache], torch.Tensor, int]:
-    """New caches of M columns holding the rows of every part (its caches, one per model, and its
-    mask (b, P), 1 where real), each row's real columns right-aligned, zeros before them; returns
-    them, their mask (B, M) and their width W (the longest row)."""
-    lengths = [n for _, mask in parts for n in mask.sum(-1).tolist()]
-    W, B = max(lengths), len(lengths)
-    out = torch.zeros(B, M, dtype=torch.long, device=parts[0][1].device)  # (B, M)
-    for r, n in enumerate(lengths):
-        out[r, W - n:W] = 1
-    packed = []
-    for i, first in enumerate(parts[0][0]):
-        L, _, _, nh, _, hs = first.kv.shape
-        new = KVCache(L, B, nh, M, hs, device=first.kv.device, dtype=first.kv.dtype)
-        new.kv[:, :, :, :, :W].zero_()  # the padding before short rows; the columns past W are written before read
-        b = 0
-        for caches, mask in parts:
-            real = mask.bool()  # (b, P)
-            for r in range(mask.shape[0]):
-                cols = real[r].nonzero()[:, 0]
-                new.kv[:, b, :, :, W - len(cols):W] = caches[i].kv[:, r, :, :, cols]
-                b += 1
-        new.length = W
-        packed.append(new)
-    return packed, out, W
 
 
 def _prefill_rows(engine: SpeculativeEngine, rows: list[Row], M: int
