@@ -130,5 +130,5 @@ def test_a_decoded_token_costs_few_python_calls(sampled):
     settings = bench.sampled_settings(11) if sampled else None
     assert bench.calls_per_token(model, batch=1, tokens=8, settings=settings) <= 350
     # batch 8, sampled: each row's draw checks its distribution is finite and asks its constraints
-    # what they ban (docs/benchmarks.md: 564 on main at the end of session 6)
+    # what they ban (docs/benchmarks.md, "Python calls per decoded token": 564 counted there)
     assert bench.calls_per_token(model, batch=8, tokens=8, settings=settings) <= 620

@@ -3,7 +3,7 @@ target, against the full logits in float64; TrainingLoss with a teacher; a run e
 resume, and the bad inputs.
 
 Tolerances: float32 loss and gradients within 1e-5 relative of the float64 reference (as
-test_loss.py); a resumed run's losses within 1e-6 of an uninterrupted one (the issue's).
+test_loss.py); a resumed run's losses within 1e-6 of an uninterrupted one (the exact-resume guarantee).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Training with LoRA, frozen parameters and activation checkpointing (gpt2kit.finetune).
 
-Tiny models (2 layers, width 32) on random shards, a few steps each. Tolerances are the issue's:
+Tiny models (2 layers, width 32) on random shards, a few steps each. Tolerances, as documented:
 exact resume within 1e-6, activation checkpointing within 1e-6 of a run without (float32, CPU),
 2 DDP ranks within 1e-5 of one process.
 """

@@ -1,6 +1,6 @@
 """train --fsdp: FSDP2 on 2 gloo processes (torchrun) equals one process, and resumes exactly.
 
-The issue's tolerances: the loss curve of 2 sharded ranks within 1e-5 of one process over 20 steps,
+Tolerances: the loss curve of 2 sharded ranks within 1e-5 of one process over 20 steps,
 a resume from the sharded checkpoint within 1e-6 of the straight run (float32, CPU).
 """
 

@@ -35,8 +35,8 @@ def test_a_clear_quiet_winner_is_chosen_and_a_close_one_is_not():
     assert (c.kernel, c.source) == ("native-avx2", "measured") and "within 10%" in c.why
 
 
-def test_the_issues_loaded_measurement_keeps_the_default():
-    # The loaded run of issue 20: 10-20 ms per product where ~0.1 ms is expected, a different winner
+def test_a_loaded_measurement_keeps_the_default():
+    # A run on a loaded machine, as observed: 10-20 ms per product where ~0.1 ms is expected, a different winner
     # each round. Whatever the medians say, samples that spread this much decide nothing.
     loaded = {"native-avx2": [0.1e-3, 18e-3, 0.1e-3, 15e-3, 0.2e-3, 12e-3, 0.1e-3],
               "i8pack": [12e-3, 0.1e-3, 11e-3, 0.1e-3, 10e-3, 0.1e-3, 0.1e-3],
@@ -149,7 +149,7 @@ def test_a_measured_choice_is_stored_and_the_next_process_takes_it(tmp_path):
 
 
 def test_a_loaded_start_keeps_the_family_default_and_stores_nothing(tmp_path):
-    # The issue's collapse: a loaded process whose timings put i8pack (the float32 scalar loop) first,
+    # The collapse seen under load: a loaded process whose timings put i8pack (the float32 scalar loop) first,
     # at 10-20 ms a product, slower than the float32 product. The default runs; nothing is stored.
     loaded = {"native-avx2": [15e-3] * 7, "i8pack-bf16": [14e-3] * 7, "i8pack": [9e-3] * 7, "dequant": [16e-3] * 7,
               "float32": [0.4e-3] * 7}

@@ -399,7 +399,7 @@ void gpt2kit_int8_linear(const float *x, long R, long K, const signed char *w, l
 
 def _zeros_compiler(tmp_path: Path) -> str:
     """A C compiler (for $CC) that builds, whatever source it is given, a kernel that returns zeros:
-    what the planted library of issue 18 did."""
+    what a planted library in the kernel cache would do."""
     src = tmp_path / "zeros.c"
     src.write_text(ZEROS_C % native.ABI)
     cc = tmp_path / "zeros-cc"
@@ -954,7 +954,7 @@ def trained():
 @pytest.mark.parametrize("kernel", [None, "native-avx2", "i8pack-bf16"])
 @pytest.mark.parametrize("lm_head", [False, True])
 def test_quality_gate_on_a_trained_model(trained, lm_head, kernel, monkeypatch):
-    # The issue's gate: held-out perplexity rises by at most 1%, the greedy next token agrees with
+    # The gate (docs/quantization.md): held-out perplexity rises by at most 1%, the greedy next token agrees with
     # float32 on at least 99% of positions; the mean KL(float32 || int8) is reported (and bounded).
     # kernel None: the measured choice for these 128-row windows; the decode kernels (the measured
     # choice at 1 and 8 rows may differ), forced, so their rounding is gated too.

@@ -73,7 +73,7 @@ def test_a_cancelled_row_leaves_at_the_next_step():
 def test_a_steps_tokens_are_returned_before_the_next_forward():
     """Engine.step returns a step's events as soon as its tokens are sampled: a row's k-th token
     comes after k forwards (its prefill, then one per earlier token), not k + 1, so a client gets
-    each token one forward sooner (issue 21); the tokens are those it gets alone. A hook on wte
+    each token one forward sooner; the tokens are those it gets alone. A hook on wte
     counts the forwards (a hooked model decodes through its own forward)."""
     model = varied_model(SMALL, seed=0)
     forwards = []

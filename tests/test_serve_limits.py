@@ -1,4 +1,4 @@
-"""What one request may ask of gpt2kit serve (issue 18), through the real HTTP clients on loopback:
+"""What one request may ask of gpt2kit serve, through the real HTTP clients on loopback:
 sampling values that used to overflow, a row that fails alone, echo scoring counted against the
 limits (and stopped for a client gone, and shown in /metrics), logit_bias keys, union-field
 messages, chunked bodies, and served names with "/"."""

@@ -2,7 +2,7 @@
 
 Models are tiny (2 layers, width 32, n_ctx 64, GPT-2's 50257 vocab) and the shards hold random
 tokens below 512, so a run of a few steps takes well under a second. Losses are compared at the
-tolerances the issue states: resume within 1e-6 (float32, CPU), 2 DDP ranks vs 1 within 1e-5.
+documented tolerances: resume within 1e-6 (float32, CPU), 2 DDP ranks vs 1 within 1e-5.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ token's mask is 1: the completion and the <|endoftext|> that ends it, so the mod
 and to stop, never to write prompts. The loaders are unchanged: `with_masks(loader)` reads the same
 windows from the masks (RandomWindowLoader.windows, ShardLoader's position), so random windows,
 W ranks = one process in the windows drawn, and exact resume (the loader's state alone) all hold;
-shards without masks (llm.c's, `prepare` on text) load as before. Each micro-batch's loss is the
+shards without masks (llm.c's, `prepare` on text) load unchanged. Each micro-batch's loss is the
 mean over its own unmasked targets.
 """
 

@@ -43,7 +43,7 @@ def lora_alpha(cfg: TrainConfig) -> float:
 
 def prepare(model: nn.Module, cfg: TrainConfig) -> str | None:
     """Apply the run's LoRA / freezing / checkpointing to `model` in place; returns a line saying what
-    trains (None when everything does, as before these settings)."""
+    trains (None when everything does)."""
     from gpt2kit.lora import apply_lora
 
     line = None

@@ -26,11 +26,11 @@ before it is timed (a wrong kernel is fast, and would otherwise win).
 multiple of 16: other sizes crash or return wrong values in torch 2.13's CPU kernel; on AVX-512 it
 segfaults on weight rows not aligned to 16 bytes or activation rows not aligned to 32, so a weight
 that is not (a view, a tensor read from a file) takes dequant and activations are re-allocated).
-On CUDA the candidates are the same ops, measured the same way (untested: no GPU was lent to the
-sessions that wrote this): a candidate that raises in the measurement (an op or dtype the device
-lacks, native-avx2 where it could not be built) is left out, and one that raises later on a shape
-the measurement did not try falls back to dequant for that shape with one RuntimeWarning
-(`unavailable()` lists both), so an int8 model runs on any device torch supports, at worst at dequant's speed.
+On CUDA the candidates are the same ops, measured the same way (not yet run on a GPU): a candidate
+that raises in the measurement (an op or dtype the device lacks, native-avx2 where it could not be
+built) is left out, and one that raises later on a shape the measurement did not try falls back to
+dequant for that shape with one RuntimeWarning (`unavailable()` lists both), so an int8 model runs on
+any device torch supports, at worst at dequant's speed.
 
 This lives with the decode fast path (gpt2kit/decode/) because the choice is about CPU speed; the
 scheme and the modules that call it are gpt2kit.quant.

@@ -24,7 +24,7 @@ The kernels:
   w8a8-int-mm    the rows quantized by torch ops, then torch._int_mm (PyTorch's int8 x int8 -> int32
                  GEMM; oneDNN/MKL on CPU, exact), rescaled by torch ops: the library product; on CUDA,
                  where _int_mm needs more than 16 rows and in/out features multiples of 8, fewer rows
-                 are padded with zeros and other shapes raise (untested: no GPU was lent)
+                 are padded with zeros and other shapes raise (not yet run on a GPU)
   w8a8-emulated  the codes multiplied in float64 (every int32 sum is exact there): slow, any device; the
                  fallback for a shape another kernel refuses
 

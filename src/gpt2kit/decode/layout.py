@@ -14,7 +14,7 @@ kernel is asked to back with 2 MiB pages (an anonymous mmap with madvise(MADV_HU
 transparent huge pages that PyTorch's allocator does not request). Streaming 495 MB per token
 through 4 KiB pages costs a TLB miss every 4 KiB; measured on a 2-core EPYC, a step's float32
 products ran faster on 2 MiB pages (docs/benchmarks.md). Each matrix has its own mapping, so a
-matrix that is replaced (quantize_model, an adapter merge) frees its memory as before. Where the
+matrix that is replaced (quantize_model, an adapter merge) frees its memory when it is dropped. Where the
 system gives no huge pages (THP "never", not Linux) the move still happens and costs nothing in
 speed; GPT2KIT_HUGE_PAGES=0 turns it off.
 """

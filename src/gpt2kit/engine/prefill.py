@@ -18,7 +18,7 @@ causal attention keeps the padding out of every row's tokens; its keys and value
 row's length, columns the pool zeroes before any step reads them); any other chunk is a forward of
 its own row. One forward for the burst matters for short prompts: a forward of a few tokens is
 bound by reading the weights, so 8 one-row forwards of 16 tokens cost several times one of (8, 16)
-(issue 21's notes in docs/serving.md).
+(measured in docs/serving.md).
 
 Legend: T a chunk's tokens, V vocab.
 """

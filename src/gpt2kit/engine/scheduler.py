@@ -296,7 +296,7 @@ def sample_rows(rows: list[Row], logits: torch.Tensor
                 ) -> tuple[torch.Tensor, list[RowEvent], list[int], list[int] | None]:
     """Each row's next token from logits (B, V): the tokens (B,), one event per row (a beam group's
     one event on its lead row, when it ends), the rows that go on (a row whose own sampling fails
-    ends alone: its neighbours go on, issue 18), and the beam groups' cache sources (None: none move)."""
+    ends alone: its neighbours go on), and the beam groups' cache sources (None: none move)."""
     failed = {}
     tok, src = choose_tokens(logits, rows, failed)  # (B,)
     scores = token_logprobs(logits, tok, rows)

@@ -1,5 +1,5 @@
 """A long-running server's memory, kept level: what one process sets up so that its resident set
-after thousands of requests is where it settled after the first hundreds (issue 21; measured in
+after thousands of requests is where it settled after the first hundreds (measured in
 docs/serving.md, "Memory").
 
 Two things made it climb, each found by measurement (per-mapping RSS from /proc/PID/smaps, and
