@@ -173,7 +173,8 @@ def test_cli_ablate_and_steer(tmp_path, capsys):
                          (["--steer", f"h.1.resid:{vec}*x"], "the scale after * is a number"),
                          (["--steer", f"h.1.attn.z.head.0:{vec}"], "takes (8,)"),
                          (["--ablate", "h.1.mlp:half"], "the form is NAME[@POS][:zero|:mean]"),
-                         (["--steer", "h.1.resid:missing.npy"], "no such vector file")]:
+                         (["--steer", "h.1.resid:missing.npy"], "missing.npy: no such file (a vector file"),
+                         (["--steer", "h.1.resid:/dev/zero"], "/dev/zero: is a character device, not a regular file")]:
         rc = main(["trace", "--model", str(d), TEXT, "--json", str(tmp_path / "x.json"), *argv])
         err = capsys.readouterr().err
         assert rc == 1 and needle in err and len(error_lines(err)) == 1, (argv, err)

@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from gpt2kit._io import check_input
 from gpt2kit.trace.points import PER_HEAD, resolve
 
 KINDS = ("zero", "mean", "replace", "add", "fn")
@@ -118,8 +118,10 @@ def check_scale(scale: float, where: str) -> float:
 
 
 def _load_vector(path: str) -> np.ndarray:
-    if not Path(path).is_file():
-        raise ValueError(f"{path}: no such vector file ({_EXPECTED})")
+    try:
+        check_input(path)
+    except (OSError, ValueError) as e:  # missing, a directory, a FIFO or a device: never opened
+        raise ValueError(f"{e} (a vector file: {_EXPECTED})") from None
     try:
         arr = np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
