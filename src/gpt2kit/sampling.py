@@ -25,6 +25,7 @@ Legend: B rows, V vocab.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ GREEDY_BELOW = 1e-5  # temperatures in [0, GREEDY_BELOW) are greedy
 MIN_REPETITION_PENALTY = 0.01  # a seen token's logit is scaled by at most 100
 MAX_DRAFT_TOKENS = 64  # prompt_lookup and draft_tokens at most this (tokens verified per step)
 MAX_BEAMS = 64  # num_beams at most this (rows per prompt)
+MAX_PENALTY_EXPONENT = 700.0  # |length_penalty| * ln(max_new_tokens) at most: e**700 = 1e304 (float64 to 1.8e308)
 LOGIT_LIMIT = 1e9  # |logit_bias value|, |presence_penalty|, |frequency_penalty| at most this
 _LOGIT_RANGE = "in [-1e9, 1e9]"
 
@@ -236,6 +238,11 @@ def bad_words_ids(tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...
 def _check_beams(s: SamplingSettings) -> None:
     check_int("num_beams", s.num_beams, f"in [1, {MAX_BEAMS}] (1 = no beam search)", lambda v: 1 <= v <= MAX_BEAMS)
     check_number("length_penalty", s.length_penalty, "in [-100, 100]", lambda v: -100 <= v <= 100)
+    if s.num_beams > 1 and s.max_new_tokens > 1:  # a score divides by length ** length_penalty, in float64
+        most = MAX_PENALTY_EXPONENT / math.log(s.max_new_tokens)
+        check_number("length_penalty", s.length_penalty, f"in [-{most:.4g}, {most:.4g}] with max_new_tokens="
+                     f"{s.max_new_tokens} (length ** length_penalty must stay within float64)",
+                     lambda v: abs(v) <= most)
     if not (isinstance(s.early_stopping, bool) or s.early_stopping == "never"):
         raise ValueError(f'early_stopping must be True, False or "never", got {s.early_stopping!r}')
     check_int("num_return_sequences", s.num_return_sequences, f"in [1, num_beams={s.num_beams}]",
