@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpt2kit.config import EOT_ID  # <|endoftext|>: the default stop token and the start of unconditional samples
-from gpt2kit.validate import check_int, check_number
+from gpt2kit.validate import SettingError, check_int, check_number
 
 TOP_P_MODES = ("openai", "hf")
 GREEDY_BELOW = 1e-5  # temperatures in [0, GREEDY_BELOW) are greedy
@@ -157,8 +157,8 @@ class SamplingSettings:
         if self.contrastive:
             check_deterministic(self, f"contrastive search (penalty_alpha={self.penalty_alpha})")
             if self.num_beams > 1:
-                raise ValueError("contrastive search (penalty_alpha > 0) and beam search (num_beams > 1) are "
-                                 "two methods: choose one")
+                raise SettingError("contrastive search (penalty_alpha > 0) and beam search (num_beams > 1) are "
+                                   "two methods: choose one", "penalty_alpha")
 
     def window_for(self, n_ctx: int) -> int:
         """Tokens kept when re-encoding past the context n_ctx: window, or n_ctx // 2 (at least 1)."""
@@ -244,7 +244,7 @@ def _check_beams(s: SamplingSettings) -> None:
                      f"{s.max_new_tokens} (length ** length_penalty must stay within float64)",
                      lambda v: abs(v) <= most)
     if not (isinstance(s.early_stopping, bool) or s.early_stopping == "never"):
-        raise ValueError(f'early_stopping must be True, False or "never", got {s.early_stopping!r}')
+        raise SettingError(f'early_stopping must be True, False or "never", got {s.early_stopping!r}', "early_stopping")
     check_int("num_return_sequences", s.num_return_sequences, f"in [1, num_beams={s.num_beams}]",
               lambda v: 1 <= v <= s.num_beams)
     if s.num_beams > 1:
@@ -254,7 +254,7 @@ def _check_beams(s: SamplingSettings) -> None:
 def check_deterministic(s: SamplingSettings, method: str) -> None:
     """Beam and contrastive search: one sequence per prompt row and none of the logit warpers."""
     if s.num_samples != 1:
-        raise ValueError(f"{method} is deterministic; num_samples must be 1, got {s.num_samples}")
+        raise SettingError(f"{method} is deterministic; num_samples must be 1, got {s.num_samples}", "num_samples")
     unsupported = [n for n, on in (("stop_strings", s.stop_strings), ("logit_bias", s.logit_bias),
                                    ("repetition_penalty", s.repetition_penalty != 1.0),
                                    ("presence_penalty", s.presence_penalty),
@@ -263,7 +263,7 @@ def check_deterministic(s: SamplingSettings, method: str) -> None:
                                    ("min_new_tokens", s.min_new_tokens), ("suppress_tokens", s.suppress_tokens),
                                    ("prompt_lookup", s.prompt_lookup)) if on]
     if unsupported:
-        raise ValueError(f"{method} takes no {unsupported[0]}")
+        raise SettingError(f"{method} takes no {unsupported[0]}", unsupported[0])
 
 
 def _check_logit_bias(bias) -> tuple[tuple[int, float], ...]:
