@@ -99,3 +99,36 @@ def test_streaming_beams_is_a_clear_error(models):
         generate_stream(models[0], PROMPTS, SamplingSettings(num_beams=2))
     with pytest.raises(ValueError, match="must be at most n_ctx=64"):
         generate(models[0], [[1] * 60], SamplingSettings(num_beams=2, max_new_tokens=10))
+
+
+@torch.no_grad()
+def _logprob_sum(model, prompt: list[int], tokens: list[int]) -> float:
+    """The tokens' log-probs after the prompt, summed in float64 (one uncached forward)."""
+    logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].double()  # (len(tokens), V)
+    return logits.log_softmax(-1)[torch.arange(len(tokens)), torch.tensor(tokens)].sum().item()
+
+
+# transformers marks empty slots -1e9 and divides in float32: here a real score of -1.5e11 (-5 at 50
+# tokens) lost to an empty slot, and 8 ** 50 overflowed to a score of -0.0
+@pytest.mark.parametrize("length_penalty, n", [(-5.0, 50), (-10.0, 20), (-100.0, 8), (50.0, 8), (100.0, 8)])
+def test_extreme_length_penalties_score_real_beams_in_order(models, frequent_token, length_penalty, n):
+    model = models[0]
+    s = SamplingSettings(max_new_tokens=n, num_beams=3, num_return_sequences=3, length_penalty=length_penalty,
+                         stop_token_ids=(frequent_token,))
+    got = generate(model, PROMPTS[:2], s)
+    for i, p in enumerate(PROMPTS[:2]):
+        beams = [c for c in got if c.prompt_index == i]
+        assert [b.score for b in beams] == sorted((b.score for b in beams), reverse=True)  # best first
+        assert len({tuple(b.tokens) for b in beams}) == 3  # three beams, none an empty slot
+        for b in beams:
+            want = _logprob_sum(model, p, b.tokens) / float(len(b.tokens)) ** length_penalty  # float64
+            assert b.score < 0 and abs(b.score - want) <= 1e-4 * abs(want), (b.tokens, b.score, want)
+            assert b.finish_reason == ("stop" if b.tokens[-1] == frequent_token else "length")
+            assert b.finish_reason == "stop" or len(b.tokens) == n
+
+
+def test_a_length_penalty_beyond_float64_is_refused():
+    SamplingSettings(num_beams=2, max_new_tokens=1024, length_penalty=100)  # GPT-2's context: within range
+    with pytest.raises(ValueError, match=r"length_penalty must be a number in \[-91.81, 91.81\] with "
+                                         r"max_new_tokens=2048"):
+        SamplingSettings(num_beams=2, max_new_tokens=2048, length_penalty=100)

@@ -1,6 +1,8 @@
 """Contrastive search against a reference written here from Su et al.'s formula (transformers 5
 moved its contrastive search out of the library): uncached transformers forwards, every candidate
-scored (1 - alpha) p(v) - alpha max_j cos(h_v, h_j) with h the last hidden states."""
+scored (1 - alpha) p(v) - alpha max_j cos(h_v, h_j) with h the last hidden states. A search holds
+one cache row per prompt (its candidates one forward of top_k tokens), in a server's engine a slot
+lent to it (Engine.new_lease)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import torch
 from helpers import hf_from_ours, varied_model
 
 from gpt2kit.config import GPT2Config
-from gpt2kit.engine.contrastive import contrastive_scores
+from gpt2kit.engine import Engine
+from gpt2kit.engine.contrastive import contrastive_in_slots, contrastive_scores
 from gpt2kit.generate import generate, generate_stream
 from gpt2kit.sampling import SamplingSettings
 
@@ -88,3 +91,65 @@ def test_bad_contrastive_settings_are_one_clear_error(kwargs, needle):
 def test_contrastive_stream_is_a_clear_error(models):
     with pytest.raises(ValueError, match="not streamed"):
         generate_stream(models[0], PROMPTS, SamplingSettings(penalty_alpha=0.5, top_k=4))
+
+
+def test_a_search_holds_one_cache_row_per_prompt_whatever_top_k(models):
+    """The k candidates are k tokens of one forward over their row's cache, not k copies of it."""
+    model = models[0]
+    rows: list[tuple[int, int]] = []  # (cache rows, new tokens) of every attention call
+    hook = model.h[0].attn.register_forward_pre_hook(lambda _m, args: rows.append((args[2].kv.shape[1],
+                                                                                   args[0].shape[1])))
+    try:
+        generate(model, PROMPTS, SamplingSettings(max_new_tokens=5, penalty_alpha=0.6, top_k=6, stop_token_ids=()))
+    finally:
+        hook.remove()
+    assert max(r for r, _ in rows) == len(PROMPTS) and (len(PROMPTS), 6) in rows
+
+
+def _run_beside(engine, search):
+    """Step the engine and the search (a contrastive_in_slots generator) in turns, as EngineLoop
+    does, until both are done; the search's result and the most slots the engine held."""
+    result, most = None, 0
+    while result is None or engine.has_work:
+        if result is None:
+            try:
+                next(search)
+            except StopIteration as done:
+                result = done.value
+        engine.step()
+        most = max(most, engine.n_running)
+    return result, most
+
+
+def test_contrastive_search_in_leased_slots_beside_other_rows(models):
+    """Each prompt's search runs in a slot of the engine's cache (Engine.new_lease), counted against
+    max_batch like any row: the same tokens as the Python API, the greedy row beside it its own."""
+    model = models[0]
+    s = SamplingSettings(max_new_tokens=12, penalty_alpha=0.6, top_k=4, stop_token_ids=())
+    greedy_s = SamplingSettings(max_new_tokens=20, temperature=0, stop_token_ids=())
+    engine = Engine(model, max_batch=2)
+    greedy = engine.new_row(PROMPTS[0], greedy_s)
+    leases = [engine.new_lease(p, s) for p in PROMPTS[1:]]
+    engine.submit([greedy, *leases])  # 3 rows, 2 slots: the second prompt waits for one
+    found, most = _run_beside(engine, contrastive_in_slots(model, leases, s))
+    assert found == [c.tokens for c in generate(model, PROMPTS[1:], s)]
+    assert greedy.tokens == generate(model, [PROMPTS[0]], greedy_s)[0].tokens
+    assert most == 2 and engine.n_running == 0 and engine.pool.n_free == 2  # every slot given back
+
+
+def test_a_slot_taken_back_fails_the_search_and_a_lease_needs_max_batch(models):
+    model = models[0]
+    s = SamplingSettings(max_new_tokens=12, penalty_alpha=0.6, top_k=4)
+    engine = Engine(model, max_batch=2)
+    lease = engine.new_lease(PROMPTS[0], s)
+    engine.submit([lease])
+    search = contrastive_in_slots(model, [lease], s)
+    next(search)  # no slot yet
+    engine.step()  # it joins
+    next(search)
+    assert engine.n_running == 1 and lease.lease.cache is not None
+    assert engine.reset() == [lease]  # a failed step: every row is dropped
+    with pytest.raises(RuntimeError, match="took back the slot"):
+        next(search)
+    with pytest.raises(ValueError, match="a slot lease needs an engine with max_batch"):
+        Engine(model).new_lease(PROMPTS[0], s)

@@ -121,41 +121,71 @@ def _gated(model_dir, gate):
 
 def test_echo_scoring_is_admitted_in_tokens_and_stops_for_a_client_gone(model_dir):
     gate = threading.Event()
-    opts = ServeOptions(served_model_name=NAME, max_batch=1, max_queue=1)  # 2 rows: 2 x 64 = 128 tokens of work
+    # 4 rows: 4 x 64 = 256 tokens of work; one request's share: 2 rows, 128 tokens
+    opts = ServeOptions(served_model_name=NAME, max_batch=1, max_queue=3)
     prompts = [[100 + i] * 20 for i in range(5)]  # 100 tokens to score
     echo = {"prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1}
     with live_server(lambda: _gated(model_dir, gate), opts) as (url, app):
         _echo_scoring_checks(url, gate, echo, prompts)
 
 
+def _send(url, body) -> socket.socket:
+    """A client that sends a request and reads nothing (a raw socket, closed when the test says)."""
+    port = int(url.rsplit(":", 1)[1])
+    raw = json.dumps({"model": NAME, **body}).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (port, len(raw), raw))
+    return s
+
+
+def _wait_metric(url, name, value):
+    deadline = time.monotonic() + 60
+    while _metric(url, name) != value and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _metric(url, name) == value
+
+
 def _echo_scoring_checks(url, gate, echo, prompts):
     try:
-        e = _err(_post(url, {**echo, "prompt": prompts * 2}), 400, "prompt")  # 200 tokens alone: never fits
-        assert "200 tokens" in e["message"] and "128" in e["message"]
-        # A client that sends 100 tokens to score, then leaves (a raw socket, closed when the test says).
-        port = int(url.rsplit(":", 1)[1])
-        raw = json.dumps({"model": NAME, **echo}).encode()
-        leaver = socket.create_connection(("127.0.0.1", port))
-        leaver.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\n\r\n%s" % (port, len(raw), raw))
-        deadline = time.monotonic() + 60
-        while _metric(url, "gpt2kit_scoring_tokens") != 100 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert _metric(url, "gpt2kit_scoring_tokens") == 100 and _metric(url, "gpt2kit_work_tokens") == 100
-        # The worker is held inside the first prompt: the admitted 100 tokens count against everyone.
-        _err(_post(url, {**echo, "prompt": prompts[:2]}), 429)  # 40 more tokens to score
-        _err(_post(url, {"prompt": [1], "max_tokens": 30}), 429)  # a 31-token generation row
-        leaver.close()
+        e = _err(_post(url, {**echo, "prompt": prompts * 2}), 400, "prompt")  # 200 tokens: over one request's share
+        assert "200 tokens" in e["message"] and "at most 128 of this server's 256" in e["message"]
+        # Two clients that send 100 tokens to score each, then leave; the worker is held inside the first prompt.
+        leavers = [_send(url, echo)]
+        _wait_metric(url, "gpt2kit_scoring_tokens", 100)
+        leavers.append(_send(url, echo))
+        _wait_metric(url, "gpt2kit_scoring_tokens", 200)
+        assert _metric(url, "gpt2kit_work_tokens") == 200
+        # The admitted 200 tokens count against everyone.
+        _err(_post(url, {**echo, "prompt": prompts[:3]}), 429)  # 60 more tokens to score
+        _err(_post(url, {"prompt": [1], "max_tokens": 60}), 429)  # a 61-token generation row
+        for s in leavers:
+            s.close()
         gate.set()
-        while _metric(url, "gpt2kit_work_tokens") and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert _metric(url, "gpt2kit_work_tokens") == 0 and _metric(url, "gpt2kit_scoring_tokens") == 0
-        assert _metric(url, "gpt2kit_scored_tokens_total") < 100  # stopped after the prompt in hand
+        _wait_metric(url, "gpt2kit_work_tokens", 0)
+        assert _metric(url, "gpt2kit_scoring_tokens") == 0
+        assert _metric(url, "gpt2kit_scored_tokens_total") < 200  # each stopped after the prompt in hand
         r = _post(url, {**echo, "prompt": prompts[:2]})
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
         assert _metric(url, "gpt2kit_scored_tokens_total") >= 40
     finally:
         gate.set()  # never leave the worker waiting
+
+
+def test_one_request_holds_at_most_half_the_servers_rows_and_work(server):
+    """max_batch 8 + max_queue 64 = 72 rows and 72 x 64 tokens of work; one request may hold half
+    (36 rows, 36 x 64 = 2304 tokens), so that it never leaves every other client a 429."""
+    url = server[0]
+    e = _err(_post(url, {"prompt": ["x"] * 37, "max_tokens": 1}), 400, "prompt")
+    assert "needs 37 rows" in e["message"] and "at most 36, half of this server's 72" in e["message"]
+    _err(_post(url, {"prompt": "x", "max_tokens": 1, "n": 37}), 400, "n")
+    _err(_post(url, {"prompt": "x", "max_tokens": 1, "n": 2, "best_of": 37}), 400, "best_of")
+    scored = {"prompt": [[100 + i] * 60 for i in range(40)], "max_tokens": 0, "echo": True, "logprobs": 0}
+    e = _err(_post(url, scored), 400, "prompt")  # 2400 tokens to score
+    assert "needs 2400 tokens of work" in e["message"] and "at most 2304" in e["message"]
+    assert _post(url, {"prompt": ["x"] * 36, "max_tokens": 1}).status_code == 200  # its share, whole
+    r = _post(url, {**scored, "prompt": scored["prompt"][:38]})  # 2280 tokens
+    assert r.status_code == 200 and len(r.json()["choices"]) == 38
 
 
 # --- bad 7: logit_bias keys are canonical decimal ids ---------------------------------------

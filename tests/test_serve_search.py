@@ -30,11 +30,12 @@ GREEDY_PROMPT, BEAM_PROMPTS = "The cat sat on the mat and", ["Once upon a time",
 class Gate:
     """A forward hook on wte that, once armed, holds the engine's worker at its next forward until
     opened (so the test decides which rows share a step, with no timing), and records each forward's
-    rows."""
+    rows and shape (rows, tokens)."""
 
     def __init__(self) -> None:
         self.armed, self.entered, self.open = threading.Event(), threading.Event(), threading.Event()
         self.rows: list[int] = []
+        self.shapes: list[tuple[int, int]] = []
 
     def arm(self) -> None:
         self.entered.clear()
@@ -47,6 +48,7 @@ class Gate:
 
     def __call__(self, _module, inputs, _out) -> None:
         self.rows.append(inputs[0].shape[0])
+        self.shapes.append(tuple(inputs[0].shape))
         if self.armed.is_set() and not self.open.is_set():
             self.entered.set()
             self.open.wait(300)
@@ -160,8 +162,9 @@ def test_contrastive_search_equals_the_python_api(gated, library):
 
 
 def test_contrastive_search_takes_turns_with_the_engines_rows(gated, library):
-    """Its steps run on the engine's worker between the engine's steps, one each: the greedy row
-    beside it is not held up for the search's length, and its tokens are its solo run's."""
+    """Its steps run on the engine's worker between the engine's steps, one each (its 4 candidates
+    one forward of 4 tokens in its slot): the greedy row beside it is not held up for the search's
+    length, and its tokens are its solo run's."""
     url, app, gate = gated
     model, tok = library
     solo = generate(model, GREEDY_PROMPT, SamplingSettings(max_new_tokens=24, temperature=0), tokenizer=tok)[0]
@@ -171,16 +174,80 @@ def test_contrastive_search_takes_turns_with_the_engines_rows(gated, library):
     gate.arm()
     greedy_t, greedy = _in_thread(_ok, url, prompt=GREEDY_PROMPT, max_tokens=24, temperature=0)
     assert gate.entered.wait(300)
-    start = len(gate.rows)
+    start = len(gate.shapes)
     search_t, found = _in_thread(_ok, url, prompt=BEAM_PROMPTS[1], max_tokens=12, penalty_alpha=0.9, top_k=4)
-    _wait_for(lambda: server.outstanding == 1 + 4, "the contrastive job is admitted")  # its 4 candidate rows
+    _wait_for(lambda: server.outstanding == 1 + 1, "the contrastive job is admitted")  # one slot for its prompt
     gate.release()
     greedy_t.join(300)
     search_t.join(300)
-    rows = gate.rows[start:]
-    assert any(rows[i:i + 3] == [4, 1, 4] for i in range(len(rows)))  # a greedy step between two of its steps
+    shapes = gate.shapes[start:]
+    steps = [(1, 4), (1, 1), (1, 4)]  # a greedy decode step between two of its steps
+    assert any(shapes[i:i + 3] == steps for i in range(len(shapes))), shapes
     assert greedy["r"]["choices"][0]["text"] == solo.text
     assert found["r"]["choices"][0]["text"] == want.text
+
+
+def _error(r, param: str, needle: str) -> None:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"], err
+
+
+def test_the_widest_beam_search_leaves_room_for_other_rows(gated, library):
+    """A prompt's beams run at once, so their width is at most half of --max-batch (8 here): a
+    small request sent while the widest beam search runs decodes beside it, not after it."""
+    url, app, gate = gated
+    model, tok = library
+    loop = app.state.server.engine_loop
+    _error(_post(url, prompt="Hi", max_tokens=None, use_beam_search=True, n=8), "n", "runs at most 4 per prompt")
+    solo = generate(model, GREEDY_PROMPT, SamplingSettings(max_new_tokens=4, temperature=0), tokenizer=tok)[0]
+    gate.arm()
+    beam_t, beam = _in_thread(_ok, url, prompt=BEAM_PROMPTS[0], max_tokens=60, use_beam_search=True, n=4)
+    assert gate.entered.wait(300)  # the beams' prefill is held
+    start = len(gate.rows)
+    small_t, small = _in_thread(_ok, url, prompt=GREEDY_PROMPT, max_tokens=4, temperature=0)
+    _wait_for(lambda: loop.n_waiting == 1, "the small request is queued")
+    gate.release()
+    small_t.join(300)
+    beam_t.join(300)
+    assert 5 in gate.rows[start:]  # a decode step held the 4 beams and the small request's row
+    assert small["r"]["choices"][0]["text"] == solo.text and len(beam["r"]["choices"]) == 4
+
+
+def _storage(cache) -> int:
+    return cache.kv.untyped_storage().data_ptr()
+
+
+def test_contrastive_search_holds_one_slot_per_prompt_and_leaves_room(gated, library):
+    """Its keys and values live in the server's reserved cache (one slot per prompt, top_k at most
+    half of --max-batch), and a request as large as one request may be (half the rows: 12 of 8 + 16)
+    leaves room: a small request sent meanwhile is admitted, not 429."""
+    url, app, gate = gated
+    model, tok = library
+    server = app.state.server
+    _error(_post(url, prompt="x", max_tokens=None, penalty_alpha=0.6, top_k=24), "top_k", "compares at most 4")
+    _error(_post(url, prompt=["x"] * 13, max_tokens=8, penalty_alpha=0.6, top_k=4), "prompt", "at most 12")
+    want = generate(model, "x", SamplingSettings(max_new_tokens=127, penalty_alpha=0.6, top_k=4), tokenizer=tok)[0]
+    solo = generate(model, GREEDY_PROMPT, SamplingSettings(max_new_tokens=4, temperature=0), tokenizer=tok)[0]
+    pool = server.engine_loop.engine.pool
+    caches: set[int] = set()  # the storage of every cache attention reads
+    hook = server.model.h[0].attn.register_forward_pre_hook(lambda _m, args: caches.add(_storage(args[2])))
+    try:
+        gate.arm()
+        big_t, big = _in_thread(_ok, url, prompt=["x"] * 12, max_tokens=None, penalty_alpha=0.6, top_k=4)
+        assert gate.entered.wait(300)  # its first prompt's prefill, in its slot, is held
+        assert (server.outstanding, server.engine_loop.n_running) == (12, 8)  # 8 slots held, 4 prompts wait
+        small_t, small = _in_thread(_ok, url, prompt=GREEDY_PROMPT, max_tokens=4, temperature=0)
+        _wait_for(lambda: server.outstanding == 13, "the small request is admitted")
+        gate.release()
+        small_t.join(300)
+        big_t.join(300)
+    finally:
+        gate.release()
+        hook.remove()
+    assert small["r"]["choices"][0]["text"] == solo.text
+    assert [c["text"] for c in big["r"]["choices"]] == [want.text] * 12
+    assert caches == {_storage(pool)}  # no keys or values outside the reserved slots
 
 
 @pytest.mark.parametrize("extra", [dict(use_beam_search=True, n=3), dict(penalty_alpha=0.9, top_k=4)])
@@ -202,12 +269,18 @@ def test_a_client_gone_ends_its_search(gated, extra):
 
 BAD = [
     ({"use_beam_search": True, "n": 2, "stream": True}, "stream", "stream is not defined for beam search"),
-    ({"use_beam_search": True, "best_of": 9}, "best_of", "at most 8 (the least of 64 and --max-batch 8"),
-    ({"use_beam_search": True, "n": 9}, "n", "with 9 beams: this server runs at most 8"),
+    ({"use_beam_search": True, "best_of": 5}, "best_of", "at most 4 per prompt (half of --max-batch 8"),
+    ({"use_beam_search": True, "n": 5}, "n", "with 5 beams: this server runs at most 4"),
     ({"use_beam_search": True, "n": 3, "best_of": 2}, "best_of", "best_of (2) must be >= n (3)"),
     ({"use_beam_search": True, "logprobs": 2}, "logprobs", "logprobs are not reported for beam search"),
-    ({"use_beam_search": True, "stop": "x"}, None, "takes no stop_strings"),
-    ({"use_beam_search": True, "n": 2, "presence_penalty": 1.0}, None, "takes no presence_penalty"),
+    ({"use_beam_search": True, "stop": "x"}, "stop", "takes no stop_strings"),
+    ({"use_beam_search": True, "n": 2, "presence_penalty": 1.0}, "presence_penalty", "takes no presence_penalty"),
+    ({"use_beam_search": True, "n": 2, "min_tokens": 2}, "min_tokens", "takes no min_new_tokens"),
+    ({"use_beam_search": True, "best_of": 2, "logit_bias": {"5": 1}}, "logit_bias", "takes no logit_bias"),
+    ({"penalty_alpha": 0.5, "top_k": 4, "stop": ["x"]}, "stop", "takes no stop_strings"),
+    ({"penalty_alpha": 0.5, "top_k": 4, "repetition_penalty": 1.2}, "repetition_penalty", "takes no repetition"),
+    ({"use_beam_search": True, "length_penalty": 0.5, "suppress_tokens": [5]}, "suppress_tokens",
+     "takes no suppress_tokens"),
     ({"use_beam_search": True, "penalty_alpha": 0.5, "top_k": 4}, "penalty_alpha", "two decoding methods"),
     ({"length_penalty": 2.0}, "length_penalty", "length_penalty applies to beam search only"),
     ({"early_stopping": True}, "early_stopping", "early_stopping applies to beam search only"),
@@ -218,7 +291,8 @@ BAD = [
     ({"penalty_alpha": 0.5}, "top_k", "chooses among top_k > 1 candidates, got top_k=None"),
     ({"penalty_alpha": 0.5, "top_k": 4, "n": 2}, "n", "contrastive search (penalty_alpha) is deterministic"),
     ({"penalty_alpha": 0.5, "top_k": 4, "stream": True}, "stream", "stream is not defined for contrastive"),
-    ({"penalty_alpha": 0.5, "top_k": 100}, "top_k", "needs 100 rows (prompts x top_k for contrastive search)"),
+    ({"penalty_alpha": 0.5, "top_k": 100}, "top_k", "over top_k=100 candidates: this server compares at most 4"),
+    ({"penalty_alpha": 0.5, "top_k": 5}, "top_k", "at most 4 (half of --max-batch 8"),
 ]
 
 

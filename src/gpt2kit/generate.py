@@ -248,7 +248,7 @@ def _beam_completions(model: GPT2, prompts: Sequence[Sequence[int]], settings: S
                       tokenizer: Tokenizer | None, batch_size: int | None) -> list[Completion]:
     """Beam search (gpt2kit.engine.beam): num_return_sequences Completions per prompt, best first,
     prompts batched so that at most batch_size rows (prompts x beams) run at once (one prompt at least);
-    or contrastive search (gpt2kit.engine.contrastive): one Completion per prompt."""
+    or contrastive search (gpt2kit.engine.contrastive): one Completion per prompt, one row each."""
     from gpt2kit.engine.beam import Beam, beam_search
     from gpt2kit.engine.contrastive import contrastive_search
 
@@ -259,7 +259,7 @@ def _beam_completions(model: GPT2, prompts: Sequence[Sequence[int]], settings: S
         if len(p) + settings.max_new_tokens > cfg.n_ctx:
             raise ValueError(f"prompt {i} has {len(p)} tokens; {method} keeps the whole sequence in the context, "
                              f"so prompt + max_new_tokens={settings.max_new_tokens} must be at most n_ctx={cfg.n_ctx}")
-    width = settings.top_k if settings.contrastive else settings.num_beams  # rows per prompt
+    width = 1 if settings.contrastive else settings.num_beams  # cache rows per prompt
     n, step = settings.num_return_sequences, max(1, (batch_size or len(prompts) * width) // width)
     out = []
     was_training = model.training

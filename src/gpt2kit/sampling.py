@@ -25,18 +25,20 @@ Legend: B rows, V vocab.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpt2kit.config import EOT_ID  # <|endoftext|>: the default stop token and the start of unconditional samples
-from gpt2kit.validate import check_int, check_number
+from gpt2kit.validate import SettingError, check_int, check_number
 
 TOP_P_MODES = ("openai", "hf")
 GREEDY_BELOW = 1e-5  # temperatures in [0, GREEDY_BELOW) are greedy
 MIN_REPETITION_PENALTY = 0.01  # a seen token's logit is scaled by at most 100
 MAX_DRAFT_TOKENS = 64  # prompt_lookup and draft_tokens at most this (tokens verified per step)
 MAX_BEAMS = 64  # num_beams at most this (rows per prompt)
+MAX_PENALTY_EXPONENT = 700.0  # |length_penalty| * ln(max_new_tokens) at most: e**700 = 1e304 (float64 to 1.8e308)
 LOGIT_LIMIT = 1e9  # |logit_bias value|, |presence_penalty|, |frequency_penalty| at most this
 _LOGIT_RANGE = "in [-1e9, 1e9]"
 
@@ -155,8 +157,8 @@ class SamplingSettings:
         if self.contrastive:
             check_deterministic(self, f"contrastive search (penalty_alpha={self.penalty_alpha})")
             if self.num_beams > 1:
-                raise ValueError("contrastive search (penalty_alpha > 0) and beam search (num_beams > 1) are "
-                                 "two methods: choose one")
+                raise SettingError("contrastive search (penalty_alpha > 0) and beam search (num_beams > 1) are "
+                                   "two methods: choose one", "penalty_alpha")
 
     def window_for(self, n_ctx: int) -> int:
         """Tokens kept when re-encoding past the context n_ctx: window, or n_ctx // 2 (at least 1)."""
@@ -248,8 +250,13 @@ def bad_words_ids(tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...
 def _check_beams(s: SamplingSettings) -> None:
     check_int("num_beams", s.num_beams, f"in [1, {MAX_BEAMS}] (1 = no beam search)", lambda v: 1 <= v <= MAX_BEAMS)
     check_number("length_penalty", s.length_penalty, "in [-100, 100]", lambda v: -100 <= v <= 100)
+    if s.num_beams > 1 and s.max_new_tokens > 1:  # a score divides by length ** length_penalty, in float64
+        most = MAX_PENALTY_EXPONENT / math.log(s.max_new_tokens)
+        check_number("length_penalty", s.length_penalty, f"in [-{most:.4g}, {most:.4g}] with max_new_tokens="
+                     f"{s.max_new_tokens} (length ** length_penalty must stay within float64)",
+                     lambda v: abs(v) <= most)
     if not (isinstance(s.early_stopping, bool) or s.early_stopping == "never"):
-        raise ValueError(f'early_stopping must be True, False or "never", got {s.early_stopping!r}')
+        raise SettingError(f'early_stopping must be True, False or "never", got {s.early_stopping!r}', "early_stopping")
     check_int("num_return_sequences", s.num_return_sequences, f"in [1, num_beams={s.num_beams}]",
               lambda v: 1 <= v <= s.num_beams)
     if s.num_beams > 1:
@@ -259,7 +266,7 @@ def _check_beams(s: SamplingSettings) -> None:
 def check_deterministic(s: SamplingSettings, method: str) -> None:
     """Beam and contrastive search: one sequence per prompt row and none of the logit warpers."""
     if s.num_samples != 1:
-        raise ValueError(f"{method} is deterministic; num_samples must be 1, got {s.num_samples}")
+        raise SettingError(f"{method} is deterministic; num_samples must be 1, got {s.num_samples}", "num_samples")
     unsupported = [n for n, on in (("stop_strings", s.stop_strings), ("logit_bias", s.logit_bias),
                                    ("repetition_penalty", s.repetition_penalty != 1.0),
                                    ("presence_penalty", s.presence_penalty),
@@ -268,7 +275,7 @@ def check_deterministic(s: SamplingSettings, method: str) -> None:
                                    ("min_new_tokens", s.min_new_tokens), ("suppress_tokens", s.suppress_tokens),
                                    ("prompt_lookup", s.prompt_lookup)) if on]
     if unsupported:
-        raise ValueError(f"{method} takes no {unsupported[0]}")
+        raise SettingError(f"{method} takes no {unsupported[0]}", unsupported[0])
 
 
 def _check_logit_bias(bias) -> tuple[tuple[int, float], ...]:

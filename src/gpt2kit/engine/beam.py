@@ -16,6 +16,12 @@ Per step, with the running beams' summed log-probs s (B, nb) and the new log-pro
 the best K = max(2, 1 + n_stop) * nb continuations over all beams; those ending in a stop token
 (or at max_new_tokens) are candidates for the finished set (only the top nb of the K), scored
 sum_logprobs / generated_length ** length_penalty; the best nb that did not end keep running.
+Where transformers marks "never chosen" with -1e9 and divides in float32, here it is -inf and the
+finished scores are float64: with an extreme length_penalty (-5 at 200 tokens, +100 at 8) a real
+score falls below -1e9 or length ** length_penalty leaves float32's range, and transformers then
+returns empty slots (score -1e9) or scores of -0.0. The running beams' sums are float32 as
+transformers' (the same candidates step for step); SamplingSettings keeps max_new_tokens **
+|length_penalty| within float64.
 early_stopping: True stops a prompt once nb beams have finished; False stops once the best running
 beam, at its current length, cannot beat the worst finished one; "never" (with length_penalty > 0)
 assumes the running beams reach max_new_tokens, else as False.
@@ -39,7 +45,7 @@ if TYPE_CHECKING:
     from gpt2kit.sampling import SamplingSettings
     from gpt2kit.tokenizer import Tokenizer
 
-NEG = -1.0e9  # transformers' "never chosen" score
+NEG = float("-inf")  # "never chosen" (transformers: -1e9, which real scores can fall below)
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,7 @@ class BeamState:
         self.running_scores = torch.zeros(B, nb, device=device)
         self.running_scores[:, 1:] = NEG  # only the first beam's tokens at the first step
         self.seqs, self.srcs = self.running_seq.clone(), self.running_src.clone()
-        self.scores = torch.full((B, nb), NEG, device=device)
+        self.scores = torch.full((B, nb), NEG, dtype=torch.float64, device=device)  # the finished set's
         self.finished = torch.zeros(B, nb, dtype=torch.bool, device=device)
         self.open_ = torch.ones(B, 1, dtype=torch.bool, device=device)  # the finished set can still improve
         self.offset = torch.arange(B, device=device)[:, None] * nb  # (B, 1)
@@ -98,17 +104,15 @@ class BeamState:
         hits = torch.isin(ids, self.stop) | (cur + 1 >= self.N)  # (B, K): ends at a stop token or the length
 
         # the best nb that go on
-        go_on = top_lp + hits.float() * NEG
+        go_on = top_lp.masked_fill(hits, NEG)
         keep = torch.topk(go_on, nb)[1]  # (B, nb)
         self.running_seq, self.running_scores = _gather(top_seq, keep), _gather(go_on, keep)
         self.running_src = _gather(top_src, keep)
 
         # the finished set: merge the top nb that just ended, keep the best nb
         just = hits & self.top_nb[None, :]
-        fin_lp = top_lp / ((cur + 1) ** s.length_penalty)
-        fin_lp = fin_lp + (self.finished.all(-1, keepdim=True) & (s.early_stopping is True)).float() * NEG
-        fin_lp = fin_lp + (~self.open_).float() * NEG
-        fin_lp = fin_lp + (~just).float() * NEG
+        closed = (self.finished.all(-1, keepdim=True) & (s.early_stopping is True)) | ~self.open_  # (B, 1)
+        fin_lp = (top_lp.double() / self._penalty(cur + 1)).masked_fill(closed | ~just, NEG)  # (B, K)
         m_scores = torch.cat([self.scores, fin_lp], dim=1)
         best = torch.topk(m_scores, nb)[1]
         self.seqs = _gather(torch.cat([self.seqs, top_seq], dim=1), best)
@@ -118,13 +122,17 @@ class BeamState:
 
         # can the running beams still beat the worst finished one?
         length = self.N if (s.early_stopping == "never" and s.length_penalty > 0) else cur + 1
-        best_running = self.running_scores[:, :1] / (length ** s.length_penalty)
+        best_running = self.running_scores[:, :1].double() / self._penalty(length)
         worst = torch.where(self.finished, self.scores.min(dim=1, keepdim=True)[0], NEG)
         self.open_ = self.open_ & (best_running > worst).any(dim=-1, keepdim=True)
         self.cur = cur + 1
         if not (self.open_.any() and not (self.finished.all() and s.early_stopping is True) and not hits.all()):
             return None
         return self.running_seq[:, :, cur].reshape(-1), self.running_src[:, :, cur].reshape(-1)
+
+    def _penalty(self, length: int) -> float:
+        """length ** length_penalty in float64 (finite: SamplingSettings bounds the exponent)."""
+        return float(length) ** self.s.length_penalty
 
     def running(self) -> list[list[int]]:
         """Each running beam's tokens so far (B * nb lists, prompt-major)."""

@@ -1,21 +1,27 @@
 """Contrastive search (Su et al. 2022, "A Contrastive Framework for Neural Text Generation"), as
 transformers 4.x's ``generate(penalty_alpha=..., top_k=...)``: at each step the k most probable
-tokens are candidates, each is fed once (the k candidates of a row as k cache rows), and the row
-takes the candidate v maximising
+tokens are candidates, each is fed once, and the row takes the candidate v maximising
 
     (1 - alpha) * p(v | context) - alpha * max_j cos(h_v, h_j)
 
 h the model's last hidden states (after ln_f), h_j over the row's context (prompt and generated
-tokens, padding excluded). The context's hidden states are kept from the step that computed them
-(read by a forward hook on ln_f, so nothing is recomputed); the chosen candidate's cache row is
-kept, its logits are the next step's.
+tokens, padding excluded). The context's hidden states are kept from the step that computed them,
+so nothing is recomputed.
 
-Legend: B prompts, k candidates, S context length, C n_embd, V vocab.
+A prompt is one row of the cache, whatever k: a step feeds the row's k candidates as k tokens of
+one forward, each at the row's next position and seeing the row's context and itself only
+(:class:`_Candidates` hands attention the cached keys and values with the candidates' appended,
+without writing them; the mask keeps the candidates apart), then writes the chosen candidate's keys
+and values into the row's next column. So a search holds one cache row per prompt (a server lends
+it one slot of its engine's cache per prompt: :func:`contrastive_in_slots`), and the candidates'
+keys and values live for their step only.
+
+Legend: B prompts, k candidates, S context length, P cached tokens, T prompt width, C n_embd,
+nh heads, hs head size, V vocab.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Generator
 from typing import TYPE_CHECKING
 
@@ -23,8 +29,10 @@ import torch
 
 from gpt2kit.config import EOT_ID
 from gpt2kit.kv_cache import KVCache
+from gpt2kit.model import attention_mask_for
 
 if TYPE_CHECKING:
+    from gpt2kit.engine.rows import Row
     from gpt2kit.model import GPT2
     from gpt2kit.sampling import SamplingSettings
 
@@ -51,23 +59,53 @@ def contrastive_search(model: GPT2, prompts: list[list[int]], settings: Sampling
             return done.value
 
 
-@contextlib.contextmanager
-def _hidden(model: GPT2, seen: list[torch.Tensor]):
-    """ln_f's outputs appended to seen while inside: the hook is held only for this search's own
-    forwards, so whatever runs the model between its steps sees it unhooked."""
-    hook = model.ln_f.register_forward_hook(lambda _m, _i, out: seen.append(out))
-    try:
-        yield
-    finally:
-        hook.remove()
+class _Candidates:
+    """The cache's interface to attention (update) for one forward of k candidate tokens per row
+    after the P cached ones: attention gets the cached keys and values with the candidates'
+    appended (B, nh, P + k, hs); the cache itself is not written until :meth:`commit`."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache, self.length = cache, cache.length
+        self.kv = cache.kv  # the storage read (the cache's own: a server's slot)
+        self.new: list[torch.Tensor] = []  # per layer: the candidates' (B, 2, nh, k, hs)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.new.append(torch.stack((k, v), 1))
+        past = self.kv[layer, :, :, :, :self.length]  # (B, 2, nh, P, hs)
+        return torch.cat((past[:, 0], k), 2), torch.cat((past[:, 1], v), 2)  # (B, nh, P + k, hs) each
+
+    def commit(self, pick: torch.Tensor) -> None:
+        """Each row's chosen candidate pick (B,) into the cache's column P."""
+        P, rows = self.length, torch.arange(len(pick), device=pick.device)
+        for layer, kv in enumerate(self.new):
+            self.cache.kv[layer, :, :, :, P] = kv[rows, :, :, pick]  # (B, 2, nh, hs)
+        self.cache.length = P + 1
+
+
+def _hidden(model: GPT2, idx: torch.Tensor, pos: torch.Tensor, mask, cache) -> torch.Tensor:
+    """The network on idx (B, T) at positions pos through cache, with SDPA's mask: the last hidden
+    states (B, T, C), after ln_f (the model's forward, its own modules, without the head)."""
+    x = model.drop(model.wte(idx) + model.wpe(pos))  # (B, T, C)
+    for i, block in enumerate(model.h):
+        x = block(x, mask, cache, i)
+    return model.ln_f(x)
+
+
+def _candidate_mask(context_mask: torch.Tensor, k: int) -> torch.Tensor:
+    """(B, 1, k, P + k): candidate j sees its row's real context (context_mask (B, P)) and itself."""
+    B, P = context_mask.shape
+    own = torch.eye(k, dtype=torch.bool, device=context_mask.device).expand(B, 1, k, k)
+    return torch.cat([context_mask.bool()[:, None, None, :].expand(B, 1, k, P), own], dim=-1)
 
 
 @torch.inference_mode()
-def contrastive_steps(model: GPT2, prompts: list[list[int]], settings: SamplingSettings
-                      ) -> Generator[None, None, list[list[int]]]:
+def contrastive_steps(model: GPT2, prompts: list[list[int]], settings: SamplingSettings,
+                      cache: KVCache | None = None) -> Generator[None, None, list[list[int]]]:
     """:func:`contrastive_search` one forward at a time: yields after the prefill and after each
     step, returns each prompt's new tokens (the server runs it between its engine's steps,
-    gpt2kit.engine.EngineLoop.call_steps, so it never holds up other requests for long)."""
+    gpt2kit.engine.EngineLoop.call_steps, so it never holds up other requests for long). cache: an
+    empty one of len(prompts) rows and at least prompt width + max_new_tokens - 1 columns (a
+    server's slot); default a new one."""
     alpha, k, N = settings.penalty_alpha, min(settings.top_k, model.config.n_vocab), settings.max_new_tokens
     B, T = len(prompts), max(map(len, prompts))
     device = model.wpe.weight.device
@@ -77,32 +115,64 @@ def contrastive_steps(model: GPT2, prompts: list[list[int]], settings: SamplingS
         idx[b, T - len(p):] = torch.tensor(p)
         mask[b, T - len(p):T] = 1
     idx, mask = idx.to(device), mask.to(device)
-    seen: list[torch.Tensor] = []
-    cache = KVCache.for_model(model, B, T + N)
-    with _hidden(model, seen):
-        logits = model(idx, attention_mask=mask[:, :T], cache=cache).logits[:, -1]  # (B, V)
-    context = seen.pop()  # (B, T, C)
+    if cache is None:
+        cache = KVCache.for_model(model, B, T + N - 1)  # the last token is never fed
+    pos = (mask[:, :T].cumsum(-1) - 1).clamp_(min=0)  # (B, T), as forward counts them
+    context = _hidden(model, idx, pos, attention_mask_for(mask[:, :T], 0, T, device), cache)  # (B, T, C)
+    cache.length = T
+    logits = model.lm_head(context[:, -1])  # (B, V)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
-    rows = torch.arange(B, device=device).repeat_interleave(k)  # (B * k,)
-    for _ in range(N):
+    rows = torch.arange(B, device=device)
+    for step in range(N):
         yield
         probs, ids = logits.float().softmax(-1).topk(k, dim=-1)  # (B, k)
         P = cache.length
-        cache.select(rows)  # each row's cache, once per candidate
-        mask[:, P] = 1
-        with _hidden(model, seen):
-            cand_logits = model(ids.reshape(-1, 1), attention_mask=mask[rows, :P + 1], cache=cache).logits[:, -1]
-        cand = seen.pop()[:, -1].view(B, k, -1)  # (B, k, C)
-        pick = contrastive_scores(probs, context, mask[:, :P], cand, alpha).argmax(-1)  # (B,)
-        chosen = torch.arange(B, device=device) * k + pick  # (B,)
-        cache.select(chosen)
-        logits = cand_logits[chosen]
-        context = torch.cat([context, cand[torch.arange(B, device=device), pick][:, None]], dim=1)
-        for b, t in enumerate(ids[torch.arange(B, device=device), pick].tolist()):
+        cand = _Candidates(cache)
+        pos = mask[:, :P].sum(-1, keepdim=True).expand(B, k)  # (B, k): every candidate at its row's next position
+        h = _hidden(model, ids, pos, _candidate_mask(mask[:, :P], k), cand)  # (B, k, C)
+        pick = contrastive_scores(probs, context, mask[:, :P], h, alpha).argmax(-1)  # (B,)
+        for b, t in enumerate(ids[rows, pick].tolist()):
             if not done[b]:
                 out[b].append(t)
                 done[b] = t in settings.stop_token_ids
-        if all(done):
+        if all(done) or step == N - 1:
             break
+        cand.commit(pick)
+        mask[:, P] = 1
+        chosen = h[rows, pick]  # (B, C)
+        logits = model.lm_head(chosen)
+        context = torch.cat([context, chosen[:, None]], dim=1)
     return out
+
+
+def contrastive_in_slots(model: GPT2, rows: list[Row], settings: SamplingSettings
+                         ) -> Generator[None, None, list[list[int]]]:
+    """:func:`contrastive_steps` for each row's prompt in the slot its lease holds (rows made by
+    Engine.new_lease and submitted to that engine), the prompts' searches stepped together, each
+    from the step after its row has joined: yields once per step (EngineLoop.call_steps), returns
+    each prompt's new tokens. A row whose search has ended is cancelled (its slot goes back at the
+    engine's next step), and so is every row when the generator is closed. A slot the engine took
+    back (Engine.reset, after a failed step) is a RuntimeError."""
+    runs: dict[int, Generator] = {}
+    found: dict[int, list[int]] = {}
+    try:
+        while True:
+            for i, row in enumerate(rows):
+                if i in found or (i not in runs and row.lease.cache is None and not row.lease.granted):
+                    continue  # ended, or still waiting for a slot
+                if row.lease.cache is None:
+                    raise RuntimeError("the engine took back the slot of a contrastive search (a step failed)")
+                if i not in runs:
+                    runs[i] = contrastive_steps(model, [row.prompt], settings, row.lease.cache)
+                try:
+                    next(runs[i])
+                except StopIteration as end:
+                    found[i] = end.value[0]
+                    row.cancelled = True
+            if len(found) == len(rows):
+                return [found[i] for i in range(len(rows))]
+            yield
+    finally:
+        for row in rows:
+            row.cancelled = True

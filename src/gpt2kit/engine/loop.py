@@ -65,6 +65,10 @@ class EngineLoop:
         """Engine.new_beam_rows (any thread, as new_row)."""
         return self.engine.new_beam_rows(prompt, settings, key=key)
 
+    def new_lease(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None) -> Row:
+        """Engine.new_lease (any thread, as new_row)."""
+        return self.engine.new_lease(prompt, settings, key=key)
+
     def submit(self, rows: Sequence[Row]) -> None:
         self.engine.submit(rows)
         with self._cond:

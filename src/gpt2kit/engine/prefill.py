@@ -83,6 +83,17 @@ class ChunkedPrefill:
         self.rows.clear()
         return rows
 
+    def rejoin_full(self, rows: list[Row], slots: list[int], pool: SlotPool, n_ctx: int) -> list[int]:
+        """The decoding rows (in slots) whose context is full: each is prefilled again, first, in its
+        own slot, with a window of its sequence (Row.context); returns their indices."""
+        full = [r for r, s in enumerate(slots) if pool.lengths[s] >= n_ctx]
+        again = []
+        for r in full:
+            pool.restart(slots[r])
+            again.append(Joining(rows[r], slots[r], rows[r].context(n_ctx, rows[r].settings.window_for(n_ctx))))
+        self.add(again, first=True)
+        return full
+
     def drop_cancelled(self, pool: SlotPool) -> None:
         """Cancelled rows (a beam group with any row cancelled) leave; their slots are freed."""
         if any(j.row.dropped for j in self.rows):

@@ -1,9 +1,10 @@
 """A server's engine with speculative decoding: the plain engine (gpt2kit.engine.scheduler) and a
 speculative one (gpt2kit.engine.speculative) behind Engine's interface, each row sent to one.
 
-Eligible rows — greedy ones, not beams (so every response is exactly what the plain engine gives; sampled
-rows keep their seeded tokens there) whose prompt + max_new_tokens + draft tokens fit in the
-context (the speculative engine keeps the whole sequence) — speculate; the rest run as always.
+Eligible rows — greedy ones, not beams nor leased slots (so every response is exactly what the
+plain engine gives; sampled rows keep their seeded tokens there) whose prompt + max_new_tokens +
+draft tokens fit in the context (the speculative engine keeps the whole sequence) — speculate; the
+rest run as always.
 """
 
 from __future__ import annotations
@@ -28,13 +29,17 @@ class RoutedEngine:
 
     def eligible(self, row: Row) -> bool:
         s = row.settings
-        return row.beam is None and s.greedy and len(row.prompt) + s.max_new_tokens + self.k <= self.n_ctx
+        return (row.beam is None and row.lease is None and s.greedy
+                and len(row.prompt) + s.max_new_tokens + self.k <= self.n_ctx)
 
     def new_row(self, *args, **kw) -> Row:
         return self.plain.new_row(*args, **kw)
 
     def new_beam_rows(self, *args, **kw) -> list[Row]:
         return self.plain.new_beam_rows(*args, **kw)  # beams run on the plain engine
+
+    def new_lease(self, *args, **kw) -> Row:
+        return self.plain.new_lease(*args, **kw)  # and leases are its slots
 
     def submit(self, rows: Sequence[Row]) -> None:
         self.spec.submit([r for r in rows if self.eligible(r)])

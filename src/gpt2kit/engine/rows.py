@@ -12,9 +12,11 @@ if TYPE_CHECKING:
     from collections import deque
     from collections.abc import Iterator
 
+    from gpt2kit.engine.batch_cache import SlotPool
     from gpt2kit.engine.beam import Beam
     from gpt2kit.engine.beam_rows import BeamGroup
     from gpt2kit.engine.outputs import RowText
+    from gpt2kit.kv_cache import KVCache
     from gpt2kit.sampler import RowSampler
     from gpt2kit.sampling import SamplingSettings
 
@@ -32,10 +34,59 @@ class RowKey:
 
 
 @dataclass(eq=False)
+class SlotLease:
+    """A slot of the engine's cache lent to a search that runs its own forwards in it (contrastive
+    search, gpt2kit.engine.contrastive): cache is a KVCache over that slot while the row holds it,
+    None before it joins and after it leaves (cancelled, or taken back by Engine.reset)."""
+
+    cache: KVCache | None = None
+    granted: bool = False  # it has held its slot (so a cache of None now means the slot is gone)
+
+    def grant(self, pool: SlotPool, slot: int) -> None:
+        self.cache, self.granted = pool.row_cache(slot), True
+
+
+class Leases:
+    """An engine's lent slots (Engine.new_lease): the rows holding one, and which."""
+
+    def __init__(self) -> None:
+        self.held: dict[Row, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    @property
+    def to_release(self) -> bool:
+        """Whether a holder was cancelled (its slot goes back at the engine's next step)."""
+        return any(row.dropped for row in self.held)
+
+    def grant(self, join: list[Row], pool: SlotPool) -> list[Row]:
+        """A slot to each lease among the joining rows; returns the others."""
+        for row in join:
+            if row.lease is not None:
+                self.held[row] = slot = pool.take()
+                row.lease.grant(pool, slot)
+        return [row for row in join if row.lease is None]
+
+    def release_dropped(self, pool: SlotPool) -> None:
+        for row in [r for r in self.held if r.dropped]:
+            pool.release(self.held.pop(row))
+            row.lease.cache = None
+
+    def take_back(self) -> list[Row]:
+        """Every holder, its slot taken back (the engine's reset frees the slots): its search fails
+        at its next step."""
+        rows, self.held = list(self.held), {}
+        for row in rows:
+            row.lease.cache = None
+        return rows
+
+
+@dataclass(eq=False)
 class Row:
-    """One sequence being generated (one sample of one prompt), or one beam slot of a prompt's beam
-    search (beam: its group, gpt2kit.engine.beam_rows; no sampler). Made by Engine.new_row or
-    Engine.new_beam_rows."""
+    """One sequence being generated (one sample of one prompt), one beam slot of a prompt's beam
+    search (beam: its group, gpt2kit.engine.beam_rows; no sampler), or a slot lent to a search that
+    runs its own forwards (lease). Made by Engine.new_row, Engine.new_beam_rows or Engine.new_lease."""
 
     prompt: list[int]
     settings: SamplingSettings
@@ -51,6 +102,7 @@ class Row:
     drafted: int = 0  # speculative decoding: draft tokens proposed for this row, and those kept
     accepted: int = 0
     beam: BeamGroup | None = None  # beam search: the group this slot belongs to
+    lease: SlotLease | None = None  # a slot held for a search's own forwards (Engine.new_lease): never fed
 
     @property
     def dropped(self) -> bool:

@@ -42,7 +42,7 @@ from gpt2kit.engine.batch_cache import SlotPool
 from gpt2kit.engine.beam_rows import BeamGroup, admit, choose_tokens, prefill_index
 from gpt2kit.engine.outputs import RowText, advance, token_logprobs
 from gpt2kit.engine.prefill import ChunkedPrefill, Joining
-from gpt2kit.engine.rows import Row, RowEvent, RowKey, requeued_on_error
+from gpt2kit.engine.rows import Leases, Row, RowEvent, RowKey, SlotLease, requeued_on_error
 from gpt2kit.sampler import RowSampler
 from gpt2kit.sampling import SamplingSettings
 from gpt2kit.validate import check_int
@@ -85,6 +85,7 @@ class Engine:
         self._slots: list[int] = []  # the slot of each of self.rows
         self._joining = ChunkedPrefill(prefill_chunk)  # rows being prefilled, oldest first
         self._waiting: deque[Row] = deque()
+        self._leased = Leases()  # rows lent a slot (new_lease)
         self._lock = threading.Lock()
         self._logits: torch.Tensor | None = None  # (B, V): each decoding row's next-token logits
         self._unfed: torch.Tensor | None = None  # (B,): tokens sampled last step, fed at the next
@@ -112,6 +113,14 @@ class Engine:
         check_columns(len(prompt), settings.max_new_tokens, self.model.config.n_ctx, self.max_len)
         return BeamGroup(prompt, settings, self.device, key or RowKey(), self.model.config.n_ctx, self.max_batch).rows
 
+    def new_lease(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None) -> Row:
+        """A row that joins as any other, never fed: row.lease.cache is then a KVCache over its slot,
+        for a search's own forwards (gpt2kit.engine.contrastive); cancelling it frees the slot."""
+        if self.max_batch is None:
+            raise ValueError("a slot lease needs an engine with max_batch (slots that never move)")
+        check_columns(len(prompt), settings.max_new_tokens, self.model.config.n_ctx, self.max_len)
+        return Row(list(prompt), settings, None, key=key or RowKey(), lease=SlotLease())
+
     def submit(self, rows: Sequence[Row]) -> None:
         """Queue rows; they join the batch, in order, as slots allow."""
         with self._lock:
@@ -123,8 +132,8 @@ class Engine:
 
     @property
     def n_running(self) -> int:
-        """Rows holding a slot: decoding, or being prefilled."""
-        return len(self.rows) + len(self._joining)
+        """Rows holding a slot: decoding, being prefilled, or lent (new_lease)."""
+        return len(self.rows) + len(self._joining) + len(self._leased)
 
     @property
     def n_prefilling(self) -> int:
@@ -136,7 +145,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.rows or self._joining or self._waiting)
+        return bool(self.rows or self._joining or self._waiting or self._leased.to_release)
 
     def reserve(self) -> SlotPool:
         """Make the max_batch slots now (the server does, so a pool that cannot be had fails at start-up)."""
@@ -147,7 +156,7 @@ class Engine:
     def reset(self) -> list[Row]:
         """Drop every row, running and waiting; returns them (after an error, to fail them)."""
         with self._lock:
-            dropped = self.rows + self._joining.clear() + list(self._waiting)
+            dropped = self.rows + self._joining.clear() + list(self._waiting) + self._leased.take_back()
             self._waiting.clear()
         self.rows, self._slots = [], []
         if self.pool is not None:
@@ -184,16 +193,8 @@ class Engine:
             self.pool.copy(self._slots, [self._slots[s] for s in src])
         self._keep(keep)
         tok = tok[keep] if len(keep) < n_rows else tok
-        # A row whose context is full is prefilled again, in its slot, with a window of its sequence.
-        n_ctx = self.model.config.n_ctx
-        full = [r for r, s in enumerate(self._slots) if self.pool.lengths[s] >= n_ctx]
-        if full:
-            again = []
-            for r in full:
-                row, slot = self.rows[r], self._slots[r]
-                self.pool.restart(slot)
-                again.append(Joining(row, slot, row.context(n_ctx, self._window(row))))
-            self._joining.add(again, first=True)
+        full = self._joining.rejoin_full(self.rows, self._slots, self.pool, self.model.config.n_ctx)
+        if full:  # prefilled again, in their slots, with a window of their sequence
             keep = [r for r in range(len(self.rows)) if r not in set(full)]
             self._keep(keep, release=False)
             tok = tok[keep]
@@ -202,6 +203,7 @@ class Engine:
 
     def _drop_cancelled(self) -> None:
         self._keep([r for r, row in enumerate(self.rows) if not row.dropped])
+        self._leased.release_dropped(self.pool)
         if self._joining.rows:
             self._joining.drop_cancelled(self.pool)
 
@@ -219,13 +221,14 @@ class Engine:
                 self.pool = SlotPool.for_model(self.model, self.max_batch or len(join), self.max_len)
             if self.pool.n_free < len(join):  # no max_batch: more slots (the one copy: SlotPool.grow)
                 self.pool.grow(max(2 * self.pool.n_slots, self.n_running + len(join)))
+        join = self._leased.grant(join, self.pool)  # leases hold their slots now: reset() takes them back
+        if not join:
+            return
+        with requeued_on_error(self._waiting, self._lock, join):
             n_ctx = self.model.config.n_ctx
-            contexts = [row.context(n_ctx, self._window(row)) for row in join]
+            contexts = [row.context(n_ctx, row.settings.window_for(n_ctx)) for row in join]
             joining = joinings(join, [self.pool.take() for _ in join], contexts)
         self._joining.add(joining)
-
-    def _window(self, row: Row) -> int:
-        return row.settings.window_for(self.model.config.n_ctx)
 
     def _keep(self, keep: list[int], *, release: bool = True) -> None:
         """Keep only decoding rows `keep`; the others' slots are freed (release) or kept (re-prefill)."""

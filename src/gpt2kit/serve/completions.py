@@ -4,7 +4,8 @@ with one builder for both (:class:`Response`).
 
 A request whose client goes away has its rows cancelled, and the engine drops them at its next
 step. Admission is bounded: at most max_batch rows run and max_queue wait; a request that would
-exceed that gets 429 with Retry-After.
+exceed that gets 429 with Retry-After, and one over its share (half of that, gpt2kit.serve.limits)
+a 400.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import gpt2kit.serve.schemas as S
 import gpt2kit.serve.search as search
 from gpt2kit.serve.errors import APIError, error_body
 from gpt2kit.serve.lifecycle import DISCONNECTED, SHUTDOWN
-from gpt2kit.serve.limits import check_work, logit_bias_ids, work_tokens
+from gpt2kit.serve.limits import check_work, logit_bias_ids, request_share, work_tokens
 from gpt2kit.serve.logprobs import Offsets, logprobs_obj, prompt_logprobs
 
 if TYPE_CHECKING:
@@ -119,13 +120,15 @@ def plan(server: Server, body: S.CompletionRequest, more_stops: tuple[str, ...] 
     settings = _settings(body, max_tokens, cfg.n_vocab, server.tokenizer, kind, n, best_of, () if kind else more_stops)
     rows = len(prompts) * per_prompt if max_tokens > 0 else 0
     limit = server.opts.max_batch + server.opts.max_queue
-    if rows > limit:
-        how, param = ("top_k for contrastive search", "top_k") if kind == search.CONTRASTIVE else ("best_of/n", "n")
-        raise APIError(400, f"this request needs {rows} rows (prompts x {how}); this server runs at most "
-                            f"{limit} (--max-batch + --max-queue)", param=param)
+    share = request_share(limit)
+    if rows > share:
+        param = "prompt" if per_prompt == 1 else "best_of" if body.best_of else "n"
+        raise APIError(400, f"this request needs {rows} rows ({len(prompts)} prompts x {per_prompt}); one request "
+                            f"may hold at most {share}, half of this server's {limit} (--max-batch + --max-queue)",
+                       param=param)
     scored = sum(map(len, prompts)) if echo and body.logprobs is not None else 0
     work = work_tokens(prompts, max_tokens, per_prompt, bool(scored))
-    check_work(work, server.work_tokens, limit * cfg.n_ctx)  # scoring counts as generation does
+    check_work(work, server.work_tokens, limit * cfg.n_ctx, share * cfg.n_ctx)  # scoring counts as generation does
     if rows and server.outstanding + rows > limit:
         raise APIError(429, f"the server is at capacity ({server.outstanding} rows running or queued, limit "
                             f"{limit}); retry shortly", code="server_overloaded", headers={"Retry-After": "1"})
@@ -176,7 +179,24 @@ def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int, tokenize
         search.check_settings(kind, settings)
         return settings
     except ValueError as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=_param(e, body)) from None
+
+
+# SamplingSettings' names of the request's fields where the two differ
+_FIELDS = {"stop_strings": "stop", "min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens",
+           "num_samples": "n", "num_return_sequences": "n"}
+
+
+def _param(e: ValueError, body: S.CompletionRequest) -> str | None:
+    """The request field a SamplingSettings refusal is about (validate.SettingError names its
+    setting, e.g. "stop_strings" or "logit_bias[5]"), or None."""
+    name = getattr(e, "name", None)
+    if name is None:
+        return None
+    if name == "num_beams":
+        return "best_of" if body.best_of else "n"
+    name = _FIELDS.get(name, name.split()[0].split("[")[0])
+    return name if name in type(body).model_fields else None
 
 
 def _prompts(server: Server, prompt) -> tuple[list[list[int]], list[str]]:

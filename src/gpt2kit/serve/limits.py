@@ -3,10 +3,12 @@ app sees it), its logit_bias keys (canonical token ids only) and its work, count
 that scoring (echo + logprobs) and generation share one limit.
 
 Work is what a request holds while it runs: each generation row its prompt + max_tokens, each
-prompt scored for echo log-probs its tokens. The server admits at most (max_batch + max_queue) x
-n_ctx tokens of work at once (what max_batch + max_queue full rows hold), and max_batch +
-max_queue generation rows; a request that alone exceeds either is 400, one that would exceed
-them with the work already admitted is 429 (docs/serving.md).
+prompt scored for echo log-probs its tokens. The server admits at most max_batch + max_queue
+generation rows and (max_batch + max_queue) x n_ctx tokens of work at once (what that many full
+rows hold). One request may hold at most its share of each (:func:`request_share`: half the rows,
+at least one, and n_ctx tokens of work per row of that), so that it never leaves every other client
+a 429; a request over its share is 400, one that would exceed the limits beside the work already
+admitted is 429 (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -40,14 +42,20 @@ def work_tokens(prompts: Sequence[Sequence[int]], max_tokens: int, rows_per_prom
     return gen + (sum(map(len, prompts)) if scored else 0)
 
 
-def check_work(tokens: int, admitted: int, limit: int) -> None:
-    """400 if a request's work can never fit the limit, 429 if it does not fit beside the work
-    already admitted."""
-    if tokens > limit:
+def request_share(rows: int) -> int:
+    """The rows one request may hold of a server's limit of `rows`: half, at least one (its work:
+    that many rows of n_ctx tokens)."""
+    return max(1, rows // 2)
+
+
+def check_work(tokens: int, admitted: int, limit: int, share: int) -> None:
+    """400 if a request's work is over one request's share of the limit, 429 if it does not fit
+    beside the work already admitted."""
+    if tokens > share:
         raise APIError(400, f"this request needs {tokens} tokens of work (prompt + max_tokens per row, plus "
-                            f"the prompt tokens scored for echo log-probs); this server admits at most "
-                            f"{limit} ((--max-batch + --max-queue) x n_ctx): send fewer or shorter prompts",
-                       param="prompt")
+                            f"the prompt tokens scored for echo log-probs); one request may hold at most "
+                            f"{share} of this server's {limit} ((--max-batch + --max-queue) x n_ctx; a request's "
+                            f"share is half the rows, x n_ctx): send fewer or shorter prompts", param="prompt")
     if admitted + tokens > limit:
         raise APIError(429, f"the server is at capacity ({admitted} tokens of work admitted, limit {limit}); "
                             f"retry shortly", code="server_overloaded", headers={"Retry-After": "1"})

@@ -7,12 +7,16 @@ and their choices.
   legacy OpenAI server mapped them so; today's vLLM takes ``n`` for both, which is the same request
   when best_of is absent). Each prompt's beams are rows of the server's one engine
   (gpt2kit.engine.beam_rows): they run in the same decode steps as every other request's rows and
-  leave their tokens alone. The width is at most MAX_BEAMS and the server's max_batch (a prompt's
-  beams run at once).
-- Contrastive search, under transformers' names: ``penalty_alpha`` > 0 with ``top_k`` > 1. It runs
-  its own forwards (top_k candidate rows per prompt, the hidden states of the context) on the
-  engine's worker thread, one step per engine step (EngineLoop.call_steps), so other requests go on
-  meanwhile; its rows count against the server's row limit as top_k per prompt.
+  leave their tokens alone.
+- Contrastive search, under transformers' names: ``penalty_alpha`` > 0 with ``top_k`` > 1. Each
+  prompt holds one slot of the engine's cache (a lease, Engine.new_lease: it waits for a free slot
+  as any row does, and counts as one row); the search runs its own forwards in it (the top_k
+  candidates as top_k tokens of one forward, gpt2kit.engine.contrastive) on the engine's worker
+  thread, one step per engine step (EngineLoop.call_steps), so other requests go on meanwhile.
+
+A search's width (beams per prompt, or contrastive candidates) is at most :func:`width_limit`:
+half of max_batch (and MAX_BEAMS), so that a prompt's beams, which run at once, leave room for
+other rows, and a contrastive step costs no more than a decode step of that many rows.
 
 Both are deterministic and known only at the end: stream and logprobs are refused.
 """
@@ -30,7 +34,7 @@ if TYPE_CHECKING:
     import concurrent.futures
 
     import gpt2kit.serve.schemas as S
-    from gpt2kit.engine import RowEvent
+    from gpt2kit.engine import Row, RowEvent
     from gpt2kit.sampling import SamplingSettings
     from gpt2kit.serve.completions import Job, Response
     from gpt2kit.serve.server import Server
@@ -66,6 +70,13 @@ def method(body: S.CompletionRequest) -> str | None:
     return BEAM if beam else CONTRASTIVE if alpha > 0 else None
 
 
+def width_limit(max_batch: int) -> int:
+    """The widest search (beams, or contrastive candidates, per prompt) a server of max_batch runs."""
+    from gpt2kit.sampling import MAX_BEAMS
+
+    return min(MAX_BEAMS, max(1, max_batch // 2))
+
+
 def check(server: Server, body: S.CompletionRequest, kind: str, n: int, best_of: int) -> int:
     """The checks a search adds (400s naming the field); returns its rows per prompt."""
     from gpt2kit.sampling import MAX_BEAMS
@@ -75,15 +86,19 @@ def check(server: Server, body: S.CompletionRequest, kind: str, n: int, best_of:
                        param="stream")
     if body.logprobs is not None:
         raise APIError(400, f"logprobs are not reported for {kind}; drop logprobs", param="logprobs")
+    width, max_batch = width_limit(server.opts.max_batch), server.opts.max_batch
+    why = f"half of --max-batch {max_batch}, so that other rows run beside it, and at most {MAX_BEAMS}"
     if kind == CONTRASTIVE:
         if best_of > 1:
             raise APIError(400, f"{kind} is deterministic: n and best_of must be 1, got {best_of}",
                            param="best_of" if body.best_of else "n")
-        return body.top_k
-    limit = min(MAX_BEAMS, server.opts.max_batch)
-    if best_of > limit:
-        raise APIError(400, f"{kind} with {best_of} beams: this server runs at most {limit} (the least of "
-                            f"{MAX_BEAMS} and --max-batch {server.opts.max_batch}: a prompt's beams run at once)",
+        if body.top_k > width:
+            raise APIError(400, f"{kind} over top_k={body.top_k} candidates: this server compares at most {width} "
+                                f"({why}" + ("; contrastive search needs --max-batch >= 4)" if width < 2 else ")"),
+                           param="top_k")
+        return 1  # one slot per prompt
+    if best_of > width:
+        raise APIError(400, f"{kind} with {best_of} beams: this server runs at most {width} per prompt ({why})",
                        param="best_of" if body.best_of else "n")
     return best_of
 
@@ -120,18 +135,20 @@ def submit(server: Server, job: Job, kind: str, settings: SamplingSettings, rows
         job.pending = set(job.rows)
         loop.submit(job.rows)
         return
+    job.rows = [loop.new_lease(p, settings, key=RowKey(i, i, 0, owner=job)) for i, p in enumerate(job.prompts)]
     job.side_rows = rows
-    job.side = loop.call_steps(_contrastive(server.model, job.prompts, settings))
+    loop.submit(job.rows)
+    job.side = loop.call_steps(_contrastive(server.model, job.rows, settings))
     aloop = server.aloop
     job.side.add_done_callback(lambda f: aloop.call_soon_threadsafe(job.queue.put_nowait, SearchDone(f)))
 
 
-def _contrastive(model, prompts: list[list[int]], settings: SamplingSettings):
-    """contrastive_steps, its result as one Beam (score None) per prompt."""
+def _contrastive(model, rows: list[Row], settings: SamplingSettings):
+    """contrastive_in_slots, its result as one Beam (score None) per prompt."""
     from gpt2kit.engine.beam import Beam
-    from gpt2kit.engine.contrastive import contrastive_steps
+    from gpt2kit.engine.contrastive import contrastive_in_slots
 
-    found = yield from contrastive_steps(model, prompts, settings)
+    found = yield from contrastive_in_slots(model, rows, settings)
     stops = settings.stop_token_ids
     return [[Beam(t, None, "stop" if t and t[-1] in stops else "length")] for t in found]
 
@@ -161,10 +178,14 @@ def record(server: Server, job: Job, ev: RowEvent | SearchDone) -> None:
 
 
 def release(server: Server, job: Job) -> None:
-    """Cancel a contrastive job still running (it stops before its next step) and free its rows."""
+    """Cancel a contrastive job still running (it stops before its next step; first, so that it
+    never steps in a slot given back) and its slots' rows (the engine frees them at its next step)."""
     if job.side is not None:
         job.side.cancel()
         job.side = None
+    if job.side_rows:
+        for row in job.rows:
+            server.engine_loop.cancel(row)
     server.outstanding -= job.side_rows
     job.side_rows = 0
 
