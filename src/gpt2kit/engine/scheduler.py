@@ -55,6 +55,17 @@ if TYPE_CHECKING:
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens prefilled per step at most (Engine's prefill_chunk)
 
 
+def _pool_with_room(pool: SlotPool | None, model: GPT2, max_batch: int | None, max_len: int, n_running: int,
+                    n: int) -> SlotPool:
+    """The engine's slots, made on first use, with `n` free: an engine without max_batch adds slots (the
+    one copy: SlotPool.grow)."""
+    if pool is None:
+        pool = SlotPool.for_model(model, max_batch or n, max_len)
+    if pool.n_free < n:
+        pool.grow(max(2 * pool.n_slots, n_running + n))
+    return pool
+
+
 class Engine:
     """The iteration-level scheduler (module doc); at most max_batch rows hold a slot at once.
     prefill_chunk: prompt tokens per step while rows decode (a prompt's chunk size);
@@ -217,10 +228,7 @@ class Engine:
         if not join:
             return
         with requeued_on_error(self._waiting, self._lock, join):  # none lost off the queue: reset() fails them
-            if self.pool is None:
-                self.pool = SlotPool.for_model(self.model, self.max_batch or len(join), self.max_len)
-            if self.pool.n_free < len(join):  # no max_batch: more slots (the one copy: SlotPool.grow)
-                self.pool.grow(max(2 * self.pool.n_slots, self.n_running + len(join)))
+            self.pool = _pool_with_room(self.pool, self.model, self.max_batch, self.max_len, self.n_running, len(join))
         join = self._leased.grant(join, self.pool)  # leases hold their slots now: reset() takes them back
         if not join:
             return
