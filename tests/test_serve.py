@@ -540,10 +540,11 @@ def test_ignore_eos_generates_past_the_end_of_text_token(client, model, tok):
     ({"bad_words": [""]}, "bad_words.0", "at least 1 character"),
     ({"bad_words": "the"}, "bad_words", "valid list"),
     ({"suppress_tokens": [-3]}, "suppress_tokens.0", "greater than or equal to 0"),
-    ({"bad_words": ["  "]}, None, "bad_words entry '  ' is only whitespace"),
-    ({"bad_words": ["\x85"]}, None, "bad_words entry '\\x85' is only whitespace"),
-    ({"min_tokens": 9}, None, "min_tokens must be an integer in [0, max_tokens=8], got 9"),
-    ({"suppress_tokens": [50257]}, None, "suppress_tokens token id 50257 is outside the vocabulary [0, 50257)"),
+    ({"bad_words": ["  "]}, "bad_words", "bad_words entry '  ' is only whitespace"),
+    ({"bad_words": ["\x85"]}, "bad_words", "bad_words entry '\\x85' is only whitespace"),
+    ({"min_tokens": 9}, "min_tokens", "min_tokens must be an integer in [0, max_tokens=8], got 9"),
+    ({"suppress_tokens": [50257]}, "suppress_tokens",
+     "suppress_tokens token id 50257 is outside the vocabulary [0, 50257)"),
 ])
 def test_warper_and_constraint_values_out_of_range_are_400(server, extra, param, needle):
     r = httpx.post(server[0] + "/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 8, **extra},

@@ -224,11 +224,11 @@ def bad_word_text(word: object, name: str = "bad_words entry") -> str:
     strips it (str.lstrip: Unicode whitespace, NEL and no-break space included). ValueError, the word
     shown escaped, when that leaves nothing to tokenize: a word that is only whitespace bans nothing."""
     if not isinstance(word, str) or not word:
-        raise ValueError(f"{name} must be non-empty text, got {word!r}")
+        raise SettingError(f"{name} must be non-empty text, got {word!r}", "bad_words")
     text = word.lstrip()
     if not text:
-        raise ValueError(f"{name} {word!r} is only whitespace: a bad word's leading whitespace is stripped "
-                         "(as vLLM does), which leaves no text to ban")
+        raise SettingError(f"{name} {word!r} is only whitespace: a bad word's leading whitespace is stripped "
+                           "(as vLLM does), which leaves no text to ban", "bad_words")
     return text
 
 

@@ -89,12 +89,15 @@ class Extensions(BaseModel):
         """The SamplingSettings fields of the warper and constraint extensions; ValueError (a 400)
         naming the field and its limit."""
         from gpt2kit.sampling import bad_words_ids
+        from gpt2kit.validate import SettingError
 
         if self.min_tokens is not None and self.min_tokens > max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={max_tokens}], got {self.min_tokens}")
+            raise SettingError(f"min_tokens must be an integer in [0, max_tokens={max_tokens}], got {self.min_tokens}",
+                               "min_tokens")
         bad = [t for t in self.suppress_tokens or () if t >= n_vocab]
         if bad:
-            raise ValueError(f"suppress_tokens token id {bad[0]} is outside the vocabulary [0, {n_vocab})")
+            raise SettingError(f"suppress_tokens token id {bad[0]} is outside the vocabulary [0, {n_vocab})",
+                               "suppress_tokens")
         return dict(min_p=self.min_p or 0.0, typical_p=1.0 if self.typical_p is None else self.typical_p,
                     epsilon_cutoff=self.epsilon_cutoff or 0.0, eta_cutoff=self.eta_cutoff or 0.0,
                     no_repeat_ngram_size=self.no_repeat_ngram_size or 0, min_new_tokens=self.min_tokens or 0,
