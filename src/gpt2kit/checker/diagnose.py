@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpt2kit.checker import variants as var
+import gpt2kit.checker.variants as var
 from gpt2kit.checker.mapping import WeightMap
 from gpt2kit.checker.stages import StageResult, close, fit, max_abs
 from gpt2kit.config import GPT2Config

@@ -242,8 +242,10 @@ def reset_cache(model: nn.Module) -> None:
 
 
 def _short(v: Any) -> str:
-    return f"tensor{tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__ if v is not None \
-        and not isinstance(v, (bool, int, float)) else repr(v)
+    """An argument as a message shows it: a tensor by its shape, a plain value by itself, else its type."""
+    if isinstance(v, torch.Tensor):
+        return f"tensor{tuple(v.shape)}"
+    return repr(v) if v is None or isinstance(v, (bool, int, float)) else type(v).__name__
 
 
 def _args(values: dict[str, Any]) -> str:

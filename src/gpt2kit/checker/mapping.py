@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from gpt2kit.checker.learner import LearnerError
+from gpt2kit.checkpoint.keymap import hf_to_ours
 from gpt2kit.config import GPT2Config
 
 _LEAF = {"weight": "weight", "w": "weight", "gamma": "weight", "scale": "weight", "g": "weight", "kernel": "weight",
@@ -112,7 +113,7 @@ def read_mapping(source: str | os.PathLike[str] | dict | None) -> dict[str, tupl
             value = value.get("name")
         if not isinstance(value, str):
             raise LearnerError(f"{where}: {name!r} must map to a GPT-2 tensor name, got {value!r}")
-        out[name] = (value.removeprefix("transformer."), transpose)
+        out[name] = (hf_to_ours(value), transpose)
     return out
 
 
@@ -183,6 +184,8 @@ def _block_role(inner: list[str], shape: tuple[int, ...], linear: bool, C: int) 
             if by_shape in ("mlp.c_fc", "mlp.c_proj"):
                 return by_shape
             return "mlp.c_proj" if shape == (C,) else None
+        if shape == (C, C):
+            return "attn.c_proj"  # a block's only (C, C) projection: the MLP's are (C, 4C) and (4C, C)
     return by_shape
 
 
@@ -236,6 +239,15 @@ def _norm_fallback(model: nn.Module, pending: dict[str, str | None], cfg: GPT2Co
         order = seen[prefix].index(path)
         if order < 2 and int(parts[layer]) < cfg.n_layer:
             pending[name] = f"h.{parts[layer]}.ln_{order + 1}.{kind}"
+
+
+def _bias_follows_weight(pending: dict[str, str | None]) -> None:
+    """A bias no name placed goes where its module's weight went (a Linear the shape placed)."""
+    for name, target in pending.items():
+        path, _, leaf = name.rpartition(".")
+        weight = pending.get(f"{path}.weight") if leaf == "bias" else None
+        if target is None and weight is not None and weight.endswith(".weight"):
+            pending[name] = weight.removesuffix(".weight") + ".bias"
 
 
 def _transposes(model: nn.Module, chosen: dict[str, tuple[str, bool | None]], params: dict[str, torch.Tensor],
@@ -295,6 +307,7 @@ def map_weights(model: nn.Module, ref: dict[str, torch.Tensor], cfg: GPT2Config,
         raise LearnerError(f"the mapping maps to {', '.join(wrong)}, which GPT-2 does not have{hint}")
     pending = {n: mapping[n][0] if n in mapping else _auto_target(model, n, p, cfg) for n, p in params.items()}
     _norm_fallback(model, pending, cfg)
+    _bias_follows_weight(pending)
     unset = [(n, "no GPT-2 tensor has this name or shape") for n, t in pending.items() if t is None]
     chosen: dict[str, tuple[str, bool | None]] = {}
     taken: dict[str, str] = {}

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpt2kit.checker import learner as lr
+import gpt2kit.checker.learner as lr
 from gpt2kit.checker.diagnose import best_match, ln_candidates
 from gpt2kit.checker.stages import StageResult, close, max_abs
 

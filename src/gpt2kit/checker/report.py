@@ -77,7 +77,7 @@ def _number(d: float | None) -> str:
 
 
 def _result(s: StageResult) -> str:
-    word = "not observed" if s.ok is None else "ok" if s.ok else "DIFFERS"
-    if s.ok is None and s.note:
-        return f"{word} ({s.note})" if not s.note.startswith("not ") else s.note
-    return f"{word} ({s.note})" if s.note and s.ok is False else word
+    if s.ok is None:
+        return s.note or "not observed"
+    word = "ok" if s.ok else "DIFFERS"
+    return f"{word} ({s.note})" if s.note else word

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gpt2kit.checker import learner as lr
+import gpt2kit.checker.learner as lr
 from gpt2kit.checker.diagnose import Evidence, diagnose
 from gpt2kit.checker.mapping import load_weights, read_mapping
 from gpt2kit.checker.probes import CACHE_LABEL, EPS_LABEL, cache_check, cache_diagnosis, eps_probe

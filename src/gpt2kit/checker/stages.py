@@ -60,6 +60,25 @@ def _inside(path: str, outer: str) -> bool:
     return path != outer and (outer == "" or path.startswith(outer + "."))
 
 
+def _sublayer(owned: dict[str, str], block: str | None, projection: str | None) -> str:
+    """The attention's (or MLP's) module, from where its tensors are (target -> owning module path): the
+    block's one child that holds them all, unless that child is one of the Linears itself; else the
+    module holding its output projection (read at that projection's output)."""
+    if not owned:
+        return ""
+    paths = list(owned.values())
+    if block is None:
+        return _lca(paths)
+    depth = len(block.split(".")) + 1
+    children = {".".join(p.split(".")[:depth]) for p in paths}
+    if len(children) == 1:
+        child = children.pop()
+        holds_all = child == projection and any(p == child for t, p in owned.items() if ".c_proj." not in t)
+        if child not in paths or holds_all:
+            return child
+    return projection or ""
+
+
 def find_points(wm: WeightMap, n_layer: int) -> dict[str, str]:
     """Stage module -> the learner's module path: h.{i}.block|ln_1|attn|ln_2|mlp and ln_f."""
     owners = wm.owners
@@ -75,12 +94,11 @@ def find_points(wm: WeightMap, n_layer: int) -> dict[str, str]:
         else:
             block = None
         for role in ("ln_1", "attn", "ln_2", "mlp"):
-            paths = [p for t, p in mine.items() if t.startswith(f"h.{i}.{role}.")]
-            if not paths:
-                continue
-            path = _lca(paths)
-            if role in ("attn", "mlp") and block is not None and not _inside(path, block):
-                path = mine.get(f"h.{i}.{role}.c_proj.weight", "")  # its output projection, then
+            owned = {t: p for t, p in mine.items() if t.startswith(f"h.{i}.{role}.")}
+            if role in ("attn", "mlp"):
+                path = _sublayer(owned, block, mine.get(f"h.{i}.{role}.c_proj.weight"))
+            else:
+                path = _lca(list(owned.values())) if owned else ""
             if path and (block is None or _inside(path, block)):
                 points[f"h.{i}.{role}"] = path
     ln_f = owners.get("ln_f.weight") or owners.get("ln_f.bias")
@@ -206,7 +224,7 @@ def compare(spec: StageSpec, got: dict[str, torch.Tensor], ref: dict[str, torch.
                                f"shape {tuple(got[key].shape)}, GPT-2's is {tuple(want.shape)}")
         d = max_abs(mine, want)
         return StageResult(spec.label, d, d <= tol, key, spec.ref)
-    return StageResult(spec.label, None, None, None, spec.ref, "not found in your model")
+    return StageResult(spec.label, None, None, None, spec.ref, "not observed (no module of yours computes it alone)")
 
 
 @contextmanager
