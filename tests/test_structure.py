@@ -87,7 +87,8 @@ def test_generation_leaves_the_parameters_as_they_were():
 
 @pytest.mark.parametrize("argv,stdin", [(["--help"], None), (["generate", "--help"], None),
                                         (["train", "--help"], None), (["bench", "--help"], None),
-                                        (["serve", "--help"], None), (["tokenize"], "hello world")])
+                                        (["serve", "--help"], None), (["check", "--help"], None),
+                                        (["tokenize"], "hello world")])
 def test_the_cli_does_not_import_torch_where_it_needs_none(argv, stdin):
     code = ("import sys\nfrom gpt2kit.cli import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"

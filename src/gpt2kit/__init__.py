@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "CheckpointError": "gpt2kit.checkpoint", "load_model": "gpt2kit.checkpoint",
+    "check": "gpt2kit.checker", "CheckpointError": "gpt2kit.checkpoint", "load_model": "gpt2kit.checkpoint",
     "load_tokenizer": "gpt2kit.checkpoint", "save_model": "gpt2kit.checkpoint",
     "PRESETS": "gpt2kit.config", "GPT2Config": "gpt2kit.config",
     "KVCache": "gpt2kit.kv_cache",
@@ -28,7 +28,7 @@ _EXPORTS = {
 
 __all__ = [
     "GPT2", "PRESETS", "CheckpointError", "GPT2Config", "GPT2Output", "IncrementalDecoder", "KVCache",
-    "ScoreResult", "Tokenizer", "load_model", "load_tokenizer", "save_model", "score_text", "score_tokens",
+    "ScoreResult", "Tokenizer", "check", "load_model", "load_tokenizer", "save_model", "score_text", "score_tokens",
 ]
 
 
@@ -45,6 +45,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from gpt2kit.checker import check
     from gpt2kit.checkpoint import CheckpointError, load_model, load_tokenizer, save_model
     from gpt2kit.config import PRESETS, GPT2Config
     from gpt2kit.kv_cache import KVCache

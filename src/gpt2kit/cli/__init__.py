@@ -2,7 +2,7 @@
 
 One module per family of commands, each a `cmd_<name>(args) -> int` with its `register_<name>`:
 models.py (tokenize, detokenize, info, convert, quantize, merge), generate.py (generate, score),
-train.py (prepare, train), serve.py, trace.py, bench.py. load.py is loading for inference (the
+train.py (prepare, train), serve.py, trace.py, bench.py, check.py. load.py is loading for inference (the
 --quantize check, load_model, quantize, load_tokenizer) in one place; common.py what every command
 shares (the one-line error, text input, flags built from a dataclass's fields); entry.py the parser
 and `main`, the one place errors become exit codes. Heavy imports (torch, FastAPI) happen inside the

@@ -15,6 +15,21 @@ class CLIError(Exception):
     """A user-facing error raised by a subcommand (printed as one line)."""
 
 
+class InputError(CLIError):
+    """Input a command cannot use, where exit code 1 has a meaning of its own (check: "a stage differs"):
+    printed as one line, exit code 2."""
+
+    exit_code = 2
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (a missing file's name included)."""
+    text = str(e) or type(e).__name__
+    if isinstance(e, FileNotFoundError) and e.filename and str(e.filename) not in text:
+        text = f"{e.filename}: {text}"
+    return " ".join(text.split())
+
+
 _PROG = ["gpt2kit"]  # "gpt2kit <command>" once parsed: the prefix of every error and warning line
 
 

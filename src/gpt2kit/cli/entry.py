@@ -1,7 +1,8 @@
 """The parser of every command and the one place errors become exit codes: a library error
 (ValueError, OSError, CheckpointError, ...) is one line on stderr and exit code 1 (2 for usage
-errors, 130 on Ctrl-C, 141 when the reader of stdout went away); `--debug` shows the traceback
-instead. Each command's status (gpt2kit.progress) and its one-line warnings are opened here."""
+errors and for an error that says so, common.InputError; 130 on Ctrl-C, 141 when the reader of
+stdout went away); `--debug` shows the traceback instead. Each command's status (gpt2kit.progress)
+and its one-line warnings are opened here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import sys
 from collections.abc import Callable
 
 from gpt2kit.cli.bench import register_bench
-from gpt2kit.cli.common import one_line_warnings, prog, set_prog
+from gpt2kit.cli.check import register_check
+from gpt2kit.cli.common import one_line, one_line_warnings, prog, set_prog
 from gpt2kit.cli.generate import register_generate, register_score
 from gpt2kit.cli.models import (
     register_convert,
@@ -27,7 +29,7 @@ from gpt2kit.cli.train import register_prepare, register_train
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
     register_tokenize, register_detokenize, register_score, register_convert, register_info, register_prepare,
     register_train, register_generate, register_bench, register_trace, register_serve, register_quantize,
-    register_merge,
+    register_merge, register_check,
 ]
 
 
@@ -83,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # the CLI's one place that turns errors into exit codes
         if debug:
             raise
-        print(f"{prog()}: error: {_one_line(e)}", file=sys.stderr)
-        return 1
+        print(f"{prog()}: error: {one_line(e)}", file=sys.stderr)
+        return getattr(e, "exit_code", 1)
 
 
 def _detach_stdout() -> None:
@@ -98,9 +100,3 @@ def _detach_stdout() -> None:
     except (OSError, ValueError, AttributeError):  # stdout is not a real file (tests, notebooks)
         pass
 
-
-def _one_line(e: BaseException) -> str:
-    text = str(e) or type(e).__name__
-    if isinstance(e, FileNotFoundError) and e.filename and str(e.filename) not in text:
-        text = f"{e.filename}: {text}"
-    return " ".join(text.split())
