@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import error_lines
 
 import gpt2kit
 from gpt2kit.checker import CheckReport, LearnerError, check
@@ -302,6 +303,7 @@ def test_hf_conv1d_layout_is_transposed_by_shape_and_its_cache_is_checked(ref_di
 
 INLINE = """\
 import torch
+from helpers import error_lines
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -419,7 +421,8 @@ def test_bad_input_is_one_line_and_exit_code_2(capsys, ref_dir, tmp_path):
         model = [] if "--model" in argv else ["--model", str(ref_dir)]
         code, out, err = run(capsys, ["check", *argv, *model])
         assert code == 2 and out == "", (argv, out, err)
-        assert needle in err and len(err.strip().splitlines()) == 1 and err.startswith("gpt2kit check: error: "), err
+        lines = error_lines(err)
+        assert needle in err and len(lines) == 1 and lines[0].startswith("gpt2kit check: error: "), err
     with pytest.raises(LearnerError, match="mapping names transformer.h.9.nope"):
         check(spec_of(NANO), ref_dir, config_class="GPTConfig", mapping={"transformer.h.9.nope": "wte.weight"})
 
