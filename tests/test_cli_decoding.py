@@ -62,7 +62,7 @@ def test_a_draft_with_a_shorter_context_is_refused_in_one_line(capsys, dirs):
     needle = f"the draft model {dirs['short_ctx']} has a context of n_ctx=32, shorter than the target's n_ctx=128"
     code = main(["generate", "hi", "-m", dirs["target"], "-n", "3", "--greedy", "--draft-model", dirs["short_ctx"]])
     err = capsys.readouterr().err
-    assert code != 0 and needle in err and len(err.strip().splitlines()) == 1
+    assert code != 0 and needle in err and len(error_lines(err)) == 1
 
 
 def test_serve_with_a_draft_with_a_shorter_context_refuses_to_start_in_one_line(dirs):
