@@ -173,7 +173,7 @@ def _sort_tensors(weights: Path, raw: dict[str, torch.Tensor]
     key refused by name."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     biases: dict[str, torch.Tensor] = {}
-    for key, t in raw.items():
+    for key, t in sorted(raw.items()):  # the file's order varies: the first refusal is always the same one
         if (mb := _BIAS_KEY.match(key)) is not None:
             _need(weights, key, t, 1)
             biases[f"{mb.group(1)}.bias"] = t
