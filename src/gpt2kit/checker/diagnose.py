@@ -189,19 +189,32 @@ def _norm(kind: str, i: int | None, ev: Evidence) -> Probe | str | None:
     return Probe(out, [(m and f"{who}: {m}", f) for m, f in ln_candidates(given, w, b)])
 
 
-def _attention(i: int, ev: Evidence) -> Probe | str | None:
-    out = ev.mine(f"h.{i}.attn.out")
-    x = ev.mine(f"h.{i}.ln_1.out")
-    x = ev.ref[f"h.{i}.ln_1"] if x is None else x
+def _sublayer_input(i: int, ev: Evidence, sub: str, norm: str, unnormed: str, wrong: str
+                    ) -> tuple[torch.Tensor, torch.Tensor] | str | None:
+    """Block i's sublayer `sub` (attn, mlp): its output and the input to probe it with (the learner's own
+    where it differs from norm's output), or the diagnosis when that input is the un-normed `unnormed`
+    point (the words `wrong`); None where the sublayer's output is not observed."""
+    out = ev.mine(f"h.{i}.{sub}.out")
+    x = ev.mine(f"h.{i}.{norm}.out")
+    x = ev.ref[f"h.{i}.{norm}"] if x is None else x
     if out is None:
         return None
-    projection_only = ev.points.get(f"h.{i}.attn") == ev.wm.owners.get(f"h.{i}.attn.c_proj.weight")
-    given = None if projection_only else ev.mine(f"h.{i}.attn.in")
+    projection_only = ev.points.get(f"h.{i}.{sub}") == ev.wm.owners.get(f"h.{i}.{sub}.c_proj.weight")
+    given = None if projection_only else ev.mine(f"h.{i}.{sub}.in")
     if given is not None and not close(given, x, ev.tol):
-        h = ev.mine(f"h.{i}.block.in")
+        h = ev.mine(f"h.{i}.{unnormed}")
         if h is not None and close(given, h, ev.tol):
-            return "the attention is given the block's input x, not ln_1(x): x = x + self.attn(self.ln_1(x))"
+            return wrong
         x = given
+    return out, x
+
+
+def _attention(i: int, ev: Evidence) -> Probe | str | None:
+    found = _sublayer_input(i, ev, "attn", "ln_1", "block.in",
+                            "the attention is given the block's input x, not ln_1(x): x = x + self.attn(self.ln_1(x))")
+    if found is None or isinstance(found, str):
+        return found
+    out, x = found
     p = f"h.{i}.attn."
     weights = (ev.w(p + "c_attn.weight"), ev.w(p + "c_attn.bias"), ev.w(p + "c_proj.weight"), ev.w(p + "c_proj.bias"))
     nh, C = ev.cfg.n_head, ev.cfg.n_embd
@@ -244,18 +257,11 @@ def _attention(i: int, ev: Evidence) -> Probe | str | None:
 
 
 def _mlp(i: int, ev: Evidence) -> Probe | str | None:
-    out = ev.mine(f"h.{i}.mlp.out")
-    x = ev.mine(f"h.{i}.ln_2.out")
-    x = ev.ref[f"h.{i}.ln_2"] if x is None else x
-    if out is None:
-        return None
-    projection_only = ev.points.get(f"h.{i}.mlp") == ev.wm.owners.get(f"h.{i}.mlp.c_proj.weight")
-    given = None if projection_only else ev.mine(f"h.{i}.mlp.in")
-    if given is not None and not close(given, x, ev.tol):
-        h = ev.mine(f"h.{i}.ln_2.in")
-        if h is not None and close(given, h, ev.tol):
-            return "the MLP is given x, not ln_2(x): x = x + self.mlp(self.ln_2(x))"
-        x = given
+    found = _sublayer_input(i, ev, "mlp", "ln_2", "ln_2.in",
+                            "the MLP is given x, not ln_2(x): x = x + self.mlp(self.ln_2(x))")
+    if found is None or isinstance(found, str):
+        return found
+    out, x = found
     p = f"h.{i}.mlp."
     w = (ev.w(p + "c_fc.weight"), ev.w(p + "c_fc.bias"), ev.w(p + "c_proj.weight"), ev.w(p + "c_proj.bias"))
     tanh = "GPT-2 uses the tanh approximation: nn.GELU(approximate='tanh')"
