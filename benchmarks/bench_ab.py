@@ -5,7 +5,7 @@ importable, so two builds are measured by the same code. Alternate the builds ru
         (cd $d && PYTHONPATH=src python /path/to/main/benchmarks/bench_ab.py --tag $(basename $d)); done; done
 
 It uses only names that have been public since the first restructure (gpt2kit.model.GPT2,
-gpt2kit.generate.generate, gpt2kit.decode.prefill, gpt2kit.kv_cache.KVCache). GPT-2 124M random
+gpt2kit.generation.generate, gpt2kit.decode.prefill, gpt2kit.kv_cache.KVCache). GPT-2 124M random
 weights, greedy, 16-token prompts, --new-tokens new tokens, best of --trials; prefill of --prefill
 tokens. One line per run.
 """
@@ -19,7 +19,7 @@ import torch
 
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import prefill
-from gpt2kit.generate import generate
+from gpt2kit.generation import generate
 from gpt2kit.kv_cache import KVCache
 from gpt2kit.model import GPT2
 from gpt2kit.sampling import SamplingSettings

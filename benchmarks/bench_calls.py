@@ -20,7 +20,7 @@ import pstats
 import torch
 
 from gpt2kit.config import GPT2Config
-from gpt2kit.generate import generate_stream
+from gpt2kit.generation import generate_stream
 from gpt2kit.model import GPT2
 from gpt2kit.sampling import SamplingSettings
 
@@ -34,7 +34,7 @@ def build(layers: int = 12, small: bool = False, int8: bool = False, seed: int =
     torch.manual_seed(seed)
     model = GPT2(cfg).eval()
     if int8:
-        from gpt2kit.quant import quantize_model
+        from gpt2kit.quant.modules import quantize_model
 
         quantize_model(model)
     return model
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--int8", action="store_true", help="quantize the model (gpt2kit.quant) first")
+    ap.add_argument("--int8", action="store_true", help="quantize the model (gpt2kit.quant.modules) first")
     ap.add_argument("--small", action="store_true", help="32 wide instead of 768 (the same calls)")
     ap.add_argument("--sample", action="store_true",
                     help="sample (temperature 0.9, top-k 40, a logit bias, seed 0) instead of greedy")

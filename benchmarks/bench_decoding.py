@@ -54,11 +54,11 @@ import textwrap
 
 import torch
 
-from gpt2kit.bench.machine import describe_cpu
 from gpt2kit.bench.timing import time_alternating
 from gpt2kit.checkpoint import load_model, load_tokenizer
 from gpt2kit.config import EOT_ID
-from gpt2kit.generate import generate
+from gpt2kit.generation import generate
+from gpt2kit.machine import describe_cpu
 from gpt2kit.sampling import SamplingSettings
 
 EDITS = ("textwrap:indent:prefix:margin", "fnmatch:filter:name:item", "colorsys:hls_to_rgb:m2:upper",

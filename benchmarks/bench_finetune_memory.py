@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2kit.bench.machine import describe_cpu
 from gpt2kit.config import GPT2Config
+from gpt2kit.machine import describe_cpu
 
 METHODS = {"full": [], "full-ckpt": ["--activation-checkpointing"], "lora": ["--lora-rank", "{rank}"],
            "lora-ckpt": ["--lora-rank", "{rank}", "--activation-checkpointing"]}

@@ -17,7 +17,7 @@ scales s (out,), output = (x @ W^T) * s:
   int_mm       torch._int_mm on per-row int8 activations (also W8A8), where the build allows it
   torchao      torchao's Int8WeightOnlyConfig in eager mode (--torchao, when installed)
 
-This is the evidence behind gpt2kit.quant's kernel choice (docs/quantization.md). The first column
+This is the evidence behind gpt2kit.quant.modules's kernel choice (docs/quantization.md). The first column
 is the reference; the table prints milliseconds and the ratio of each to fp32.
 """
 
@@ -29,9 +29,9 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from gpt2kit.bench.machine import describe_cpu
 from gpt2kit.bench.timing import time_alternating
 from gpt2kit.decode import native
+from gpt2kit.machine import describe_cpu
 
 SHAPES = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12  # c_attn, c_proj, c_fc, mlp.c_proj
 HEAD = (50257, 768)

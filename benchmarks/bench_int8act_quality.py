@@ -4,17 +4,17 @@
 
 MODEL is a float checkpoint (e.g. a `gpt2kit train` output), DATA a directory of prepared shards
 (its val_*.bin: held-out text the model was not trained on). For float32, weight-only int8 (LM head
-quantized) and int8 activations (the same int8 model, gpt2kit.quant.set_activations) it prints:
+quantized) and int8 activations (the same int8 model, gpt2kit.quant.modules.set_activations) it prints:
 
   held-out loss and perplexity   --windows windows of n_ctx tokens spread evenly over the val tokens,
                                  every next-token position scored (teacher-forced)
   next-token agreement, KL       on the same positions: the argmax equal to float32's, mean
                                  KL(float32 || mode) in nats, the largest |logit - float32 logit|
   greedy agreement               --prompts prompts of 32 val tokens, --new greedy tokens each by
-                                 gpt2kit.generate: the share of generated tokens equal to float32's
+                                 gpt2kit.generation: the share of generated tokens equal to float32's
                                  at the same position, and how many continuations are identical
 
-then the gate of gpt2kit.quant_gate (int8 activations against weight-only, LIMITS) on its own windows
+then the gate of gpt2kit.quant.gate (int8 activations against weight-only, LIMITS) on its own windows
 (quant_gate.read_windows of DATA), as `--int8-activations --gate-data DATA` would measure it. Quality
 only: no timings. docs/quantization.md has the figures of a trained model.
 """
@@ -53,7 +53,7 @@ def held_out(model, windows: torch.Tensor, ref_logits: list[torch.Tensor] | None
 
 
 def greedy(model, prompts: list[list[int]], new: int) -> list[list[int]]:
-    from gpt2kit.generate import generate
+    from gpt2kit.generation import generate
     from gpt2kit.sampling import SamplingSettings
 
     settings = SamplingSettings(temperature=0, max_new_tokens=new, stop_token_ids=())
@@ -72,12 +72,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from gpt2kit.bench.machine import describe_cpu
     from gpt2kit.checkpoint import load_model, load_tokenizer
     from gpt2kit.data.shard import find_shards, read_shard
     from gpt2kit.decode import int8act
-    from gpt2kit.quant import quantize_model, set_activations
-    from gpt2kit.quant_gate import LIMITS, activation_gate, describe, read_windows, windows_of
+    from gpt2kit.machine import describe_cpu
+    from gpt2kit.quant.gate import LIMITS, activation_gate, describe, read_windows, windows_of
+    from gpt2kit.quant.modules import quantize_model, set_activations
 
     f32 = load_model(args.model).eval()
     cfg = f32.config

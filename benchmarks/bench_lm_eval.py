@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpt2kit.bench.machine import describe_cpu
+from gpt2kit.machine import describe_cpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import start_server

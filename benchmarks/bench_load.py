@@ -15,7 +15,7 @@ Contenders, each a process of its own on --threads threads over one random-weigh
 For each --busy count (processes spinning `while True: pass` beside the run), the trials alternate
 between the contenders; the table gives the median and the worst tok/s, and for the fallback's
 contenders the share of kernel calls it sent to one thread and the latest-start histogram
-(gpt2kit.decode.native.solo_stats). The machine is named through gpt2kit.bench.machine.
+(gpt2kit.decode.native.solo_stats). The machine is named through gpt2kit.machine.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def _worker(path: str, dtype: str, threads: int) -> None:
 
     from gpt2kit import load_model
     from gpt2kit.decode import native
-    from gpt2kit.generate import SamplingSettings, generate
-    from gpt2kit.quant import quantize_model
+    from gpt2kit.generation import SamplingSettings, generate
+    from gpt2kit.quant.modules import quantize_model
 
     torch.set_num_threads(threads)
     model = load_model(path)
@@ -105,7 +105,7 @@ def run(busy: list[int], trials: int, new_tokens: int, threads: int, size: str, 
         log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
     from bench_peers import save_checkpoint
 
-    from gpt2kit.bench.machine import describe_cpu
+    from gpt2kit.machine import describe_cpu
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="gpt2kit-bench-load-") as tmp:

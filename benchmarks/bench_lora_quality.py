@@ -38,18 +38,18 @@ from pathlib import Path
 
 import torch
 
-from gpt2kit.bench.machine import describe_cpu
 from gpt2kit.checkpoint import load_model, save_model
 from gpt2kit.config import GPT2Config
 from gpt2kit.data import prepare
 from gpt2kit.data.documents import collect_files, iter_tasks, ordered_tasks
 from gpt2kit.data.loaders import ShardLoader
 from gpt2kit.data.shard import find_shards, shard_token_count
-from gpt2kit.finetune import prepare as prepare_model
-from gpt2kit.loss import TrainingLoss
+from gpt2kit.machine import describe_cpu
 from gpt2kit.model import GPT2
-from gpt2kit.train import train
-from gpt2kit.train_config import TrainConfig
+from gpt2kit.train.config import TrainConfig
+from gpt2kit.train.finetune import prepare as prepare_model
+from gpt2kit.train.loop import train
+from gpt2kit.train.loss import TrainingLoss
 
 EXCLUDE_PARTS = "test,tests,idle_test,__pycache__,site-packages"
 FROZEN_EMBEDDINGS = "wte.*,wpe.*"

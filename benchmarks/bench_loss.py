@@ -1,5 +1,5 @@
 """The output layer's forward + backward: full float32 logits (the model's own loss) against the fused
-chunked loss (gpt2kit.loss), over the padded (50,304) and the unpadded (50,257) head.
+chunked loss (gpt2kit.train.loss), over the padded (50,304) and the unpadded (50,257) head.
 
 One thread, process CPU time (work done, whatever else runs on the machine), contenders interleaved,
 median of --rounds.
@@ -17,8 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gpt2kit.bench.machine import describe_cpu
-from gpt2kit.loss import fused_linear_cross_entropy
+from gpt2kit.machine import describe_cpu
+from gpt2kit.train.loss import fused_linear_cross_entropy
 
 V, VP = 50257, 50304
 

@@ -24,7 +24,7 @@ trials between them (one trial of each in turn) and keeps the best of N. Workloa
 prefill of --prefill tokens (the prompt's forward pass up to the first new token). The table gives
 tok/s, gpt2kit / the best peer of the same weight dtype, and the physical limit of batch-1 decode:
 the bytes of weights a token reads over the memory bandwidth measured in the same run (a 1 GiB
-float32 sum). The machine is named through gpt2kit.bench.machine.
+float32 sum). The machine is named through gpt2kit.machine.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ class Gpt2kit(Engine):
         import torch
 
         from gpt2kit import load_model
-        from gpt2kit.quant import quantize_model
+        from gpt2kit.quant.modules import quantize_model
 
         torch.set_num_threads(threads)
         self.model = load_model(path)
@@ -188,7 +188,7 @@ class Gpt2kit(Engine):
             self.model = quantize_model(self.model, "int8")
 
     def decode(self, prompts, n):
-        from gpt2kit.generate import SamplingSettings, generate
+        from gpt2kit.generation import SamplingSettings, generate
 
         settings = SamplingSettings(temperature=0, max_new_tokens=n, stop_token_ids=())
         return [c.tokens for c in generate(self.model, prompts, settings)]
@@ -208,7 +208,7 @@ class Gpt2kitA8(Gpt2kit):
     """gpt2kit int8 with int8 activations (set directly: random weights have no quality gate to pass)."""
 
     def __init__(self, path: Path, dtype: str, threads: int):
-        from gpt2kit.quant import set_activations
+        from gpt2kit.quant.modules import set_activations
 
         super().__init__(path, dtype, threads)
         set_activations(self.model, "int8")
@@ -349,7 +349,7 @@ def run(threads: int = 2, trials: int = 3, new_tokens: int = 128, prefill: int =
     if trials < 1:
         raise ValueError(f"--trials must be an integer >= 1, got {trials}")
     from gpt2kit import GPT2Config
-    from gpt2kit.bench.machine import cpu_info, describe_cpu
+    from gpt2kit.machine import cpu_info, describe_cpu
 
     cfg = GPT2Config.from_name(size)
     prefill = min(prefill, cfg.n_ctx)
@@ -405,7 +405,7 @@ def _limit(hf_dir: Path, threads: int) -> dict:
 
     from gpt2kit import load_model
     from gpt2kit.bench.core import memory_bandwidth, weight_bytes_per_token
-    from gpt2kit.quant import quantize_model
+    from gpt2kit.quant.modules import quantize_model
 
     torch.set_num_threads(threads)
     model = load_model(hf_dir)

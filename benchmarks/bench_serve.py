@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from gpt2kit.bench.machine import describe_cpu
+from gpt2kit.machine import describe_cpu
 
 
 def _free_port() -> int:

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from gpt2kit.bench.machine import describe_cpu
+from gpt2kit.machine import describe_cpu
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serve import start_server

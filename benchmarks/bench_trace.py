@@ -28,7 +28,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from gpt2kit.bench.machine import describe_cpu
+from gpt2kit.machine import describe_cpu
 from gpt2kit.model import GPT2
 from gpt2kit.tokenizer import Tokenizer
 from gpt2kit.trace import report as trace_report

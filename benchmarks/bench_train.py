@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gpt2kit.bench.machine import describe_cpu
 from gpt2kit.checkpoint.keymap import to_hf_state
 from gpt2kit.config import GPT2Config
+from gpt2kit.machine import describe_cpu
 from gpt2kit.model import GPT2
-from gpt2kit.optim import ADAM_BETAS, ADAM_EPS, param_groups
 from gpt2kit.tokenizer import Tokenizer
-from gpt2kit.train import learning_rate
+from gpt2kit.train.loop import learning_rate
+from gpt2kit.train.optim import ADAM_BETAS, ADAM_EPS, param_groups
 
 # Dense peak FLOP/s by GPU name (bf16 tensor cores; float32 runs use TF32): for the MFU line.
 PEAK_TFLOPS = {  # name fragment: (bf16, tf32)

@@ -41,9 +41,9 @@ import torch
 from gpt2kit.config import GPT2Config
 from gpt2kit.data.loaders import RandomWindowLoader, ShardLoader
 from gpt2kit.data.shard import find_shards, read_shard
-from gpt2kit.loss import TrainingLoss
 from gpt2kit.model import GPT2
-from gpt2kit.optim import ADAM_BETAS, ADAM_EPS, lr_factor, make_optimizer, param_groups
+from gpt2kit.train.loss import TrainingLoss
+from gpt2kit.train.optim import ADAM_BETAS, ADAM_EPS, lr_factor, make_optimizer, param_groups
 
 RECIPES: dict[str, dict[str, Any]] = {
     "today": dict(optimizer="adamw", lr=2e-3, schedule="cosine", sampling="sequential", fused=False),

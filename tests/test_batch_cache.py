@@ -13,7 +13,7 @@ import torch
 from helpers import SMALL, varied_model
 
 from gpt2kit.engine import Engine, SlotPool
-from gpt2kit.generate import generate
+from gpt2kit.generation import generate
 from gpt2kit.sampling import SamplingSettings
 
 L, NH, HS = 2, 2, 3  # layers, heads, head size

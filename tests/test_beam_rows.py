@@ -9,7 +9,7 @@ import pytest
 from helpers import SMALL, varied_model
 
 from gpt2kit.engine import Engine, RowKey
-from gpt2kit.generate import generate
+from gpt2kit.generation import generate
 from gpt2kit.sampling import SamplingSettings
 
 PROMPTS = [[464, 2068, 7586, 21831], [15496, 11], [40, 588, 257]]

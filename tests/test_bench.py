@@ -20,7 +20,7 @@ from gpt2kit.bench.report import describe_model, format_table
 from gpt2kit.bench.runner import FULL, QUICK, model_facts, plan_for
 from gpt2kit.bench.timing import Timing, doubt, machine_doubt, time_alternating
 from gpt2kit.config import GPT2Config
-from gpt2kit.generate import generate
+from gpt2kit.generation import generate
 from gpt2kit.sampling import SamplingSettings
 
 ROOT = Path(__file__).parents[1]

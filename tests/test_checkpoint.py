@@ -422,7 +422,7 @@ def test_info_imports_no_torch_and_reads_headers_only(tmp_path):
 
     from helpers import random_model
 
-    from gpt2kit.quant import quantize_model
+    from gpt2kit.quant.modules import quantize_model
 
     save_model(random_model(TINY), tmp_path / "f")
     save_model(quantize_model(random_model(TINY)), tmp_path / "q")

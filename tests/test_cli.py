@@ -397,7 +397,7 @@ def test_a_warning_is_one_line_after_the_streamed_sample_never_inside_it(monkeyp
     and stderr both (2>&1), the sample's text arrives whole and the warning follows it as one line."""
     import os
 
-    import gpt2kit.generate as gen
+    import gpt2kit.generation as gen
     from gpt2kit.decode import kernel_cache
 
     argv = ["generate", "Hello", "-m", str(model_dir), "--max-new-tokens", "8", "--greedy", "--ignore-eot"]

@@ -80,7 +80,7 @@ def test_serve_with_a_draft_with_a_shorter_context_refuses_to_start_in_one_line(
 
 def test_beams_from_the_command_line_are_generates(capsys, dirs):
     from gpt2kit.checkpoint import load_model, load_tokenizer
-    from gpt2kit.generate import generate
+    from gpt2kit.generation import generate
     from gpt2kit.sampling import SamplingSettings
 
     argv = ["generate", "the cat sat", "-m", dirs["target"], "-n", "8", "--num-beams", "3",
@@ -108,7 +108,7 @@ def test_bad_beam_flags_are_one_line(capsys, dirs, argv, needle):
 
 def test_contrastive_search_from_the_command_line_is_generates(capsys, dirs):
     from gpt2kit.checkpoint import load_model, load_tokenizer
-    from gpt2kit.generate import generate
+    from gpt2kit.generation import generate
     from gpt2kit.sampling import SamplingSettings
 
     argv = ["generate", "the cat sat", "-m", dirs["target"], "-n", "8", "--penalty-alpha", "0.6", "--top-k", "4",

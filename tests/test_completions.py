@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2kit.completions import IGNORE, mask_path, prepare_completions, with_masks
 from gpt2kit.data import RandomWindowLoader, ShardLoader, read_shard, write_shard
+from gpt2kit.data.completions import IGNORE, mask_path, prepare_completions, with_masks
 from gpt2kit.tokenizer import Tokenizer
 
 
@@ -74,9 +74,9 @@ def test_a_line_without_completion_is_one_clear_error(tmp_path, capsys):
 
 def test_training_on_completions_resumes_exactly(tmp_path):
     from gpt2kit.cli import main
-    from gpt2kit.run_dir import CHECKPOINT_NAME
-    from gpt2kit.train import resume_config, train
-    from gpt2kit.train_config import TrainConfig
+    from gpt2kit.train.config import TrainConfig
+    from gpt2kit.train.loop import resume_config, train
+    from gpt2kit.train.run_dir import CHECKPOINT_NAME
 
     assert main(["prepare", str(_pairs(tmp_path / "p.jsonl", n=200)), "--out", str(tmp_path / "data"),
                  "--val-fraction", "0.1"]) == 0
@@ -100,8 +100,8 @@ def test_the_training_loss_counts_only_completion_targets(tmp_path):
     import torch.nn.functional as F
 
     from gpt2kit.config import GPT2Config
-    from gpt2kit.loss import TrainingLoss
     from gpt2kit.model import GPT2
+    from gpt2kit.train.loss import TrainingLoss
 
     prepare_completions([_pairs(tmp_path / "p.jsonl")], tmp_path / "data", val_fraction=0.0)
     x, y = with_masks(RandomWindowLoader(tmp_path / "data", batch_size=4, seq_len=32, seed=0)).next_batch()

@@ -13,7 +13,7 @@ from helpers import hf_from_ours, varied_model
 from gpt2kit.config import GPT2Config
 from gpt2kit.engine import Engine
 from gpt2kit.engine.contrastive import contrastive_in_slots, contrastive_scores
-from gpt2kit.generate import generate, generate_stream
+from gpt2kit.generation import generate, generate_stream
 from gpt2kit.sampling import SamplingSettings
 
 CFG = GPT2Config(n_vocab=50257, n_ctx=64, n_embd=32, n_head=4, n_layer=2)

@@ -12,7 +12,7 @@ from helpers import random_model
 
 from gpt2kit import GPT2Config
 from gpt2kit.decode import layout, use_decode_layout
-from gpt2kit.quant import quantize_model
+from gpt2kit.quant.modules import quantize_model
 
 CFG = GPT2Config(n_layer=2, n_embd=256, n_head=4, n_ctx=64, n_vocab=4096)  # wte 4 MiB, c_fc 1 MiB
 

@@ -11,9 +11,9 @@ from helpers import random_model
 
 from gpt2kit import GPT2Config
 from gpt2kit.decode import decode_step, f32, int8, kernels_for, native, native_step, use_decode_layout
-from gpt2kit.generate import SamplingSettings, generate
+from gpt2kit.generation import SamplingSettings, generate
 from gpt2kit.kv_cache import KVCache
-from gpt2kit.quant import quantize_model, set_activations
+from gpt2kit.quant.modules import quantize_model, set_activations
 
 CFG = GPT2Config(n_layer=3, n_embd=128, n_head=2, n_ctx=96)
 F32_NATIVE = [k for k in f32.KERNELS if k != "torch"]

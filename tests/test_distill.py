@@ -19,10 +19,10 @@ from helpers import random_hf_model, train_one_and_two_ranks
 
 from gpt2kit.config import GPT2Config
 from gpt2kit.data import write_shard
-from gpt2kit.loss import TrainingLoss, fused_linear_cross_entropy
 from gpt2kit.model import GPT2
-from gpt2kit.train import resume_config, train
-from gpt2kit.train_config import TrainConfig
+from gpt2kit.train.config import TrainConfig
+from gpt2kit.train.loop import resume_config, train
+from gpt2kit.train.loss import TrainingLoss, fused_linear_cross_entropy
 
 
 def _reference(hidden, weight, targets, n_vocab, t_hidden, t_weight, share):

@@ -12,7 +12,7 @@ from gpt2kit.decode import decode_tokens
 from gpt2kit.engine import Engine
 from gpt2kit.engine.routing import serve_engine
 from gpt2kit.engine.scheduler import DEFAULT_PREFILL_CHUNK
-from gpt2kit.generate import generate
+from gpt2kit.generation import generate
 from gpt2kit.sampling import SamplingSettings
 from gpt2kit.serve.options import ServeOptions
 

@@ -1,4 +1,4 @@
-"""Training with LoRA, frozen parameters and activation checkpointing (gpt2kit.finetune).
+"""Training with LoRA, frozen parameters and activation checkpointing (gpt2kit.train.finetune).
 
 Tiny models (2 layers, width 32) on random shards, a few steps each. Tolerances, as documented:
 exact resume within 1e-6, activation checkpointing within 1e-6 of a run without (float32, CPU),
@@ -22,9 +22,9 @@ from helpers import error_lines, random_hf_model, train_one_and_two_ranks
 from gpt2kit.checkpoint import load_model
 from gpt2kit.config import GPT2Config
 from gpt2kit.data import write_shard
-from gpt2kit.run_dir import CHECKPOINT_NAME
-from gpt2kit.train import resume_config, train
-from gpt2kit.train_config import TrainConfig
+from gpt2kit.train.config import TrainConfig
+from gpt2kit.train.loop import resume_config, train
+from gpt2kit.train.run_dir import CHECKPOINT_NAME
 
 BASE_CFG = GPT2Config(n_vocab=600, n_ctx=64, n_embd=32, n_head=2, n_layer=2)
 
@@ -228,9 +228,9 @@ def test_a_lora_run_says_it_wrote_an_adapter_and_the_loader_says_how_to_use_it(d
 
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients():
-    from gpt2kit.finetune import checkpoint_blocks
-    from gpt2kit.loss import TrainingLoss
     from gpt2kit.model import GPT2
+    from gpt2kit.train.finetune import checkpoint_blocks
+    from gpt2kit.train.loss import TrainingLoss
 
     torch.manual_seed(0)
     plain = GPT2(BASE_CFG.replace(dropout=0.1)).train()

@@ -102,7 +102,7 @@ def test_kill_9_during_a_sharded_or_model_save_loses_nothing(data, two, tmp_path
     sharded checkpoint, nothing half-written is loaded, and the run still ends exactly as `two` did."""
     from safetensors.torch import load_file
 
-    from gpt2kit.run_dir import read_checkpoint
+    from gpt2kit.train.run_dir import read_checkpoint
 
     run = tmp_path / "run"
     ckpt = run / "checkpoint.pt"
@@ -143,7 +143,7 @@ def test_fsdp_without_torchrun_or_with_muon_or_lora_is_one_clear_line(data, tmp_
              (["--lora-rank", "2"], "--lora-rank cannot be combined with --fsdp")]
     for i, (flags, words) in enumerate(cases):
         if flags[:2] == ["--optimizer", "muon"]:
-            from gpt2kit.train_config import muon_available
+            from gpt2kit.train.config import muon_available
 
             if not muon_available():
                 continue

@@ -17,10 +17,10 @@ from gpt2kit import sampler
 from gpt2kit.checkpoint import save_model
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import decode_step, prefill
-from gpt2kit.generate import generate, generate_stream, stream_text
+from gpt2kit.generation import generate, generate_stream, stream_text
 from gpt2kit.kv_cache import KVCache
-from gpt2kit.sampler import top_k_filter, top_p_filter, warp
 from gpt2kit.sampling import SamplingSettings
+from gpt2kit.sampling.sampler import top_k_filter, top_p_filter, warp
 from gpt2kit.tokenizer import Tokenizer
 
 GREEDY = SamplingSettings(temperature=0, max_new_tokens=16, stop_token_ids=())
@@ -685,7 +685,7 @@ def test_seeds_are_bounded_and_prompts_draw_their_own_numbers(model):
     s = SamplingSettings(max_new_tokens=12, top_k=0, seed=0, stop_token_ids=())
     a, b = (c.tokens for c in generate(model, [[464], [1212]], s))
     assert generate(model, [[1212]], s)[0].tokens == b  # where a prompt sits in the list does not matter
-    from gpt2kit.sampler import row_generator
+    from gpt2kit.sampling.sampler import row_generator
 
     draws = [torch.rand(4, generator=row_generator(0, 0, prompt=p)) for p in ([464], [1212], [464])]
     assert not torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])

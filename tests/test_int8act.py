@@ -1,5 +1,5 @@
-"""int8 activations (gpt2kit.decode.int8act, csrc/int8act_linear.c, gpt2kit.quant.set_activations,
-gpt2kit.quant_gate): every kernel against the test's own float formulation of the same quantized
+"""int8 activations (gpt2kit.decode.int8act, csrc/int8act_linear.c, gpt2kit.quant.modules.set_activations,
+gpt2kit.quant.gate): every kernel against the test's own float formulation of the same quantized
 arithmetic (bit for bit, and exact int32 sums), the mode on a model against float32 logits, the
 kernel choice by CPU flags and forced timings, the quality gate and the CLI. No timing assertions."""
 
@@ -21,10 +21,10 @@ from gpt2kit.cli import main as cli_main
 from gpt2kit.config import GPT2Config
 from gpt2kit.data.shard import write_shard
 from gpt2kit.decode import decode_step, int8act, kernel_choice, kernels_for, native
-from gpt2kit.generate import generate
+from gpt2kit.generation import generate
 from gpt2kit.kv_cache import KVCache
-from gpt2kit.quant import activations, quantize_model, set_activations
-from gpt2kit.quant_gate import GateFailed, activation_gate, read_windows, use_int8_activations, windows_of
+from gpt2kit.quant.gate import GateFailed, activation_gate, read_windows, use_int8_activations, windows_of
+from gpt2kit.quant.modules import activations, quantize_model, set_activations
 from gpt2kit.sampling import SamplingSettings
 from gpt2kit.tokenizer import Tokenizer
 
@@ -164,7 +164,7 @@ def test_other_dtypes_bias_and_layouts_are_taken():
 
 
 def test_the_native_instruction_set_is_the_cpus():
-    from gpt2kit.bench.machine import cpu_flags
+    from gpt2kit.machine import cpu_flags
 
     has_vnni = ({"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags()
                 and torch.backends.cpu.get_cpu_capability() == "AVX512")

@@ -163,7 +163,7 @@ def test_an_adapter_for_another_base_names_the_tensor(tmp_path, capsys):
 
 def test_adapter_flag_on_score_and_generate(tmp_path, capsys):
     from gpt2kit.cli import main
-    from gpt2kit.generate import SamplingSettings, generate
+    from gpt2kit.generation import SamplingSettings, generate
     from gpt2kit.score import score_text
 
     base = tmp_path / "base"
@@ -291,7 +291,7 @@ def test_a_peft_bias_adapter_loads_and_merges_in_gpt2kit(tmp_path, capsys, bias)
 
 
 def test_an_unknown_bias_names_the_valid_ones(tmp_path):
-    from gpt2kit.train_config import TrainConfig
+    from gpt2kit.train.config import TrainConfig
 
     valid = r"unknown LoRA bias 'some'; valid choices: none, all, lora_only"
     with pytest.raises(ValueError, match=valid):

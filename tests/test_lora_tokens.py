@@ -58,7 +58,7 @@ def test_fresh_rows_change_nothing_and_only_they_and_the_adapters_train():
 
 
 def test_the_training_loss_reads_the_rows_in_its_fused_head():
-    from gpt2kit.loss import TrainingLoss
+    from gpt2kit.train.loss import TrainingLoss
 
     model = apply_lora(random_model(), 2, targets="c_fc", tokens=TOKENS)
     _randomise(model)

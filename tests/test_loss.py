@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from gpt2kit.config import GPT2Config
-from gpt2kit.loss import TrainingLoss, fused_linear_cross_entropy
 from gpt2kit.model import GPT2
+from gpt2kit.train.loss import TrainingLoss, fused_linear_cross_entropy
 
 
 def _reference(hidden, weight, targets, n_vocab, ignore_index=-100):

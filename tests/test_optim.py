@@ -9,7 +9,7 @@ import torch
 
 from gpt2kit.config import GPT2Config
 from gpt2kit.model import GPT2
-from gpt2kit.optim import (
+from gpt2kit.train.optim import (
     Muon,
     lr_factor,
     make_optimizer,
@@ -177,9 +177,9 @@ def test_newton_schulz_dtype_follows_the_runs_dtype_then_the_machine(monkeypatch
     """A float32 run orthogonalises in float32 on every machine (with native bfloat16 too, where it
     once took torch's bfloat16); a bfloat16 run in bfloat16 off-CPU and on CPUs with native
     bfloat16, float32 on the others. make_optimizer's own default is float32."""
-    import gpt2kit.optim
+    import gpt2kit.train.optim
 
-    monkeypatch.setattr(gpt2kit.optim, "cpu_has_native_bfloat16", lambda: native)
+    monkeypatch.setattr(gpt2kit.train.optim, "cpu_has_native_bfloat16", lambda: native)
     assert newton_schulz_dtype("float32", "cpu") == torch.float32
     assert newton_schulz_dtype(torch.float32, "meta") == torch.float32
     assert newton_schulz_dtype("bf16", "cpu") == (torch.bfloat16 if native else torch.float32)

@@ -15,7 +15,7 @@ from helpers import SMALL, varied_model
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import PLAIN, decode_step, is_packed
 from gpt2kit.decode import packed as pk
-from gpt2kit.generate import generate
+from gpt2kit.generation import generate
 from gpt2kit.kv_cache import KVCache
 from gpt2kit.sampling import SamplingSettings
 
@@ -118,7 +118,7 @@ def test_auto_skips_when_the_copy_would_not_fit(monkeypatch):
 
 
 def test_mem_available_reads_the_override_and_refuses_a_bad_one(monkeypatch):
-    from gpt2kit.bench.machine import mem_available
+    from gpt2kit.machine import mem_available
 
     monkeypatch.delenv("GPT2KIT_MEM_AVAILABLE", raising=False)
     have = mem_available()

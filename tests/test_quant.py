@@ -23,9 +23,9 @@ from gpt2kit.cli import main as cli_main
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import int8 as quant_kernels
 from gpt2kit.decode import native
-from gpt2kit.generate import generate
+from gpt2kit.generation import generate
 from gpt2kit.model import GPT2
-from gpt2kit.quant import (
+from gpt2kit.quant.modules import (
     QuantEmbedding,
     QuantLinear,
     is_quantized,
@@ -498,8 +498,8 @@ sys.path.insert(0, {tests!r})
 from helpers import random_model
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import native
-from gpt2kit.generate import SamplingSettings, generate
-from gpt2kit.quant import quantize_model
+from gpt2kit.generation import SamplingSettings, generate
+from gpt2kit.quant.modules import quantize_model
 q = quantize_model(random_model(GPT2Config(n_vocab=1000, n_ctx=64, n_embd=64, n_head=4, n_layer=2)))
 out = generate(q, [[5, 17, 300]], SamplingSettings(temperature=0, max_new_tokens=4, stop_token_ids=()))
 print(len(out[0].tokens), native.why_unavailable())
@@ -974,8 +974,8 @@ def test_int8_activation_gate_on_a_trained_model(trained):
     # The opt-in mode (docs/quantization.md) on the same trained model: its own gate (against weight-only
     # int8) passes, and against float32 the held-out perplexity rises by at most 2%, the greedy next
     # token agrees on at least 97% of positions.
-    from gpt2kit.quant import activations
-    from gpt2kit.quant_gate import use_int8_activations
+    from gpt2kit.quant.gate import use_int8_activations
+    from gpt2kit.quant.modules import activations
 
     model, windows = trained
     q = quantize_model(copy.deepcopy(model))

@@ -15,9 +15,9 @@ import torch
 from helpers import SMALL, TINY, error_lines, hf_from_ours, random_hf_model, varied_model
 
 from gpt2kit.checkpoint import save_model
-from gpt2kit.generate import generate
-from gpt2kit.sampler import RowSampler, warp
+from gpt2kit.generation import generate
 from gpt2kit.sampling import SamplingSettings, bad_words_ids
+from gpt2kit.sampling.sampler import RowSampler, warp
 from gpt2kit.tokenizer import Tokenizer
 
 PROMPTS = [[464, 2068, 7586, 21831], [15496], [40, 588, 257, 922, 1110, 13, 383]]  # lengths 4, 1, 7

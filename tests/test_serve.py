@@ -23,7 +23,7 @@ from helpers import (  # noqa: E402
 )
 
 from gpt2kit.checkpoint import load_model, load_tokenizer, save_model  # noqa: E402
-from gpt2kit.generate import generate  # noqa: E402
+from gpt2kit.generation import generate  # noqa: E402
 from gpt2kit.sampling import SamplingSettings  # noqa: E402
 from gpt2kit.score import score_text, score_tokens  # noqa: E402
 from gpt2kit.serve import ServeOptions  # noqa: E402

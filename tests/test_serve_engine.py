@@ -9,7 +9,7 @@ import torch
 from helpers import SMALL, random_model, varied_model
 
 from gpt2kit.engine import Engine
-from gpt2kit.generate import generate
+from gpt2kit.generation import generate
 from gpt2kit.sampling import SamplingSettings
 
 PROMPTS = [[464, 2068, 7586, 21831], [15496], [40, 588, 257, 922, 1110, 13, 383], [11, 12, 13]]

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from helpers import SMALL, live_server, varied_model  # noqa: E402
 
 from gpt2kit.checkpoint import load_model, load_tokenizer, save_model  # noqa: E402
-from gpt2kit.generate import generate  # noqa: E402
+from gpt2kit.generation import generate  # noqa: E402
 from gpt2kit.sampling import SamplingSettings  # noqa: E402
 from gpt2kit.serve import ServeOptions  # noqa: E402
 

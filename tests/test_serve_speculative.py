@@ -13,7 +13,7 @@ from helpers import live_server, random_model, varied_model  # noqa: E402
 
 from gpt2kit.checkpoint import load_model, load_tokenizer, save_model  # noqa: E402
 from gpt2kit.config import GPT2Config  # noqa: E402
-from gpt2kit.generate import generate  # noqa: E402
+from gpt2kit.generation import generate  # noqa: E402
 from gpt2kit.sampling import SamplingSettings  # noqa: E402
 from gpt2kit.serve import ServeOptions  # noqa: E402
 

@@ -11,9 +11,9 @@ from helpers import random_model, varied_model
 from scipy.stats import chisquare
 
 from gpt2kit.config import GPT2Config
-from gpt2kit.generate import generate, generate_stream
+from gpt2kit.engine.drafts import accept_drafts, greedy_accept, lookup_drafts
+from gpt2kit.generation import generate, generate_stream
 from gpt2kit.sampling import SamplingSettings
-from gpt2kit.speculate import accept_drafts, greedy_accept, lookup_drafts
 
 CTX = GPT2Config(n_vocab=50257, n_ctx=256, n_embd=32, n_head=4, n_layer=2)  # room for 200 tokens
 PROMPTS = [[464, 3290, 318, 257, 464, 3290], [7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8], [50256], [1, 2, 3, 1, 2]]
@@ -200,7 +200,7 @@ def test_draft_model_bad_input_is_one_clear_error(target):
 
 
 def test_a_forked_sampler_observes_alone():
-    from gpt2kit.sampler import RowSampler
+    from gpt2kit.sampling.sampler import RowSampler
 
     s = SamplingSettings(temperature=0, repetition_penalty=2.0, no_repeat_ngram_size=2)
     row = RowSampler(s, [1, 2, 3], 10, None)

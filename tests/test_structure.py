@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import hf_from_ours, random_model, varied_model
 
-from gpt2kit.generate import generate
+from gpt2kit.generation import generate
 from gpt2kit.sampling import SamplingSettings
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "gpt2kit"

@@ -26,10 +26,10 @@ import torch
 from gpt2kit.config import GPT2Config
 from gpt2kit.data import write_shard
 from gpt2kit.model import GPT2
-from gpt2kit.run_dir import CHECKPOINT_NAME
-from gpt2kit.train import learning_rate, resume_config, train
-from gpt2kit.train_config import TrainConfig
-from gpt2kit.train_setup import _make_optimizer
+from gpt2kit.train.build import _make_optimizer
+from gpt2kit.train.config import TrainConfig
+from gpt2kit.train.loop import learning_rate, resume_config, train
+from gpt2kit.train.run_dir import CHECKPOINT_NAME
 
 TINY = {"model": "gpt2-tiny", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_ctx": 64}
 TINY_FLAGS = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--n-ctx", "64"]
@@ -149,17 +149,17 @@ def test_muon_orthogonalises_in_the_runs_dtype_on_a_cpu_with_native_bfloat16(sha
     torch's bfloat16 one; a bfloat16 run in bfloat16. The resolved choice is saved with the run."""
     import torch.optim._muon
 
-    import gpt2kit.optim
+    import gpt2kit.train.optim
 
     seen: list[torch.dtype] = []
-    ours, torchs = gpt2kit.optim.zeropower_via_newtonschulz, torch.optim._muon._zeropower_via_newtonschulz
-    monkeypatch.setattr(gpt2kit.optim, "cpu_has_native_bfloat16", lambda: True)
+    ours, torchs = gpt2kit.train.optim.zeropower_via_newtonschulz, torch.optim._muon._zeropower_via_newtonschulz
+    monkeypatch.setattr(gpt2kit.train.optim, "cpu_has_native_bfloat16", lambda: True)
 
     def spy(grad, ns_coefficients, ns_steps, eps, dtype):
         seen.append(dtype)
         return ours(grad, ns_coefficients, ns_steps, eps, dtype)
 
-    monkeypatch.setattr(gpt2kit.optim, "zeropower_via_newtonschulz", spy)
+    monkeypatch.setattr(gpt2kit.train.optim, "zeropower_via_newtonschulz", spy)
     monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz",
                         lambda g, *a, **kw: seen.append(torch.bfloat16) or torchs(g, *a, **kw))  # always bf16
     train(_cfg(shards, tmp_path / "run", max_steps=2, eval_every=0, dtype=dtype))
@@ -521,7 +521,7 @@ def test_resume_of_a_fine_tune_continues_exactly(shards, tmp_path, make_base):
 def test_restored_optimizer_state_takes_its_parameters_layout(tmp_path):
     """An AdamW state saved with column-major moments (as checkpoints of older versions hold) steps
     exactly like the same state held row-major (fused AdamW pairs elements by memory slot)."""
-    from gpt2kit.train_setup import _match_param_layout
+    from gpt2kit.train.build import _match_param_layout
 
     cfg = _cfg(tmp_path, tmp_path, lr=1e-2, optimizer="adamw")
     torch.manual_seed(0)
@@ -561,8 +561,8 @@ def test_restored_optimizer_state_takes_its_parameters_layout(tmp_path):
 _HOLD_OUT = r"""
 import sys, time
 from pathlib import Path
-from gpt2kit.distributed import setup
-from gpt2kit.run_dir import claim_out
+from gpt2kit.train.distributed import setup
+from gpt2kit.train.run_dir import claim_out
 with claim_out(Path(sys.argv[1]), setup("cpu")):
     print("holding", flush=True)
     time.sleep(600)
@@ -572,7 +572,7 @@ with claim_out(Path(sys.argv[1]), setup("cpu")):
 def test_a_second_run_into_the_same_out_names_the_holder(shards, tmp_path):
     import socket
 
-    from gpt2kit.run_dir import OutInUse
+    from gpt2kit.train.run_dir import OutInUse
 
     out = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_OUT, str(out)], stdout=subprocess.PIPE, text=True,
@@ -652,7 +652,7 @@ def test_a_diverging_run_stops_without_overwriting_the_last_good_checkpoint(shar
 
 
 def test_metrics_never_write_a_bare_nan(tmp_path):
-    from gpt2kit.metrics import Metrics
+    from gpt2kit.train.metrics import Metrics
 
     m = Metrics(tmp_path, None)
     m.log({"step": 1, "loss": float("nan"), "grad_norm": float("inf")})
@@ -728,7 +728,7 @@ def test_ctrl_c_during_a_step_stops_after_that_step(shards, tmp_path, monkeypatc
 
 def test_parameter_count_without_building():
     from gpt2kit.config import GPT2Config
-    from gpt2kit.train_setup import parameter_count
+    from gpt2kit.train.build import parameter_count
 
     for config in (GPT2Config.from_name("gpt2-tiny", n_layer=3, n_embd=48, n_head=3, n_ctx=32),
                    GPT2Config(n_vocab=1000, n_vocab_padded=1024, n_ctx=64, n_embd=32, n_head=4, n_layer=2)):
@@ -781,7 +781,7 @@ def test_resume_cannot_go_back_and_says_when_there_is_nothing_to_do(shards, tmp_
 
 
 def test_log_lines_carry_elapsed_time_and_eta_and_evaluations_show_progress(shards, tmp_path, capsys):
-    from gpt2kit.metrics import Reporter
+    from gpt2kit.train.metrics import Reporter
 
     train(_cfg(shards, tmp_path / "run", max_steps=4, log_every=2, eval_every=4))
     err = capsys.readouterr().err  # not a terminal: plain lines
@@ -801,7 +801,7 @@ def test_log_lines_carry_elapsed_time_and_eta_and_evaluations_show_progress(shar
 
 
 def test_eta_counts_the_evaluations_still_to_come():
-    from gpt2kit.metrics import eta_seconds, evaluations_left
+    from gpt2kit.train.metrics import eta_seconds, evaluations_left
 
     assert evaluations_left(0, 300, 50) == 6  # 50, 100, ..., 300 (the last is one of them)
     assert evaluations_left(120, 300, 50) == 4  # 150, 200, 250, 300
@@ -821,7 +821,7 @@ def test_eta_counts_the_evaluations_still_to_come():
 
 
 def test_reporter_eta_estimates_evaluations_from_tokens_then_from_measured_ones(capsys):
-    from gpt2kit.metrics import Reporter, eta_seconds
+    from gpt2kit.train.metrics import Reporter, eta_seconds
 
     # 300 tokens per evaluation; a step of 300 tokens took 3 s, so an evaluation is estimated at 3 s
     rep = Reporter(True, 0, 10, log_every=100, heartbeat=0.0, eval_every=5, eval_tokens=300)
@@ -836,7 +836,7 @@ def test_reporter_eta_estimates_evaluations_from_tokens_then_from_measured_ones(
 def test_loss_plot_tells_train_from_validation_and_draws_lr_and_grad_norm(tmp_path):
     from matplotlib.colors import to_rgba
 
-    from gpt2kit.metrics import Metrics
+    from gpt2kit.train.metrics import Metrics
 
     m = Metrics(tmp_path, None)
     for step in range(1, 21):
@@ -912,7 +912,7 @@ def test_cli_muon_on_a_torch_without_it_and_a_non_integer_seed(shards, tmp_path,
     assert e.value.code == 2 and "argument --seed: invalid int value: '1.5'" in capsys.readouterr().err
     # without Muon the default falls back to AdamW
     cfg = TrainConfig(data=str(shards), out=str(tmp_path / "y"), **TINY)
-    from gpt2kit.train_setup import _default_optimizer
+    from gpt2kit.train.build import _default_optimizer
     assert cfg.optimizer is None and _default_optimizer() == "adamw"
 
 

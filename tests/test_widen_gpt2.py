@@ -12,7 +12,7 @@ import torch
 from helpers import varied_model
 
 from gpt2kit.checkpoint import load_model, save_model
-from gpt2kit.generate import generate
+from gpt2kit.generation import generate
 from gpt2kit.sampling import SamplingSettings
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "widen_gpt2.py"

@@ -22,13 +22,17 @@ _EXPORTS = {
     "PRESETS": "gpt2kit.config", "GPT2Config": "gpt2kit.config",
     "KVCache": "gpt2kit.kv_cache",
     "GPT2": "gpt2kit.model", "GPT2Output": "gpt2kit.model",
+    "Completion": "gpt2kit.generation", "Step": "gpt2kit.generation", "generate": "gpt2kit.generation",
+    "generate_stream": "gpt2kit.generation", "stream_text": "gpt2kit.generation",
+    "SamplingSettings": "gpt2kit.sampling",
     "ScoreResult": "gpt2kit.score", "score_text": "gpt2kit.score", "score_tokens": "gpt2kit.score",
     "IncrementalDecoder": "gpt2kit.tokenizer", "Tokenizer": "gpt2kit.tokenizer",
 }
 
 __all__ = [
-    "GPT2", "PRESETS", "CheckpointError", "GPT2Config", "GPT2Output", "IncrementalDecoder", "KVCache",
-    "ScoreResult", "Tokenizer", "check", "load_model", "load_tokenizer", "save_model", "score_text", "score_tokens",
+    "GPT2", "PRESETS", "CheckpointError", "Completion", "GPT2Config", "GPT2Output", "IncrementalDecoder", "KVCache",
+    "SamplingSettings", "ScoreResult", "Step", "Tokenizer", "check", "generate", "generate_stream", "load_model",
+    "load_tokenizer", "save_model", "score_text", "score_tokens", "stream_text",
 ]
 
 
@@ -48,7 +52,9 @@ if TYPE_CHECKING:
     from gpt2kit.checker import check
     from gpt2kit.checkpoint import CheckpointError, load_model, load_tokenizer, save_model
     from gpt2kit.config import PRESETS, GPT2Config
+    from gpt2kit.generation import Completion, Step, generate, generate_stream, stream_text
     from gpt2kit.kv_cache import KVCache
     from gpt2kit.model import GPT2, GPT2Output
+    from gpt2kit.sampling import SamplingSettings
     from gpt2kit.score import ScoreResult, score_text, score_tokens
     from gpt2kit.tokenizer import IncrementalDecoder, Tokenizer

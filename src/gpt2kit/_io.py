@@ -10,7 +10,7 @@ swapped in with one rename, so a reader or a crash sees the old directory or the
 Crash tests need a kill that lands inside a save, not a race against it: with GPT2KIT_KILL_AT set to
 one of KILL_POINTS, the process sends itself SIGKILL when it reaches that point (`kill_point`):
 "directory-swap" (atomic_directory: the new version complete beside the old one, not yet swapped
-in: a model or adapter save), "sharded-save" (gpt2kit.fsdp: the ranks' shards written, the
+in: a model or adapter save), "sharded-save" (gpt2kit.train.fsdp: the ranks' shards written, the
 coordinator about to write the sharded checkpoint's metadata).
 """
 

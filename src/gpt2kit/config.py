@@ -24,7 +24,7 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32",
                "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16", "half": "float16"}
 
-# The int8 weight-only scheme's names (gpt2kit.quant has the scheme; torch-free here so that reading a
+# The int8 weight-only scheme's names (gpt2kit.quant.modules has the scheme; torch-free here so that reading a
 # quantized checkpoint's header, as `gpt2kit info` does, needs no torch).
 QUANT_SCHEMES = ("int8",)
 QUANT_SCALE_DTYPES = ("float32", "bfloat16")

@@ -28,7 +28,7 @@ class KVCache:
         cfg = model.config
         if max_len > cfg.n_ctx:
             raise ValueError(f"KV cache length {max_len} exceeds the model's context n_ctx={cfg.n_ctx}")
-        p = model.wpe.weight  # never quantized (wte may hold int8, gpt2kit.quant)
+        p = model.wpe.weight  # never quantized (wte may hold int8, gpt2kit.quant.modules)
         return cls(cfg.n_layer, batch_size, cfg.n_head, max_len, cfg.head_dim, device=p.device, dtype=p.dtype)
 
     @classmethod

@@ -166,7 +166,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, *, dropo
     to rank (scaling 1). `ranks` / `scalings` give some modules (our names, "h.3.mlp.c_fc") their own
     rank or scaling (peft's rank_pattern / alpha_pattern). `tokens`: embedding rows trained beside
     them (TrainableTokens; peft's trainable_token_indices)."""
-    from gpt2kit.quant import is_quantized
+    from gpt2kit.quant.modules import is_quantized
 
     if is_quantized(model):
         raise ValueError("LoRA on an int8-quantized model is not supported: adapt the float model (and "

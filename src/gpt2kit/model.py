@@ -181,7 +181,7 @@ class GPT2(nn.Module):
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """The tied head: x (..., C) @ wte^T -> logits (..., V). With a padded vocabulary the product
         runs on all Vp rows (the faster shape) and the padding columns are cut from its result. A
-        swapped-in wte that computes the product itself (int8 rows, gpt2kit.quant) is asked for it."""
+        swapped-in wte that computes the product itself (int8 rows, gpt2kit.quant.modules) is asked for it."""
         own = getattr(self.wte, "lm_head", None)
         logits = own(x) if own is not None else F.linear(x, self.wte.weight)  # (..., Vp)
         V = self.config.n_vocab

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import IO
 
-from gpt2kit.metrics import clock
+from gpt2kit.train.metrics import clock
 
 _CLEAR = "\r\x1b[K"  # back to the line's start, erase to its end
 

@@ -25,15 +25,15 @@ from collections.abc import Callable
 
 import torch
 
-from gpt2kit.bench.machine import cpu_info
 from gpt2kit.bench.timing import synced, trial
 from gpt2kit.checkpoint.keymap import to_hf_state
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import prefill, use_decode_layout
-from gpt2kit.generate import generate
+from gpt2kit.generation import generate
 from gpt2kit.kv_cache import KVCache
+from gpt2kit.machine import cpu_info
 from gpt2kit.model import GPT2
-from gpt2kit.quant import quantized_skeleton
+from gpt2kit.quant.modules import quantized_skeleton
 from gpt2kit.sampling import SamplingSettings
 
 TEXT = (
@@ -102,7 +102,7 @@ def hf_decode(hf, prompts: torch.Tensor, n: int, out: list | None = None) -> Cal
 
 def weight_bytes_per_token(model: GPT2) -> int:
     """Bytes of weights one batch-1 decode step reads: every matrix once (wte as the LM head), and
-    one row of wpe. Buffers count too: an int8 model's codes and scales are buffers (gpt2kit.quant)."""
+    one row of wpe. Buffers count too: an int8 model's codes and scales are buffers (gpt2kit.quant.modules)."""
     tensors = [*model.named_parameters(), *model.named_buffers()]
     total = sum(p.numel() * p.element_size() for name, p in tensors if name != "wpe.weight")
     return total + model.wpe.weight[0].numel() * model.wpe.weight.element_size()

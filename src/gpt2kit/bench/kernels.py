@@ -16,8 +16,8 @@ import os
 
 import torch
 
-from gpt2kit.bench.machine import describe_cpu
 from gpt2kit.decode import f32, int8, int8act, kernel_choice, kernels
+from gpt2kit.machine import describe_cpu
 
 ROWS = {"1": 1, "few": 8, "many": 64, "prefill": 256, "long": 1024}
 

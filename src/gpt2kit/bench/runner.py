@@ -47,7 +47,7 @@ from gpt2kit.decode import use_decode_layout
 from gpt2kit.decode.int8 import chosen
 from gpt2kit.decode.int8act import chosen as int8act_chosen
 from gpt2kit.model import GPT2
-from gpt2kit.quant import check_scheme, quantize_model, set_activations, weight_bytes
+from gpt2kit.quant.modules import check_scheme, quantize_model, set_activations, weight_bytes
 from gpt2kit.tokenizer import Tokenizer
 
 
@@ -174,7 +174,7 @@ def run(quick: bool = False, threads: int | None = None, memory: bool = True, wa
     wait, before each trial, for other processes to leave the CPU (for shared machines). device:
     cpu or cuda (on cuda each trial ends with a synchronize; memory is the peak allocated).
     config: another model than gpt2 124M (the tests run a tiny one). quantize: "int8" adds gpt2kit
-    with int8 weights (gpt2kit.quant, LM head included) as a third column; int8_activations: that
+    with int8 weights (gpt2kit.quant.modules, LM head included) as a third column; int8_activations: that
     column with int8 activations too (gpt2kit.decode.int8act; speed only: no quality gate on random weights).
     log: one line per phase and per trial, as it goes (stderr by default).
     quick: the QUICK plan (short workloads, fewer trials, no peak-memory processes)."""

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpt2kit.bench.machine import cpu_ticks as _cpu_ticks
 from gpt2kit.decode.kernel_choice import others_busy
+from gpt2kit.machine import cpu_ticks as _cpu_ticks
 
 MIN_QUIET = 2  # quiet trials a figure needs: one alone cannot show that the machine's speed held still
 MAX_SPREAD = 0.25  # quiet trials further apart than this (slowest / fastest - 1): the speed drifted

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpt2kit.checkpoint.errors import CheckpointError
-from gpt2kit.train_config import LORA_BIASES as BIASES  # gpt2kit.lora.BIASES, without importing torch
+from gpt2kit.train.config import LORA_BIASES as BIASES  # gpt2kit.lora.BIASES, without importing torch
 from gpt2kit.validate import check_int, check_number
 
 ADAPTER_CONFIG = "adapter_config.json"

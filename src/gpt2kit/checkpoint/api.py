@@ -29,7 +29,7 @@ from gpt2kit.config import GPT2Config
 from gpt2kit.decode.layout import use_decode_layout
 from gpt2kit.devices import resolve_device, resolve_dtype
 from gpt2kit.model import GPT2
-from gpt2kit.quant import is_quantized
+from gpt2kit.quant.modules import is_quantized
 from gpt2kit.tokenizer import Tokenizer
 
 __all__ = ["HUB_NAMES", "describe", "holds_model", "load_model", "load_state", "load_tokenizer",
@@ -135,7 +135,7 @@ def quantize_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str]
     `src` (through a symlink or another spelling too) even with `overwrite`, since the float
     weights would be lost. `progress`, if given, is called with each stage's name (the CLI's
     status line). Returns {"path", "float_bytes", "int8_bytes"}."""
-    from gpt2kit.quant import SCALE_DTYPES, check_scheme, quantize_model, weight_bytes
+    from gpt2kit.quant.modules import SCALE_DTYPES, check_scheme, quantize_model, weight_bytes
 
     check_scheme(scheme)
     if scale_dtype not in SCALE_DTYPES:

@@ -30,7 +30,7 @@ from gpt2kit.checkpoint.int8_format import KEY, WEIGHTS, read_header, read_schem
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode.layout import use_huge_pages
 from gpt2kit.model import GPT2
-from gpt2kit.quant import quantization, quantized_skeleton
+from gpt2kit.quant.modules import quantization, quantized_skeleton
 from gpt2kit.tokenizer import Tokenizer
 
 __all__ = ["KEY", "WEIGHTS", "load", "read_scheme", "read_state", "save"]
@@ -85,7 +85,7 @@ def load(path: Path, dtype: torch.dtype, device: torch.device):
 
 
 def save(model, directory: str | os.PathLike[str], tokenizer=None) -> Path:
-    """Write a quantized model (gpt2kit.quant) as described in the module doc.
+    """Write a quantized model (gpt2kit.quant.modules) as described in the module doc.
 
     As every directory save (`_io.atomic_directory`): the files are written into a sibling directory
     that replaces `directory` in one step, so an existing model there (float or int8) is replaced

@@ -2,7 +2,7 @@
 flags from the dataclass: --prompt-lookup, --draft-tokens, --num-beams, --length-penalty,
 --num-return-sequences, --penalty-alpha): the draft model, --early-stopping's three values and
 --verbose's acceptance rate; loading the draft, reporting, printing beams. Thin: the work is
-gpt2kit.generate's."""
+gpt2kit.generation's."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def report_acceptance(args: argparse.Namespace, drafted: int, accepted: int) -> 
 
 def print_beams(model, tok, texts: list[str], settings, args: argparse.Namespace) -> None:
     """Beam (or contrastive) search's results, best first per prompt: a header and the text, or --json lines."""
-    from gpt2kit.generate import generate
+    from gpt2kit.generation import generate
 
     args.status.hide()
     for c in generate(model, texts, settings, tokenizer=tok, batch_size=args.batch_size):

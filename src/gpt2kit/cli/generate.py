@@ -124,7 +124,7 @@ def _generate_and_print(model, tok, texts: list[str], settings, args: argparse.N
 
     Headers (several samples, or --prompts-file) and --json lines name the prompt each sample
     belongs to; with stdout redirected and stderr a terminal, a bar counts the tokens."""
-    from gpt2kit.generate import encode_prompts, generate_stream
+    from gpt2kit.generation import encode_prompts, generate_stream
     from gpt2kit.progress import is_terminal
 
     if settings.num_beams > 1 or settings.contrastive:

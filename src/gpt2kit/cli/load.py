@@ -44,7 +44,7 @@ def check_load_args(args: argparse.Namespace) -> None:
     float32 one (GPT2KIT_F32_KERNEL), before anything loads: an unknown or unavailable kernel is one
     line naming it and the choices."""
     if args.quantize is not None:
-        from gpt2kit.quant import check_scheme
+        from gpt2kit.quant.modules import check_scheme
 
         check_scheme(args.quantize)
     flag, env = getattr(args, "int8_kernel", None), os.environ.get("GPT2KIT_INT8_KERNEL")
@@ -92,7 +92,7 @@ def quantize_loaded(model, args: argparse.Namespace):
     """Apply --quantize to a loaded model (no-op without it); the LM head is quantized too."""
     if getattr(args, "quantize", None) is None:
         return model
-    from gpt2kit.quant import quantize_model
+    from gpt2kit.quant.modules import quantize_model
 
     return quantize_model(model, args.quantize)
 
@@ -113,7 +113,7 @@ def load_for(args: argparse.Namespace):
     if getattr(args, "int8_activations", False):
         import sys
 
-        from gpt2kit.quant_gate import gate_activations
+        from gpt2kit.quant.gate import gate_activations
 
         args.status.show("measuring the int8-activation quality gate")
         line = gate_activations(model, tokenizer, args.gate_data)

@@ -147,7 +147,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     args.status.show(f"writing {args.dst}")
     out = save_model(model, dst, tokenizer=load_tokenizer(src))
     args.status.hide()
-    from gpt2kit.quant import parameter_count, quantization
+    from gpt2kit.quant.modules import parameter_count, quantization
 
     q = quantization(model)  # an int8 checkpoint is copied as int8 (docs/quantization.md), not dequantized
     what = (f"an {q['scheme']} copy: {parameter_count(model):,} parameters as {q['scheme']} weights with "

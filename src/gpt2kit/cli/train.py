@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 from gpt2kit.cli.common import FLAG_TYPES, CLIError, field_kind
-from gpt2kit.train_config import TrainConfig
+from gpt2kit.train.config import TrainConfig
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from gpt2kit.completions import is_prompt_completion, prepare_completions
+    from gpt2kit.data.completions import is_prompt_completion, prepare_completions
     from gpt2kit.data.corpus import prepare
 
     pairs = [is_prompt_completion(i) for i in args.inputs]
@@ -54,7 +54,7 @@ def register_prepare(sub: argparse._SubParsersAction) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     import os
 
-    from gpt2kit.train import resume_config, train
+    from gpt2kit.train.loop import resume_config, train
 
     if args.quantize is not None:
         raise CLIError(f"--quantize {args.quantize}: training needs float weights; train, then run "

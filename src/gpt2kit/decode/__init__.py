@@ -8,7 +8,7 @@ of its model file.
 - packed.py    the oneDNN-prepacked kernel set, with the GELU and residual adds fused
 - layout.py    use_decode_layout: the weight layout decode kernels read fastest, large matrices on
                huge pages (applied at load)
-- int8.py      the int8 weight products (gpt2kit.quant's modules call them), kernel measured per process
+- int8.py      the int8 weight products (gpt2kit.quant.modules's modules call them), kernel measured per process
 - int8act.py   the opt-in int8-activation products (int8 x int8 in int32), kernel chosen per rows bucket
 - f32.py       single float32 rows: F.linear or gpt2kit's own kernel, chosen per machine
 - native_step.py  the batch-1 step as one C call (csrc/step.c) where every product is on a native kernel

@@ -66,7 +66,7 @@ class Binding:
         self._mat, self._watch_versions = mat, versions
         wte = self._module(model, "wte")
         # The tied head and the lookups run on wte's table where it is a plain nn.Embedding; a
-        # swapped-in embedding (int8 rows, gpt2kit.quant) looks its rows up and runs the head itself.
+        # swapped-in embedding (int8 rows, gpt2kit.quant.modules) looks its rows up and runs the head itself.
         self.wte: torch.Tensor | None = self._param(wte, "weight") if type(wte) is nn.Embedding else None
         self.head: Mat | None = None if self.wte is None else Mat(self._matrix(self.wte), None)
         self.wte_module = wte

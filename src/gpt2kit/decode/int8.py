@@ -33,7 +33,7 @@ dequant for that shape with one RuntimeWarning (`unavailable()` lists both), so 
 any device torch supports, at worst at dequant's speed.
 
 This lives with the decode fast path (gpt2kit/decode/) because the choice is about CPU speed; the
-scheme and the modules that call it are gpt2kit.quant.
+scheme and the modules that call it are gpt2kit.quant.modules.
 
 Legend: R rows (batch x tokens), in/out the matrix's features.
 """

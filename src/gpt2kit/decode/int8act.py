@@ -1,4 +1,4 @@
-"""Products with int8 weights and int8 activations ("W8A8", the opt-in mode of gpt2kit.quant): what
+"""Products with int8 weights and int8 activations ("W8A8", the opt-in mode of gpt2kit.quant.modules): what
 CTranslate2's int8 and ONNX Runtime's dynamic quantization compute, by the kernel that is fastest here.
 
 The arithmetic (one definition, which every kernel computes to the bit on CPU; tests/test_int8act.py):
@@ -9,7 +9,7 @@ The arithmetic (one definition, which every kernel computes to the bit on CPU; t
   acc = q @ W^T            int8 x int8 summed in int32, exactly (in_features <= MAX_IN_FEATURES)
   y = (float(acc) * sx[:, None]) * s[None, :] (+ b)     float32, in this order
 
-The weights are the weight-only scheme's codes and scales (gpt2kit.quant), unchanged: the mode is a
+The weights are the weight-only scheme's codes and scales (gpt2kit.quant.modules), unchanged: the mode is a
 way of running an int8 model, not another checkpoint. Activations of other dtypes are taken as
 float32 and the result given back in their dtype. Symmetric per-row (per-token) scales, as CTranslate2
 uses: each row's rounding depends on that row alone, so batching never changes a row's result (ONNX

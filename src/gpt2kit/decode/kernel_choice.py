@@ -8,7 +8,7 @@ load (one process on a busy machine chose a kernel far slower for single rows, a
 below float32; docs/benchmarks.md), so a choice here is made by `decide` on samples taken in interleaved rounds:
 
 - the family default (`family()`: "amx", "avx512", "avx2" or "other", from the CPU's flags as
-  gpt2kit.bench.machine reads them) is what runs unless a measurement says otherwise;
+  gpt2kit.machine reads them) is what runs unless a measurement says otherwise;
 - each candidate's figure is the median of its rounds; if any candidate's samples spread (interquartile
   range) over more than NOISE of its median, the machine was busy: the default stays;
 - `bound`: for products of a few rows (weight streaming), int8 reads a quarter of float32's bytes, so
@@ -43,7 +43,7 @@ import torch
 
 import gpt2kit.decode.kernel_cache as kernel_cache
 import gpt2kit.decode.native as native
-from gpt2kit.bench.machine import cpu_flags, cpu_info, cpu_ticks
+from gpt2kit.machine import cpu_flags, cpu_info, cpu_ticks
 
 STORE_ENV = "GPT2KIT_KERNEL_STORE"
 TIMINGS_ENV = "GPT2KIT_KERNEL_TIMINGS"
@@ -68,12 +68,10 @@ def family(flags: frozenset[str] | None = None) -> str:
 
 
 def machine_key() -> str:
-    """What a stored choice is valid for: the CPU's model and flags, torch's and gpt2kit's versions, and
-    the native kernels' sources (a changed kernel is measured anew)."""
-    from gpt2kit import __version__
-
+    """What a stored choice is valid for: the CPU's model and flags, torch's version and the native
+    kernels' sources (a changed kernel is measured anew)."""
     flags = " ".join(sorted(cpu_flags()))
-    return (f"{cpu_info()['cpu']} | flags {flags} | torch {torch.__version__} | gpt2kit {__version__}"
+    return (f"{cpu_info()['cpu']} | flags {flags} | torch {torch.__version__}"
             f" | kernels {native.sources_digest()}")
 
 

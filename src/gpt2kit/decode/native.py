@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 import gpt2kit.decode.kernel_cache as kernel_cache
-from gpt2kit.bench.machine import cpu_flags
+from gpt2kit.machine import cpu_flags
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 ABI = 1  # csrc/int8_linear.c's gpt2kit_int8_linear_abi(): the signature this module calls

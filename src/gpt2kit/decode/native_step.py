@@ -118,7 +118,7 @@ class NativeStep:
         return _Mat(F32, self._hold(w), None, bias, K, N, w.stride(1))
 
     def _quant(self, m: nn.Module, k_in: int, head: bool = False) -> _Mat:
-        from gpt2kit.quant import QuantEmbedding, QuantLinear
+        from gpt2kit.quant.modules import QuantEmbedding, QuantLinear
 
         if type(m) is not (QuantEmbedding if head else QuantLinear) or m.activations != "float":
             raise _Unsupported("module")

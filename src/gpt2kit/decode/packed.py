@@ -24,9 +24,9 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gpt2kit.bench.machine import mem_available
 from gpt2kit.decode.bind import Binding, Mat
 from gpt2kit.decode.kernels import PlainKernels, cpu_has_native_bfloat16
+from gpt2kit.machine import mem_available
 
 _PACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model -> PackedWeights
 

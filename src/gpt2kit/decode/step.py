@@ -168,7 +168,7 @@ def decode_step(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask: 
         return None
     x = torch.layer_norm(x, (C,), bound.ln_f_weight, bound.ln_f_bias, eps, cudnn)
     if bound.head is None:
-        return model.lm_head(x)  # (B, V): the swapped embedding's own product (gpt2kit.quant)
+        return model.lm_head(x)  # (B, V): the swapped embedding's own product (gpt2kit.quant.modules)
     return k_set.lm_head(x, bound.head, cfg.n_vocab)  # (B, V): tied LM head
 
 

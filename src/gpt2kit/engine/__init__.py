@@ -3,13 +3,13 @@
 in loop.py, which runs it in a worker thread for the server), the batch's cache geometry
 (batch_cache.py: :class:`SlotPool`, a slot of its own for each row's keys and values) and output
 processing (outputs.py: text with stop strings held back, finish reasons, log-probs). rows.py holds
-the row, its typed routing key and its one event shape. The generator API over it is gpt2kit.generate.
+the row, its typed routing key and its one event shape. The generator API over it is gpt2kit.generation.
 """
 
 from gpt2kit.engine.batch_cache import SlotPool
 from gpt2kit.engine.loop import EngineLoop
 from gpt2kit.engine.rows import Row, RowEvent, RowKey
 from gpt2kit.engine.scheduler import Engine
-from gpt2kit.sampler import next_tokens
+from gpt2kit.sampling.sampler import next_tokens
 
 __all__ = ["Engine", "EngineLoop", "Row", "RowEvent", "RowKey", "SlotPool", "next_tokens"]

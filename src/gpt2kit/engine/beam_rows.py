@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import gpt2kit.sampler as sampler
+import gpt2kit.sampling.sampler as sampler
 from gpt2kit.engine.beam import BeamState
 from gpt2kit.engine.rows import Row, RowEvent, RowKey
 

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from gpt2kit.engine.beam_rows import BeamGroup
     from gpt2kit.engine.outputs import RowText
     from gpt2kit.kv_cache import KVCache
-    from gpt2kit.sampler import RowSampler
     from gpt2kit.sampling import SamplingSettings
+    from gpt2kit.sampling.sampler import RowSampler
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ all joining rows while rows decode, so the running rows get a token every step w
 joins, and up to ``prefill_idle_budget`` while none decodes (nothing to protect: a burst joining an
 idle engine gets its first tokens after one step; a row's chunk boundaries depend only on its own
 prompt, so its prefill is the same alone or beside others); it samples with its own
-gpt2kit.sampler.RowSampler (its settings, its generator seeded from (seed, sample index), its
+gpt2kit.sampling.sampler.RowSampler (its settings, its generator seeded from (seed, sample index), its
 penalties' token sets), so what it draws does not depend on its neighbours; its text, finish and
 log-probs come from gpt2kit.engine.outputs.
 
@@ -43,8 +43,8 @@ from gpt2kit.engine.beam_rows import BeamGroup, admit, choose_tokens, prefill_in
 from gpt2kit.engine.outputs import RowText, advance, token_logprobs
 from gpt2kit.engine.prefill import ChunkedPrefill, Joining
 from gpt2kit.engine.rows import Leases, Row, RowEvent, RowKey, SlotLease, requeued_on_error
-from gpt2kit.sampler import RowSampler
 from gpt2kit.sampling import SamplingSettings
+from gpt2kit.sampling.sampler import RowSampler
 from gpt2kit.validate import check_int
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ class Engine:
         if settings.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass tokenizer=...")
         if not settings.greedy and seed is None:
-            raise ValueError("a sampled row needs a seed (gpt2kit.sampler.resolve_seed)")
+            raise ValueError("a sampled row needs a seed (gpt2kit.sampling.sampler.resolve_seed)")
         check_columns(len(prompt), settings.max_new_tokens, self.model.config.n_ctx, self.max_len)
         sampler = RowSampler(settings, prompt, self.model.config.n_vocab, seed, sample_index, self.device)
         text = RowText(self.tokenizer, settings.stop_strings) if self.tokenizer is not None else None

@@ -1,6 +1,6 @@
 """Speculative decoding on the engine's rows: each step drafts up to k tokens per row (from a
 prompt-lookup match, or from a small draft model), the target checks them all in one forward over
-the drafted tokens with its KV cache, and each row keeps the prefix gpt2kit.speculate accepts plus
+the drafted tokens with its KV cache, and each row keeps the prefix gpt2kit.engine.drafts accepts plus
 one token of the target's own. Greedy output is the target's greedy output token for token;
 sampled output is distributed exactly as the target's (the rejection rule).
 
@@ -17,7 +17,7 @@ into a new one (the columns' geometry: gpt2kit.engine.spec_cache).
 Rows join as in gpt2kit.engine.scheduler: at the next step after a prefill of their own (their
 first token from it), at most max_batch running; rows joining running ones: both parts' real
 columns are then packed into new caches. The whole sequence stays in the context: prompt + max_new_tokens +
-draft tokens must fit in n_ctx (checked before anything runs: gpt2kit.generate, the server's routing),
+draft tokens must fit in n_ctx (checked before anything runs: gpt2kit.generation, the server's routing),
 and a draft model's n_ctx must be at least the target's (check_draft_model). Rows whose admission
 raises fail alone, an event each; a step that raises leaves every row to reset(), whose caller fails them.
 
@@ -35,14 +35,14 @@ import torch
 
 from gpt2kit.config import EOT_ID
 from gpt2kit.decode import Kernels, decode_step, decode_tokens, kernels_for, prefill
+from gpt2kit.engine.drafts import accept_drafts, greedy_accept, lookup_drafts
 from gpt2kit.engine.outputs import advance, token_logprobs
 from gpt2kit.engine.rows import Row, RowEvent, fail
 from gpt2kit.engine.scheduler import Engine
 from gpt2kit.engine.spec_cache import cache_columns, joined, pack_columns
 from gpt2kit.kv_cache import KVCache
-from gpt2kit.sampler import check_finite, next_tokens, warp
 from gpt2kit.sampling import SamplingSettings
-from gpt2kit.speculate import accept_drafts, greedy_accept, lookup_drafts
+from gpt2kit.sampling.sampler import check_finite, next_tokens, warp
 
 if TYPE_CHECKING:
     from gpt2kit.model import GPT2

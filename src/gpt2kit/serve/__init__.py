@@ -43,28 +43,28 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str |
     """Load checkpoint `model` (in the background: /health answers 503 until it is ready) and serve
     it until interrupted (SIGTERM/SIGINT: a drain of opts.shutdown_grace seconds, docs/serving.md).
     A model that fails to load stops the server and raises here. quantize: "int8" quantizes the
-    loaded weights (gpt2kit.quant, LM head included; docs/quantization.md); adapter: a LoRA adapter
+    loaded weights (gpt2kit.quant.modules, LM head included; docs/quantization.md); adapter: a LoRA adapter
     directory (peft's format) merged into the weights first; gate_data: held-out text on which the
-    int8 model must pass the int8-activation quality gate (gpt2kit.quant_gate), then served with int8
+    int8 model must pass the int8-activation quality gate (gpt2kit.quant.gate), then served with int8
     activations (a model that fails it does not load)."""
     from gpt2kit.checkpoint import load_model, load_tokenizer
     from gpt2kit.serve.app import create_app
     from gpt2kit.serve.runner import make_server
 
     if quantize is not None:
-        from gpt2kit.quant import check_scheme
+        from gpt2kit.quant.modules import check_scheme
 
         check_scheme(quantize)  # an unknown scheme fails before the server starts
 
     def loader():
         m = load_model(model, dtype=dtype, device=device, adapter=adapter)
         if quantize is not None:
-            from gpt2kit.quant import quantize_model
+            from gpt2kit.quant.modules import quantize_model
 
             m = quantize_model(m, quantize)
         tokenizer = load_tokenizer(model)
         if gate_data is not None:
-            from gpt2kit.quant_gate import gate_activations
+            from gpt2kit.quant.gate import gate_activations
 
             print(f"gpt2kit serve: {gate_activations(m, tokenizer, gate_data)}", file=sys.stderr, flush=True)
         return m, tokenizer

@@ -183,7 +183,7 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
 
 
 def _card(server: Server) -> dict:
-    from gpt2kit.quant import quantization  # torch is loaded by now: the model is
+    from gpt2kit.quant.modules import quantization  # torch is loaded by now: the model is
     q = quantization(server.model)
     return {"id": server.opts.served_model_name, "object": "model", "created": server.started,
             "owned_by": "gpt2kit", "max_model_len": server.model.config.n_ctx,

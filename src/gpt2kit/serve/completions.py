@@ -88,7 +88,7 @@ def plan(server: Server, body: S.CompletionRequest, more_stops: tuple[str, ...] 
     """Check a request against the model and the limits (400/404/429 name what is wrong), then
     submit its rows. more_stops: stop strings besides the request's own (a chat template's turn marker)."""
     from gpt2kit.engine import RowKey
-    from gpt2kit.sampler import resolve_seed
+    from gpt2kit.sampling.sampler import resolve_seed
 
     server.check_model(body.model)
     cfg = server.model.config

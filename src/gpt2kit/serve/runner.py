@@ -85,7 +85,7 @@ class GracefulServer(uvicorn.Server):
         return False
 
     def _describe(self) -> str:
-        from gpt2kit.quant import quantization
+        from gpt2kit.quant.modules import quantization
 
         model = self.state.model
         w = model.wpe.weight  # never quantized: the compute dtype

@@ -22,7 +22,7 @@ def unembed(model, x: torch.Tensor) -> torch.Tensor:
 
 def _matrix(module) -> torch.Tensor:
     """The float matrix a module multiplies by: its weight, or what an int8 module's codes and scales
-    stand for (gpt2kit.quant; its `weight` holds the int8 codes)."""
+    stand for (gpt2kit.quant.modules; its `weight` holds the int8 codes)."""
     dequantize = getattr(module, "dequantize", None)
     return dequantize() if dequantize is not None else module.weight
 

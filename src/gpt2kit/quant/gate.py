@@ -1,6 +1,6 @@
 """The quality gate of int8 activations: measured on the model itself, before the mode is turned on.
 
-Weight-only int8 (gpt2kit.quant) costs a trained GPT-2 almost nothing; int8 activations (per-row
+Weight-only int8 (gpt2kit.quant.modules) costs a trained GPT-2 almost nothing; int8 activations (per-row
 scales, gpt2kit.decode.int8act) cost more, and how much depends on the model: an activation row with
 one large outlier leaves its other values few int8 steps. So the mode is not switched on blind:
 `use_int8_activations(model, windows)` runs the model over held-out token windows twice, weight-only
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from gpt2kit._io import check_input
-from gpt2kit.quant import activations, quality, set_activations
+from gpt2kit.quant.modules import activations, quality, set_activations
 
 LIMITS = {"ppl_rise": 0.02, "agree": 0.97}
 WINDOWS = 16

@@ -4,7 +4,7 @@ checkpoint.pt is written atomically (temporary file, fsync, rename) and ends wit
 its contents, which reading it checks; it holds the RNG states of every rank (`rng_state`,
 `set_rng_state`) beside the model and optimizer. `claim_out` takes an exclusive flock on OUT/.lock
 for the length of a run, so a second run into the same directory stops at once naming the holder,
-and removes half-written temporaries a killed run left behind. gpt2kit.train calls these.
+and removes half-written temporaries a killed run left behind. gpt2kit.train.loop calls these.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from gpt2kit._io import atomic_write
-from gpt2kit.distributed import Dist
+from gpt2kit.train.distributed import Dist
 
 CHECKPOINT_NAME = "checkpoint.pt"
 LOCK_NAME = ".lock"  # held (flock) by the run writing OUT

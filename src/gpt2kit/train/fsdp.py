@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpt2kit.distributed import Dist
-from gpt2kit.train_config import TrainConfig
+from gpt2kit.train.config import TrainConfig
+from gpt2kit.train.distributed import Dist
 
 DCP_PREFIX = "checkpoint.step"
 DCP_SUFFIX = ".dcp"

@@ -6,9 +6,9 @@
 One optimizer step is A micro-steps of (B, T) tokens on each of W ranks, so the step sees
 total_batch_tokens = A * W * B * T tokens, drawn as random windows from all shards
 (RandomWindowLoader; sampling="sequential" reads them in order). The loss is the model's mean
-next-token cross-entropy, computed by gpt2kit.loss without the (B, T, V) logits; each micro-step's
+next-token cross-entropy, computed by gpt2kit.train.loss without the (B, T, V) logits; each micro-step's
 loss is divided by A so the accumulated gradient is the mean. The optimizer and the schedule come
-from gpt2kit.optim (Muon for the block matrices + AdamW for the rest, or AdamW; WSD or cosine).
+from gpt2kit.train.optim (Muon for the block matrices + AdamW for the rest, or AdamW; WSD or cosine).
 
 OUT holds, when a run ends (finished, --stop-at, or interrupted by SIGINT/SIGTERM):
     config.json, model.safetensors, tokenizer files   the model in Hugging Face's format
@@ -19,12 +19,12 @@ OUT holds, when a run ends (finished, --stop-at, or interrupted by SIGINT/SIGTER
 checkpoint.pt is also written every save_every steps, atomically (temporary file, fsync, rename),
 and ends with its SHA-256, which resuming checks. A non-finite loss stops the run without saving.
 
-Distributed data parallel: gpt2kit.distributed joins the process group torchrun describes; every
+Distributed data parallel: gpt2kit.train.distributed joins the process group torchrun describes; every
 rank reads its own slice of each batch (the loaders' rank, world_size), DDP averages gradients on the
 last micro-step only (no_sync on the others), and rank 0 alone writes files and logs. metrics.jsonl,
-loss.png and the progress output live in gpt2kit.metrics, checkpoint.pt's format and the lock on
-OUT in gpt2kit.run_dir, the settings in gpt2kit.train_config, building and restoring a run (model, optimizer, loaders,
-resume from checkpoint.pt) in gpt2kit.train_setup. This module holds the loop: accumulation,
+loss.png and the progress output live in gpt2kit.train.metrics, checkpoint.pt's format and the lock on
+OUT in gpt2kit.train.run_dir, the settings in gpt2kit.train.config, building and restoring a run
+(model, optimizer, loaders, resume from checkpoint.pt) in gpt2kit.train.build. This module holds the loop: accumulation,
 autocast, evaluation, signals, non-finite stops and saving.
 
 Legend: B batch size, T sequence length, W world size (ranks), A gradient-accumulation micro-steps.
@@ -47,11 +47,13 @@ from typing import Any
 
 import torch
 
-from gpt2kit import distributed, finetune, fsdp
 from gpt2kit._io import no_space_error, out_of_space
-from gpt2kit.metrics import PLOT_NAME, Metrics, Reporter
-from gpt2kit.optim import lr_factor
-from gpt2kit.run_dir import (
+from gpt2kit.train import distributed, finetune, fsdp
+from gpt2kit.train.build import Run, build_run, saved_config
+from gpt2kit.train.config import TrainConfig
+from gpt2kit.train.metrics import PLOT_NAME, Metrics, Reporter
+from gpt2kit.train.optim import lr_factor
+from gpt2kit.train.run_dir import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_NAME,
     claim_out,
@@ -59,8 +61,6 @@ from gpt2kit.run_dir import (
     rng_state,
     write_checkpoint,
 )
-from gpt2kit.train_config import TrainConfig
-from gpt2kit.train_setup import Run, build_run, saved_config
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class TrainResult:
 def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int,
                   schedule: str = "cosine") -> float:
     """The rate for 0-based step `step`: linear warmup to lr over warmup_steps, then the schedule
-    (cosine, or wsd's flat stretch and linear decay; gpt2kit.optim.lr_factor) to min_lr at max_steps."""
+    (cosine, or wsd's flat stretch and linear decay; gpt2kit.train.optim.lr_factor) to min_lr at max_steps."""
     return lr * lr_factor(step, schedule=schedule, warmup_steps=warmup_steps, max_steps=max_steps,
                           min_lr_ratio=min_lr / lr)
 

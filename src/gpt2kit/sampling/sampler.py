@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpt2kit.sampling import TOP_P_MODES
-from gpt2kit.warpers import BadWords, NGramIndex, epsilon_filter, eta_filter, min_p_filter, typical_filter
+from gpt2kit.sampling.warpers import BadWords, NGramIndex, epsilon_filter, eta_filter, min_p_filter, typical_filter
 
 if TYPE_CHECKING:
     from gpt2kit.sampling import SamplingSettings

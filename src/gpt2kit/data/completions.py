@@ -31,7 +31,7 @@ from gpt2kit._io import atomic_write
 from gpt2kit.data import DEFAULT_SHUFFLE_SEED, MAX_SHARD_TOKENS, PrepareSummary, RandomWindowLoader, write_shard
 
 MASK_SUFFIX = ".mask.npy"
-IGNORE = -100  # the target value the loss skips (gpt2kit.loss's ignore_index)
+IGNORE = -100  # the target value the loss skips (gpt2kit.train.loss's ignore_index)
 
 
 def mask_path(shard: str | os.PathLike[str]) -> Path:

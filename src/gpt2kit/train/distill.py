@@ -3,7 +3,7 @@ the model it teaches, in the dtype that serves it fastest here.
 
 Why: a draft model drafts well for speculative decoding when its greedy choices agree with its
 target's, and the target's whole next-token distribution says more about that than the data's one
-token (DistillSpec, Zhou et al. 2023). The loss itself is gpt2kit.loss's fused cross-entropy with
+token (DistillSpec, Zhou et al. 2023). The loss itself is gpt2kit.train.loss's fused cross-entropy with
 the teacher's probabilities as the (soft) target; this module only provides the teacher.
 """
 

@@ -6,7 +6,7 @@ finishes makes room for the next at the following step.
 
 Past the context the engine cuts a row to its most recent ``window`` tokens (gpt2kit.engine.scheduler);
 with ``strict=True``, a prompt + max_new_tokens that would not fit raises ValueError before
-anything runs. Settings live in gpt2kit.sampling; warpers and the draw in gpt2kit.sampler.
+anything runs. Settings live in gpt2kit.sampling; warpers and the draw in gpt2kit.sampling.sampler.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 from gpt2kit.config import EOT_ID
 from gpt2kit.engine import Engine, RowKey
 from gpt2kit.engine.scheduler import columns_needed
-from gpt2kit.sampler import resolve_seed
 from gpt2kit.sampling import SamplingSettings
+from gpt2kit.sampling.sampler import resolve_seed
 from gpt2kit.validate import check_int
 
 if TYPE_CHECKING:

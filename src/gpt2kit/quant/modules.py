@@ -17,7 +17,7 @@ forward hooks still fire. Products run through gpt2kit.decode.int8 (the kernel m
 on the machine). A quantized model is for inference: putting it in training mode raises.
 
 Opt-in, the same int8 modules can run with int8 activations too (`set_activations(model, "int8")`,
-or through the quality gate: gpt2kit.quant_gate): each product's input rows are quantized to int8
+or through the quality gate: gpt2kit.quant.gate): each product's input rows are quantized to int8
 on the fly (per-row scales) and multiplied int8 x int8 in int32 (gpt2kit.decode.int8act), as
 CTranslate2 and ONNX Runtime run int8 models. It is a way of running the model, not part of it:
 the weights, the state dict and a saved checkpoint are the same in both modes.
@@ -200,7 +200,7 @@ def activations(model: nn.Module) -> str | None:
 def set_activations(model: nn.Module, mode: str) -> nn.Module:
     """Run an int8 model's products on float activations ("float", weight-only: the default) or on
     int8 ones ("int8": gpt2kit.decode.int8act), in place; returns the model. This applies the mode
-    as asked, with no quality check: gpt2kit.quant_gate.use_int8_activations measures the gate first.
+    as asked, with no quality check: gpt2kit.quant.gate.use_int8_activations measures the gate first.
     ValueError for another mode, a float model, or in_features beyond the int32 sums' range."""
     if mode not in ACTIVATIONS:
         raise ValueError(f"unknown activation mode {mode!r}; valid choices: {', '.join(ACTIVATIONS)}")

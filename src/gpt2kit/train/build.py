@@ -2,7 +2,7 @@
 fine-tune, its source checked and named), its memory checked before it is built, the settings
 resolved (sequence length, accumulation, schedule defaults), the optimizer, the loaders, and, with
 --resume, everything checkpoint.pt holds put back (model, optimizer, data position, step, RNG
-states) after checking that the run's settings did not change. gpt2kit.train runs the loop on the
+states) after checking that the run's settings did not change. gpt2kit.train.loop runs the loop on the
 `Run` built here.
 """
 
@@ -23,24 +23,24 @@ import numpy as np
 import torch
 from torch import nn
 
-from gpt2kit import distill, finetune, fsdp
-from gpt2kit.bench.machine import mem_available
 from gpt2kit.checkpoint import load_model, resolve_source
 from gpt2kit.checkpoint.source import HUB_NAMES
-from gpt2kit.completions import with_masks
 from gpt2kit.config import PRESETS, GPT2Config
+from gpt2kit.data.completions import with_masks
 from gpt2kit.data.loaders import RandomWindowLoader, ShardLoader
 from gpt2kit.data.shard import find_shards
-from gpt2kit.distributed import Dist
-from gpt2kit.loss import TrainingLoss
+from gpt2kit.machine import mem_available
 from gpt2kit.model import GPT2
-from gpt2kit.optim import Optimizers, make_optimizer, newton_schulz_dtype
-from gpt2kit.run_dir import (
+from gpt2kit.train import distill, finetune, fsdp
+from gpt2kit.train.config import ARCH_OVERRIDES, TrainConfig, batch_message, muon_available
+from gpt2kit.train.distributed import Dist
+from gpt2kit.train.loss import TrainingLoss
+from gpt2kit.train.optim import Optimizers, make_optimizer, newton_schulz_dtype
+from gpt2kit.train.run_dir import (
     CHECKPOINT_NAME,
     read_checkpoint,
     set_rng_state,
 )
-from gpt2kit.train_config import ARCH_OVERRIDES, TrainConfig, batch_message, muon_available
 
 # What a checkpoint written before these settings existed ran with.
 _LEGACY = {"optimizer": "adamw", "schedule": "cosine", "sampling": "sequential"}
@@ -179,7 +179,7 @@ def _match_param_layout(optimizer: torch.optim.Optimizer | Optimizers) -> None:
 
 
 def _make_optimizer(model: nn.Module, cfg: TrainConfig) -> Optimizers:
-    """cfg.optimizer (gpt2kit.optim.make_optimizer): AdamW, or Muon for the block matrices + AdamW."""
+    """cfg.optimizer (gpt2kit.train.optim.make_optimizer): AdamW, or Muon for the block matrices + AdamW."""
     return make_optimizer(model, cfg.optimizer or _default_optimizer(), lr=cfg.lr,
                           weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr, muon_dtype=cfg.muon_dtype)
 
@@ -302,7 +302,7 @@ def build_run(cfg: TrainConfig, d: Dist) -> tuple[Run, bool]:
         torch.backends.cuda.matmul.allow_tf32 = True  # as nanoGPT/llm.c: TF32 matmuls for float32 on GPUs
         torch.backends.cudnn.allow_tf32 = True
 
-    # What runs forward: the model with the fused chunked loss (no (B, T, V) logits; gpt2kit.loss).
+    # What runs forward: the model with the fused chunked loss (no (B, T, V) logits; gpt2kit.train.loss).
     teacher = None
     if cfg.distill_from is not None:
         teacher = distill.load_teacher(cfg.distill_from, _fine_tune_source(cfg.distill_from), raw.config,

@@ -34,7 +34,7 @@ from torch import nn
 
 from gpt2kit.decode.kernels import cpu_has_native_bfloat16
 from gpt2kit.devices import resolve_dtype
-from gpt2kit.train_config import OPTIMIZERS, SCHEDULES, require_muon
+from gpt2kit.train.config import OPTIMIZERS, SCHEDULES, require_muon
 from gpt2kit.validate import check_choice
 
 ADAM_BETAS = (0.9, 0.95)  # GPT-3's betas (nanoGPT, llm.c); 0.999 is less stable at GPT-2 batch sizes

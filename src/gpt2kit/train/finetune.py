@@ -11,7 +11,7 @@ train.py builds the model, then `prepare(model, cfg)` makes it what the run trai
                          forward hooks stay as they are)
 
 Frozen parameters get no gradient, no optimizer state and no clipping share; the optimizers
-(gpt2kit.optim) take only what requires a gradient.
+(gpt2kit.train.optim) take only what requires a gradient.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gpt2kit.train_config import TrainConfig
+from gpt2kit.train.config import TrainConfig
 
 # float32 weights, gradients and AdamW's two moments: what full training needs per parameter;
 # a LoRA run keeps only the frozen float32 weights (the adapter's share is below 1%).

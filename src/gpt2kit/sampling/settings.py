@@ -1,11 +1,11 @@
-"""Sampling: the settings of a generation (the warpers and the draw that apply them: gpt2kit.sampler).
+"""Sampling: the settings of a generation (the warpers and the draw that apply them: gpt2kit.sampling.sampler).
 
 Order, as OpenAI's API and sample.py apply them, with transformers' processors where transformers
 puts them (its _get_logits_processor): logit_bias -> repetition penalty (CTRL's, as transformers)
 -> presence/frequency penalties (OpenAI's, over the tokens generated so far) -> the constraints
 (no repeated n-gram, bad words, min_new_tokens, suppress_tokens; they ban tokens, so their order
 among themselves and against the penalties changes nothing) -> temperature -> top-k -> top-p ->
-min-p -> typical -> epsilon -> eta -> one draw per row (gpt2kit.warpers computes the new ones as
+min-p -> typical -> epsilon -> eta -> one draw per row (gpt2kit.sampling.warpers computes the new ones as
 transformers does). temperature 0 is greedy (argmax after the bias, the penalties and the
 constraints; the truncation warpers never remove the argmax, so they are skipped), and so is any
 temperature below GREEDY_BELOW (1e-5, as vLLM): dividing by
@@ -17,7 +17,7 @@ ValueError for that row alone. Each row draws from its own ``torch.Generator`` s
 (seed, prompt ids, sample index), so a row's tokens do not depend on which other rows share its batch.
 
 The warpers, the draw and :class:`RowSampler` (one row's state) are the torch half, in
-gpt2kit.sampler; this module is torch-free, so `gpt2kit generate` builds its flags from
+gpt2kit.sampling.sampler; this module is torch-free, so `gpt2kit generate` builds its flags from
 SamplingSettings' fields (their metadata holds the help) without importing torch.
 
 Legend: B rows, V vocab.
@@ -52,7 +52,7 @@ def _within_logit_limit(v: float) -> bool:
 
 def _setting(default: Any, help: str, **cli: Any) -> Any:
     """A SamplingSettings field: its default and what `gpt2kit generate` shows (help; optionally short,
-    choices, or a flag of another name that stores const), as gpt2kit.train_config's fields."""
+    choices, or a flag of another name that stores const), as gpt2kit.train.config's fields."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -100,7 +100,7 @@ class SamplingSettings:
     # a second copy of them in memory); None = where it is faster and the copy fits, True/False.
     pack_weights: bool | None = _setting(None, "CPU: no prepacked second copy of the weights (slower decode, less "
                                                "memory)", flag="--no-pack-weights", const=False)
-    # Speculative decoding (gpt2kit.speculate, gpt2kit.engine.speculative; the draft model itself is an
+    # Speculative decoding (gpt2kit.engine.drafts, gpt2kit.engine.speculative; the draft model itself is an
     # argument of generate, not a setting)
     prompt_lookup: int = _setting(0, "speculative decoding: draft up to N tokens per step from n-gram matches in "
                                      "the context (0 = off; at most 64)", metavar="N")

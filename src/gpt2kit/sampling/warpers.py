@@ -5,8 +5,8 @@ renormalised probabilities are the same.
 Warpers truncate a sampled distribution (applied after temperature, top-k and top-p; never in greedy
 decoding, as transformers): min-p, locally typical, epsilon and eta sampling. Constraints ban tokens
 (greedy too): a repeated n-gram, bad words, the stop tokens before a minimum of new tokens, suppressed
-tokens. gpt2kit.sampler applies them in transformers' order; the per-row state the constraints need
-(the row's sequence, its n-grams) lives in gpt2kit.sampler.RowSampler, which holds the objects here.
+tokens. gpt2kit.sampling.sampler applies them in transformers' order; the per-row state the constraints need
+(the row's sequence, its n-grams) lives in gpt2kit.sampling.sampler.RowSampler, which holds the objects here.
 
 Legend: B rows, V vocab.
 """
