@@ -688,7 +688,7 @@ def test_a_full_disk_while_exporting_the_model_names_out_and_keeps_the_state(sha
     naming OUT, after checkpoint.pt is written."""
     from safetensors import SafetensorError
 
-    from gpt2kit import finetune
+    from gpt2kit.train import finetune
 
     out = tmp_path / "run"
 
