@@ -34,14 +34,9 @@ from gpt2kit.config import GPT2Config
 from gpt2kit.machine import describe_cpu
 from gpt2kit.model import GPT2
 from gpt2kit.tokenizer import Tokenizer
+from gpt2kit.train import flops
 from gpt2kit.train.loop import learning_rate
 from gpt2kit.train.optim import ADAM_BETAS, ADAM_EPS, param_groups
-
-# Dense peak FLOP/s by GPU name (bf16 tensor cores; float32 runs use TF32): for the MFU line.
-PEAK_TFLOPS = {  # name fragment: (bf16, tf32)
-    "H200": (989.0, 494.7), "H100": (989.0, 494.7), "A100": (312.0, 156.0), "L40S": (362.0, 183.0),
-    "A10G": (70.0, 35.0), "L4": (121.0, 60.0), "RTX 4090": (165.2, 82.6), "RTX 3090": (71.0, 35.6),
-}
 
 
 def stdlib_tokens(n: int) -> torch.Tensor:
@@ -109,18 +104,6 @@ def hf_loss(model, x, y):
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))  # what labels= computes
 
 
-def peak_flops(device: torch.device, bf16: bool, override: float | None) -> float | None:
-    if override:
-        return override * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for frag, (b, t) in PEAK_TFLOPS.items():
-        if frag in name:
-            return (b if bf16 else t) * 1e12
-    return None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="gpt2-mini")
@@ -136,7 +119,9 @@ def main() -> None:
     ap.add_argument("--no-hf-bf16", action="store_true", help="skip transformers with bf16 autocast")
     ap.add_argument("--compile", action="store_true", help="also time gpt2kit under torch.compile (bf16)")
     ap.add_argument("--times", action="store_true", help="print every step's time")
-    ap.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: by GPU name)")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the peak MFU is a share of (default: gpt2kit.train.flops: a known GPU's data sheet for "
+                         "bfloat16, else the rate measured here)")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.hf_steps = 20, 8
@@ -188,29 +173,34 @@ def main() -> None:
         if step in (0, args.steps - 1) or (step + 1) % 10 == 0:
             print(f"  step {step + 1}: " + ", ".join(f"{c.name} {c.losses[-1]:.4f}" for c in contenders
                                                      if len(c.losses) == step + 1), file=sys.stderr, flush=True)
-    report(contenders, args, B * T, cfg, n_params, device, time.perf_counter() - t_start)
+    report(contenders, args, B * T, flops.flops_per_token(init, T), device, time.perf_counter() - t_start)
 
 
-def report(contenders, args, tokens_per_step, cfg, n_params, device, wall) -> None:
+def peak(device: torch.device, bf16: bool, override: float | None) -> flops.PeakRate:
+    if override:
+        return flops.PeakRate(override * 1e12, "--peak-tflops")
+    return flops.peak_rate(device, torch.bfloat16 if bf16 else torch.float32)
+
+
+def report(contenders, args, tokens_per_step, flops_per_token, device, wall) -> None:
     # Only the rounds every contender took part in: the same moments of a busy machine for all.
     common = min(len(c.times) for c in contenders)
     window = slice(args.warmup, common) if common > args.warmup else slice(0, common)
     rate = {c.name: tokens_per_step / statistics.median(c.times[window]) for c in contenders}
     best = {c.name: tokens_per_step / min(c.times[window]) for c in contenders}
     base, best_base = rate["transformers float32"], best["transformers float32"]
-    flops_per_token = 6 * (n_params - cfg.n_ctx * cfg.n_embd) + 12 * cfg.n_layer * args.seq_len * cfg.n_embd
+    peaks = {bf16: peak(device, bf16, args.peak_tflops) for bf16 in (False, True)}
     print()
-    gpu = device.type == "cuda"
     print("| run | tokens/s (median step) | vs transformers float32 | tokens/s (fastest step) | "
-          "vs transformers float32 | loss at last step |" + (" MFU |" if gpu else ""))
-    print("|---|---:|---:|---:|---:|---|" + ("---:|" if gpu else ""))
+          "vs transformers float32 | loss at last step | MFU |")
+    print("|---|---:|---:|---:|---:|---|---:|")
     for c in contenders:
         row = (f"| {c.name} | {rate[c.name]:,.0f} | {rate[c.name] / base:.2f}x | {best[c.name]:,.0f} | "
-               f"{best[c.name] / best_base:.2f}x | {c.losses[-1]:.4f} (step {len(c.losses)}) |")
-        if gpu:
-            peak = peak_flops(device, c.bf16, args.peak_tflops)
-            row += f" {rate[c.name] * flops_per_token / peak:.1%} |" if peak else " ? |"
+               f"{best[c.name] / best_base:.2f}x | {c.losses[-1]:.4f} (step {len(c.losses)}) | "
+               f"{flops.mfu(rate[c.name], flops_per_token, peaks[c.bf16]):.1%} |")
         print(row)
+    print(f"MFU: model FLOPs ({flops_per_token / 1e6:,.1f} MFLOP a token) against "
+          + "; ".join(f"{'bfloat16' if k else 'float32'} runs {v.describe()}" for k, v in peaks.items()))
     l32, l16 = contenders[1].losses, contenders[2].losses
     rel = abs(l16[-1] - l32[-1]) / l32[-1]
     hf = contenders[0].losses

@@ -13,7 +13,7 @@ from gpt2kit.train.optim (Muon for the block matrices + AdamW for the rest, or A
 OUT holds, when a run ends (finished, --stop-at, or interrupted by SIGINT/SIGTERM):
     config.json, model.safetensors, tokenizer files   the model in Hugging Face's format
     checkpoint.pt    model, optimizer, step, RNG states, data position, the TrainConfig
-    metrics.jsonl    {"step", "loss", "lr", "grad_norm", "tokens_per_s"} per step, {"step", "val_loss"} per eval
+    metrics.jsonl    {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} per step, {"step", "val_loss"} per eval
     loss.png         train and validation loss, redrawn at each evaluation
     .lock            flock'ed by the run writing OUT; names it (pid, host)
 checkpoint.pt is also written every save_every steps, atomically (temporary file, fsync, rename),
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from gpt2kit._io import no_space_error, out_of_space
-from gpt2kit.train import distributed, finetune, fsdp
+from gpt2kit.train import distributed, finetune, flops, fsdp
 from gpt2kit.train.build import Run, build_run, saved_config
 from gpt2kit.train.config import TrainConfig
 from gpt2kit.train.metrics import PLOT_NAME, Metrics, Reporter
@@ -144,6 +144,7 @@ def _loop(run: Run, *, fresh: bool) -> TrainResult:
     last_loss = val_loss = None
     tokens, seconds = 0, 0.0
     end = cfg.max_steps if cfg.stop_at is None else min(cfg.max_steps, cfg.stop_at)
+    utilisation = _utilisation(run, reporter) if d.master and run.step < end else None
     try:
         with _StopSignal() as stop:
             # Step 0 is evaluated only when fine-tuning: the base's loss is the baseline. An untrained
@@ -163,6 +164,8 @@ def _loop(run: Run, *, fresh: bool) -> TrainResult:
                 last_loss = loss
                 rec = {"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                        "tokens_per_s": cfg.total_batch_tokens / dt}
+                if utilisation is not None:
+                    rec["mfu"] = utilisation(rec["tokens_per_s"])
                 if metrics is not None:
                     metrics.log(rec)
                 reporter.step(rec, dt)
@@ -189,8 +192,22 @@ def _loop(run: Run, *, fresh: bool) -> TrainResult:
     if d.master and tokens:
         reporter.line(f"done: step {run.step}, loss {last_loss:.4f}"
                       + (f", val loss {val_loss:.4f}" if val_loss is not None else "")
-                      + f", {tokens / seconds:,.0f} tok/s; {finetune.output_said(cfg, run.out)}")
+                      + f", {tokens / seconds:,.0f} tok/s"
+                      + (f" (MFU {utilisation(tokens / seconds):.1%})" if utilisation is not None else "")
+                      + f"; {finetune.output_said(cfg, run.out)}")
     return TrainResult(run.step, last_loss, val_loss, tokens, seconds, run.out)
+
+
+def _utilisation(run: Run, reporter: Reporter) -> Callable[[float], float]:
+    """tokens/s -> MFU for this run (gpt2kit.train.flops), its peak rate measured or looked up once
+    here and said on the progress output."""
+    cfg, d = run.cfg, run.dist
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    per_token = flops.flops_per_token(run.raw, cfg.seq_len)
+    peak = flops.peak_rate(d.device, dtype)
+    reporter.line(f"MFU: model FLOPs ({per_token / 1e6:,.1f} MFLOP a token) against {peak.describe()}"
+                  + (f" x {d.world_size} ranks" if d.world_size > 1 else ""))
+    return lambda tokens_per_s: flops.mfu(tokens_per_s, per_token, peak, d.world_size)
 
 
 def _batches(run: Run) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

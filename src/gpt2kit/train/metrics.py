@@ -202,13 +202,13 @@ class Reporter:
         step = rec["step"]
         if self.bar is not None:
             self.bar.set_postfix_str(f"ETA {clock(self.eta(step))}, loss {rec['loss']:.4f}, "
-                                     f"{rec['tokens_per_s']:,.0f} tok/s", refresh=False)
+                                     f"{rec['tokens_per_s']:,.0f} tok/s{_mfu(rec)}", refresh=False)
             self.bar.update()
             return
         due = step % self.log_every == 0 or step == self.total
         if due or time.monotonic() - self.last_line >= self.heartbeat:
             self.line(f"step {step}/{self.total} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
-                      f"grad norm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | "
+                      f"grad norm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s{_mfu(rec)} | "
                       f"elapsed {clock(time.monotonic() - self.t0)} | ETA {clock(self.eta(step))}")
 
     @contextlib.contextmanager
@@ -242,6 +242,10 @@ class Reporter:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _mfu(rec: dict[str, Any]) -> str:
+    return f" (MFU {rec['mfu']:.1%})" if "mfu" in rec else ""
 
 
 def clock(seconds: float) -> str:
