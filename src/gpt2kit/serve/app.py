@@ -8,6 +8,7 @@ formatted in serve/logprobs.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import json
 from collections.abc import Callable
@@ -100,6 +101,16 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
     app.state.server = server
     install(app)
 
+    _completion_routes(app, server)
+    _info_routes(app, server)
+    _token_routes(app, server)
+    app.openapi = functools.partial(_openapi, app, server)
+    app.add_middleware(Gate, server=server)  # inside _Guard: its answers are counted and need the key
+    app.add_middleware(_Guard, server=server)
+    return app
+
+
+def _completion_routes(app: FastAPI, server: Server) -> None:
     # exclude_unset: a choice's score (beam search) is in the response only where it was set
     @app.post("/v1/completions", response_model=S.Completion, response_model_exclude_unset=True,
               responses={**_STREAM_200, **_ERRORS})
@@ -123,6 +134,8 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
                                      headers={"Cache-Control": "no-cache"})
         return chat.response(await complete(server, job, request))
 
+
+def _info_routes(app: FastAPI, server: Server) -> None:
     @app.get("/v1/models", response_model=S.ModelList, responses=_ERRORS)
     async def models():
         server.require_ready()
@@ -144,6 +157,8 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
     async def metrics():
         return PlainTextResponse(server.metrics.render().decode(), media_type="text/plain; version=0.0.4")
 
+
+def _token_routes(app: FastAPI, server: Server) -> None:
     @app.post("/tokenize", response_model=S.TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: S.TokenizeRequest):
         server.require_ready()
@@ -162,24 +177,20 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {n})", param="tokens")
         return {"prompt": server.tokenizer.decode(body.tokens), "pieces": [server.piece(t) for t in body.tokens]}
 
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            for item in schema.get("paths", {}).values():  # validation errors are 400 here, never 422
-                for op in item.values():
-                    op.get("responses", {}).pop("422", None)
-            for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
-            if not server.ready:  # the token ids' bound comes with the model: this document is not the last
-                return schema
-            _token_id_bounds(schema.get("components", {}).get("schemas", {}), server)
-            app.openapi_schema = schema
-        return app.openapi_schema
 
-    app.openapi = openapi
-    app.add_middleware(Gate, server=server)  # inside _Guard: its answers are counted and need the key
-    app.add_middleware(_Guard, server=server)
-    return app
+def _openapi(app: FastAPI, server: Server) -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for item in schema.get("paths", {}).values():  # validation errors are 400 here, never 422
+            for op in item.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        if not server.ready:  # the token ids' bound comes with the model: this document is not the last
+            return schema
+        _token_id_bounds(schema.get("components", {}).get("schemas", {}), server)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _card(server: Server) -> dict:
