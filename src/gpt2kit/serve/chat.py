@@ -25,7 +25,7 @@ from gpt2kit.serve.errors import APIError
 if TYPE_CHECKING:
     from fastapi import Request
 
-    from gpt2kit.serve.completions import Job
+    from gpt2kit.serve.job import Job
     from gpt2kit.serve.server import Server
     from gpt2kit.tokenizer import Tokenizer
 
