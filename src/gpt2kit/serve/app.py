@@ -1,8 +1,8 @@
 """The HTTP layer: FastAPI routes and the ASGI middleware (API key, request counter; the body's
 size and deadline in serve/gate.py) over the server's state (serve/server.py: the model and its
 engine loop, a worker thread, so the event loop never waits on the model). What /v1/completions
-computes is serve/completions.py, what /v1/chat/completions adds serve/chat.py; log-probs are
-formatted in serve/logprobs.py.
+computes is serve/completions.py, what /v1/chat/completions adds serve/chat.py (its template
+serve/template.py); log-probs are formatted in serve/logprobs.py.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 import gpt2kit.serve.chat as chat
 import gpt2kit.serve.schemas as S
+import gpt2kit.serve.template as template
 from gpt2kit.serve.completions import complete, plan, stream
 from gpt2kit.serve.errors import APIError, error_body, install
 from gpt2kit.serve.gate import Gate
@@ -127,7 +128,7 @@ def _completion_routes(app: FastAPI, server: Server) -> None:
     async def chat_completions(body: S.ChatRequest, request: Request):
         server.require_ready()
         server.check_model(body.model)
-        prompt = chat.render(server.chat_template, body, server.tokenizer.eot_text)
+        prompt = template.render(server.chat_template, body, server.tokenizer.eot_text)
         job = plan(server, chat.completion_request(body, prompt), server.chat_stops)
         if body.stream:
             return StreamingResponse(chat.stream(server, job, request), media_type="text/event-stream",

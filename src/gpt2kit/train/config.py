@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpt2kit.config import DTYPE_NAMES, PRESETS
+from gpt2kit.config import DTYPE_NAMES, LORA_BIASES, PRESETS
 from gpt2kit.validate import check_choice, check_int, check_number
 
 OPTIMIZERS = ("adamw", "muon")
@@ -22,7 +22,6 @@ SAMPLINGS = ("random", "sequential")
 TRAIN_DTYPES = ("float32", "bfloat16")  # canonical names (float16 would need loss scaling and gains nothing)
 ARCH_OVERRIDES = ("n_layer", "n_embd", "n_head", "n_ctx")
 LORA_TARGETS = "c_attn,attn.c_proj,c_fc,mlp.c_proj"
-LORA_BIASES = ("none", "all", "lora_only")  # peft's LoraConfig.bias (gpt2kit.lora.BIASES; no torch here)
 
 
 def _setting(default: Any, help: str, **cli: Any) -> Any:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt2kit._io import atomic_write
+from gpt2kit.progress import clock
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
@@ -243,8 +244,3 @@ class Reporter:
         if self.bar is not None:
             self.bar.close()
 
-
-def clock(seconds: float) -> str:
-    """H:MM:SS."""
-    s = int(round(seconds))
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
