@@ -35,8 +35,7 @@ from gpt2kit.machine import describe_cpu
 from gpt2kit.model import GPT2
 from gpt2kit.tokenizer import Tokenizer
 from gpt2kit.train import flops
-from gpt2kit.train.loop import learning_rate
-from gpt2kit.train.optim import ADAM_BETAS, ADAM_EPS, param_groups
+from gpt2kit.train.optim import ADAM_BETAS, ADAM_EPS, lr_factor, param_groups
 
 
 def stdlib_tokens(n: int) -> torch.Tensor:
@@ -165,8 +164,8 @@ def main() -> None:
         lo = step * B * T
         x = tokens[lo: lo + B * T].view(B, T).to(device)  # (B, T)
         y = tokens[lo + 1: lo + B * T + 1].view(B, T).to(device)  # (B, T)
-        lr = learning_rate(step, lr=args.lr, min_lr=args.lr / 10, warmup_steps=max(1, args.steps // 10),
-                           max_steps=args.steps)
+        lr = args.lr * lr_factor(step, schedule="cosine", warmup_steps=max(1, args.steps // 10),
+                                 max_steps=args.steps, min_lr_ratio=0.1)
         for c in contenders:
             if step < c.steps:
                 c.step(x, y, lr, sync)

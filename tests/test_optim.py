@@ -31,6 +31,10 @@ def test_cosine_warmup_then_half_cosine_to_min():
     assert lr_factor(10, **kw) == pytest.approx(1.0)
     assert lr_factor(60, **kw) == pytest.approx(0.1 + 0.9 * 0.5)  # half way: cos(pi/2) = 0
     assert lr_factor(110, **kw) == pytest.approx(0.1)
+    assert lr_factor(500, **kw) == pytest.approx(0.1)  # past the end: the floor
+    factors = [lr_factor(s, **kw) for s in range(10, 110)]
+    assert all(a >= b for a, b in zip(factors, factors[1:], strict=False))
+    assert lr_factor(0, schedule="cosine", warmup_steps=0, max_steps=10, min_lr_ratio=0.0) == 1.0  # no warmup
 
 
 def test_wsd_flat_then_linear_decay_over_the_last_fraction():

@@ -21,8 +21,8 @@ from helpers import SMALL, live_server, varied_model  # noqa: E402
 
 from gpt2kit.checkpoint import load_model, load_tokenizer, save_model  # noqa: E402
 from gpt2kit.serve import ServeOptions  # noqa: E402
-from gpt2kit.serve.chat import DEFAULT_TEMPLATE, TURN_STOPS, model_template, render  # noqa: E402
 from gpt2kit.serve.schemas import ChatRequest  # noqa: E402
+from gpt2kit.serve.template import DEFAULT_TEMPLATE, TURN_STOPS, model_template, render  # noqa: E402
 
 NAME = "tiny"
 MESSAGES = [{"role": "system", "content": "A chat between two friends."}, {"role": "user", "content": "Hi there"},

@@ -28,7 +28,7 @@ from gpt2kit.data import write_shard
 from gpt2kit.model import GPT2
 from gpt2kit.train.build import _make_optimizer
 from gpt2kit.train.config import TrainConfig
-from gpt2kit.train.loop import learning_rate, resume_config, train
+from gpt2kit.train.loop import resume_config, train
 from gpt2kit.train.run_dir import CHECKPOINT_NAME
 
 TINY = {"model": "gpt2-tiny", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_ctx": 64}
@@ -82,18 +82,6 @@ def _assert_same_losses(a: list[tuple[int, float]], b: list[tuple[int, float]], 
 
 
 # --- schedule, config, optimizer ---------------------------------------------------------------
-
-
-def test_learning_rate_warmup_then_cosine():
-    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
-    assert [learning_rate(s, **kw) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
-    assert learning_rate(10, **kw) == pytest.approx(1.0)  # cosine starts at the peak
-    assert learning_rate(60, **kw) == pytest.approx(0.55)  # halfway: (lr + min_lr) / 2
-    assert learning_rate(110, **kw) == pytest.approx(0.1)
-    assert learning_rate(500, **kw) == pytest.approx(0.1)
-    rates = [learning_rate(s, **kw) for s in range(10, 110)]
-    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
-    assert learning_rate(0, lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=10) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("field, value, words", [

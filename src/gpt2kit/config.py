@@ -28,6 +28,9 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32",
 # quantized checkpoint's header, as `gpt2kit info` does, needs no torch).
 QUANT_SCHEMES = ("int8",)
 QUANT_SCALE_DTYPES = ("float32", "bfloat16")
+# peft's LoraConfig.bias: which biases train (and are saved) beside the adapters (gpt2kit.lora; torch-free
+# here for the training flags and the adapter reader).
+LORA_BIASES = ("none", "all", "lora_only")
 
 
 def check_scheme(scheme: str) -> str:

@@ -34,11 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpt2kit.config import LORA_BIASES
+
 # Our module names inside a block, the matrices LoRA can adapt.
 TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 # Short names as peft writes them: a target matches a module whose name ends with it ("c_proj": both).
-# peft's LoraConfig.bias: which biases train (and are saved) beside the adapters.
-BIASES = ("none", "all", "lora_only")
 _SHORT = {"c_attn": ("attn.c_attn",), "c_fc": ("mlp.c_fc",), "c_proj": ("attn.c_proj", "mlp.c_proj")}
 
 
@@ -134,8 +134,8 @@ def check_tokens(tokens: object, n_vocab: int) -> list[int]:
 
 
 def check_bias(bias: object) -> str:
-    if bias not in BIASES:
-        raise ValueError(f"unknown LoRA bias {bias!r}; valid choices: {', '.join(BIASES)}")
+    if bias not in LORA_BIASES:
+        raise ValueError(f"unknown LoRA bias {bias!r}; valid choices: {', '.join(LORA_BIASES)}")
     return bias  # type: ignore[return-value]
 
 

@@ -217,6 +217,18 @@ def _check_inputs(model: GPT2, idx: torch.Tensor, past: torch.Tensor | None, att
     where that costs no device sync: on CPU tensors, outside torch.compile. Training data is checked
     when its shards load, generation and scoring check their prompts on the host."""
     cfg = model.config
+    values = isinstance(idx, torch.Tensor) and idx.device.type == "cpu" and not torch.compiler.is_compiling()
+    idx = _check_ids(idx, cfg.n_vocab, values)
+    B, T = idx.shape
+    P = _cached_length(model, B, T, past, cache)
+    if attention_mask is not None:
+        _check_mask(attention_mask, B, P + T, values)
+    if targets is not None:
+        _check_targets(targets, B, T, cfg.n_vocab, ignore_index, values)
+    return idx, P
+
+
+def _check_ids(idx: torch.Tensor, n_vocab: int, values: bool) -> torch.Tensor:
     if not isinstance(idx, torch.Tensor):
         raise ValueError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
     if idx.dim() != 2:
@@ -225,15 +237,19 @@ def _check_inputs(model: GPT2, idx: torch.Tensor, past: torch.Tensor | None, att
         raise ValueError(f"idx must hold integer token ids, got dtype {idx.dtype}")
     if idx.dtype not in (torch.int64, torch.int32):
         idx = idx.long()  # uint8/int16/... ids: the embedding takes int64 or int32
-    B, T = idx.shape
-    if B == 0 or T == 0:
+    if idx.shape[0] == 0 or idx.shape[1] == 0:
         raise ValueError(f"idx must hold at least one token, got shape {tuple(idx.shape)}")
-    values = idx.device.type == "cpu" and not torch.compiler.is_compiling()
     if values:
         lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= cfg.n_vocab:
+        if lo < 0 or hi >= n_vocab:
             bad = lo if lo < 0 else hi
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {cfg.n_vocab})")
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
+    return idx
+
+
+def _cached_length(model: GPT2, B: int, T: int, past: torch.Tensor | None, cache: KVCache | None) -> int:
+    """P, the length already cached in past or cache, checked against both and the context."""
+    cfg = model.config
     if past is not None and cache is not None:
         raise ValueError("pass either past or cache, not both")
     P = 0
@@ -253,27 +269,31 @@ def _check_inputs(model: GPT2, idx: torch.Tensor, past: torch.Tensor | None, att
             raise ValueError(f"cache length {P} + {T} new tokens exceeds the cache size {cache.max_len}")
     if P + T > cfg.n_ctx:
         raise ValueError(f"cache length {P} + {T} new tokens = {P + T} exceeds the context n_ctx={cfg.n_ctx}")
-    if attention_mask is not None:
-        if tuple(attention_mask.shape) != (B, P + T):
-            raise ValueError(
-                f"attention_mask must have shape (batch, past + time) = {(B, P + T)}, "
-                f"got {tuple(attention_mask.shape)}")
-        if values and attention_mask.device.type == "cpu" and attention_mask.dtype != torch.bool:
-            bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
-            if bad.numel():
-                raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (token), got {bad[0].item()}")
-    if targets is not None:
-        if tuple(targets.shape) != (B, T):
-            raise ValueError(f"targets must have shape {(B, T)}, got {tuple(targets.shape)}")
-        if targets.dtype.is_floating_point or targets.dtype == torch.bool:
-            raise ValueError(f"targets must hold integer token ids, got dtype {targets.dtype}")
-        if values and targets.device.type == "cpu":
-            real = targets[targets != ignore_index]
-            if real.numel() == 0:
-                raise ValueError(f"every target is ignore_index={ignore_index}: there is no token to compute a loss on")
-            lo, hi = int(real.min()), int(real.max())
-            if lo < 0 or hi >= cfg.n_vocab:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"target id {bad} is outside the vocabulary [0, {cfg.n_vocab}) "
-                                 f"(and is not ignore_index={ignore_index})")
-    return idx, P
+    return P
+
+
+def _check_mask(attention_mask: torch.Tensor, B: int, S: int, values: bool) -> None:
+    if tuple(attention_mask.shape) != (B, S):
+        raise ValueError(
+            f"attention_mask must have shape (batch, past + time) = {(B, S)}, "
+            f"got {tuple(attention_mask.shape)}")
+    if values and attention_mask.device.type == "cpu" and attention_mask.dtype != torch.bool:
+        bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
+        if bad.numel():
+            raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (token), got {bad[0].item()}")
+
+
+def _check_targets(targets: torch.Tensor, B: int, T: int, n_vocab: int, ignore_index: int, values: bool) -> None:
+    if tuple(targets.shape) != (B, T):
+        raise ValueError(f"targets must have shape {(B, T)}, got {tuple(targets.shape)}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must hold integer token ids, got dtype {targets.dtype}")
+    if values and targets.device.type == "cpu":
+        real = targets[targets != ignore_index]
+        if real.numel() == 0:
+            raise ValueError(f"every target is ignore_index={ignore_index}: there is no token to compute a loss on")
+        lo, hi = int(real.min()), int(real.max())
+        if lo < 0 or hi >= n_vocab:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"target id {bad} is outside the vocabulary [0, {n_vocab}) "
+                             f"(and is not ignore_index={ignore_index})")

@@ -18,8 +18,6 @@ import threading
 import time
 from typing import IO
 
-from gpt2kit.train.metrics import clock
-
 _CLEAR = "\r\x1b[K"  # back to the line's start, erase to its end
 
 
@@ -115,3 +113,9 @@ class Status:
             self.stream.flush()
         except (OSError, ValueError):  # the terminal went away: nothing to show it on
             self.enabled = False
+
+
+def clock(seconds: float) -> str:
+    """H:MM:SS."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpt2kit.checkpoint.errors import CheckpointError
-from gpt2kit.train.config import LORA_BIASES as BIASES  # gpt2kit.lora.BIASES, without importing torch
+from gpt2kit.config import LORA_BIASES
 from gpt2kit.validate import check_int, check_number
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -92,8 +92,8 @@ def read_settings(directory: Path) -> AdapterSettings:
 
 def _refuse_unsupported(cfg_file: Path, cfg: dict) -> None:
     bias = cfg.get("bias", "none")
-    if bias not in BIASES:
-        raise CheckpointError(f"{cfg_file}: unknown bias {shown(bias)}; valid choices: {', '.join(BIASES)}")
+    if bias not in LORA_BIASES:
+        raise CheckpointError(f"{cfg_file}: unknown bias {shown(bias)}; valid choices: {', '.join(LORA_BIASES)}")
     for key, ok in (("use_dora", False), ("lora_bias", False)):
         if cfg.get(key, ok) not in (ok, None):
             raise CheckpointError(f"{cfg_file}: {key}={shown(cfg[key])} is not supported (only {key}={ok!r})")

@@ -130,61 +130,75 @@ def _generate_and_print(model, tok, texts: list[str], settings, args: argparse.N
     if settings.num_beams > 1 or settings.contrastive:
         return print_beams(model, tok, texts, settings, args)
     ids = encode_prompts(tok, texts)
-    n_rows = len(ids) * settings.num_samples
-    tokens: list[list[int]] = [[] for _ in range(n_rows)]
-    text = [""] * n_rows
-    done: dict[int, str] = {}
-    head = 0  # the next sample to print; its text goes out as it arrives
-    many_prompts = len(ids) > 1 or args.prompts_file is not None
-
-    def header(k: int) -> None:
-        if (n_rows > 1 or many_prompts) and not args.json:
-            i, j = divmod(k, settings.num_samples)
-            label = f"PROMPT {i + 1} SAMPLE {j + 1}: {_quoted(texts[i])}" if many_prompts else f"SAMPLE {k + 1}"
-            print(f"{'=' * 40} {label} {'=' * 40}")
-
-    def finish(k: int) -> None:
-        if args.json:
-            i, j = divmod(k, settings.num_samples)
-            print(json.dumps({"prompt_index": i, "sample_index": j, "prompt": texts[i], "prompt_tokens": ids[i],
-                              "tokens": tokens[k], "text": text[k], "finish_reason": done[k]}), flush=True)
-        else:
-            print(flush=True)
-        args.warnings.release()  # the line has ended: warnings held meanwhile go out now
-
+    out = _SamplePrinter(texts, ids, settings.num_samples, args)
     args.status.hide()  # the samples (or the token bar) take the terminal from here
-    bar = None if is_terminal(sys.stdout) else args.status.bar(n_rows * settings.max_new_tokens, unit="token",
+    bar = None if is_terminal(sys.stdout) else args.status.bar(out.n_rows * settings.max_new_tokens, unit="token",
                                                                   desc="generating")
     try:
         with args.warnings.holding():  # a warning waits for the end of the line being streamed
-            header(0)
+            out.header(0)
             drafted = accepted = 0
             for step in generate_stream(model, ids, settings, tokenizer=tok, batch_size=args.batch_size,
                                         draft_model=args.draft):
                 for d, a in step.drafts.values():
                     drafted, accepted = drafted + d, accepted + a
-                for k, t in step.tokens.items():
-                    tokens[k].append(t)
                 if bar is not None:
                     bar.update(len(step.tokens))
-                for k, piece in step.text.items():
-                    text[k] += piece
-                    if k == head and piece and not args.json:
-                        sys.stdout.write(piece)
-                        sys.stdout.flush()
-                done.update(step.finished)
-                while head in done:
-                    finish(head)
-                    head += 1
-                    if head < n_rows:
-                        header(head)
-                        if not args.json and text[head]:
-                            sys.stdout.write(text[head])  # buffered while an earlier sample was printing
-                            sys.stdout.flush()
+                out.take(step)
             report_acceptance(args, drafted, accepted)
     finally:
         if bar is not None:
             bar.close()
+
+
+class _SamplePrinter:
+    """The samples of one generation printed in order: the one at `head` streams live, later ones
+    are held until it finishes."""
+
+    def __init__(self, texts: list[str], ids: list[list[int]], num_samples: int, args: argparse.Namespace) -> None:
+        self.texts, self.ids, self.num_samples, self.args = texts, ids, num_samples, args
+        self.n_rows = len(ids) * num_samples
+        self.tokens: list[list[int]] = [[] for _ in range(self.n_rows)]
+        self.text = [""] * self.n_rows
+        self.done: dict[int, str] = {}
+        self.head = 0  # the next sample to print; its text goes out as it arrives
+        self.many_prompts = len(ids) > 1 or args.prompts_file is not None
+
+    def header(self, k: int) -> None:
+        if (self.n_rows > 1 or self.many_prompts) and not self.args.json:
+            i, j = divmod(k, self.num_samples)
+            label = (f"PROMPT {i + 1} SAMPLE {j + 1}: {_quoted(self.texts[i])}" if self.many_prompts
+                     else f"SAMPLE {k + 1}")
+            print(f"{'=' * 40} {label} {'=' * 40}")
+
+    def finish(self, k: int) -> None:
+        if self.args.json:
+            i, j = divmod(k, self.num_samples)
+            print(json.dumps({"prompt_index": i, "sample_index": j, "prompt": self.texts[i],
+                              "prompt_tokens": self.ids[i], "tokens": self.tokens[k], "text": self.text[k],
+                              "finish_reason": self.done[k]}), flush=True)
+        else:
+            print(flush=True)
+        self.args.warnings.release()  # the line has ended: warnings held meanwhile go out now
+
+    def take(self, step) -> None:
+        """One step's tokens and text: print what belongs to the head, and move on past finished ones."""
+        for k, t in step.tokens.items():
+            self.tokens[k].append(t)
+        for k, piece in step.text.items():
+            self.text[k] += piece
+            if k == self.head and piece and not self.args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        self.done.update(step.finished)
+        while self.head in self.done:
+            self.finish(self.head)
+            self.head += 1
+            if self.head < self.n_rows:
+                self.header(self.head)
+                if not self.args.json and self.text[self.head]:
+                    sys.stdout.write(self.text[self.head])  # buffered while an earlier sample was printing
+                    sys.stdout.flush()
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -23,8 +23,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ImportError:
             raise CLIError(f"gpt2kit serve needs FastAPI, uvicorn and prometheus_client ({module} is missing): "
                            f"pip install 'gpt2kit[serve]'") from None
-    from gpt2kit.serve import serve
     from gpt2kit.serve.auth import resolve_api_key
+    from gpt2kit.serve.runner import serve
 
     values = field_values(args, args.serve_fields)
     ServeOptions(**values)  # bad values fail before anything is read or loaded

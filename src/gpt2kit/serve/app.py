@@ -1,13 +1,14 @@
 """The HTTP layer: FastAPI routes and the ASGI middleware (API key, request counter; the body's
 size and deadline in serve/gate.py) over the server's state (serve/server.py: the model and its
 engine loop, a worker thread, so the event loop never waits on the model). What /v1/completions
-computes is serve/completions.py, what /v1/chat/completions adds serve/chat.py; log-probs are
-formatted in serve/logprobs.py.
+computes is serve/completions.py, what /v1/chat/completions adds serve/chat.py (its template
+serve/template.py); log-probs are formatted in serve/logprobs.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import json
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 import gpt2kit.serve.chat as chat
 import gpt2kit.serve.schemas as S
+import gpt2kit.serve.template as template
 from gpt2kit.serve.completions import complete, plan, stream
 from gpt2kit.serve.errors import APIError, error_body, install
 from gpt2kit.serve.gate import Gate
@@ -100,6 +102,16 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
     app.state.server = server
     install(app)
 
+    _completion_routes(app, server)
+    _info_routes(app, server)
+    _token_routes(app, server)
+    app.openapi = functools.partial(_openapi, app, server)
+    app.add_middleware(Gate, server=server)  # inside _Guard: its answers are counted and need the key
+    app.add_middleware(_Guard, server=server)
+    return app
+
+
+def _completion_routes(app: FastAPI, server: Server) -> None:
     # exclude_unset: a choice's score (beam search) is in the response only where it was set
     @app.post("/v1/completions", response_model=S.Completion, response_model_exclude_unset=True,
               responses={**_STREAM_200, **_ERRORS})
@@ -116,13 +128,15 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
     async def chat_completions(body: S.ChatRequest, request: Request):
         server.require_ready()
         server.check_model(body.model)
-        prompt = chat.render(server.chat_template, body, server.tokenizer.eot_text)
+        prompt = template.render(server.chat_template, body, server.tokenizer.eot_text)
         job = plan(server, chat.completion_request(body, prompt), server.chat_stops)
         if body.stream:
             return StreamingResponse(chat.stream(server, job, request), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return chat.response(await complete(server, job, request))
 
+
+def _info_routes(app: FastAPI, server: Server) -> None:
     @app.get("/v1/models", response_model=S.ModelList, responses=_ERRORS)
     async def models():
         server.require_ready()
@@ -144,6 +158,8 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
     async def metrics():
         return PlainTextResponse(server.metrics.render().decode(), media_type="text/plain; version=0.0.4")
 
+
+def _token_routes(app: FastAPI, server: Server) -> None:
     @app.post("/tokenize", response_model=S.TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: S.TokenizeRequest):
         server.require_ready()
@@ -162,24 +178,20 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {n})", param="tokens")
         return {"prompt": server.tokenizer.decode(body.tokens), "pieces": [server.piece(t) for t in body.tokens]}
 
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            for item in schema.get("paths", {}).values():  # validation errors are 400 here, never 422
-                for op in item.values():
-                    op.get("responses", {}).pop("422", None)
-            for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
-            if not server.ready:  # the token ids' bound comes with the model: this document is not the last
-                return schema
-            _token_id_bounds(schema.get("components", {}).get("schemas", {}), server)
-            app.openapi_schema = schema
-        return app.openapi_schema
 
-    app.openapi = openapi
-    app.add_middleware(Gate, server=server)  # inside _Guard: its answers are counted and need the key
-    app.add_middleware(_Guard, server=server)
-    return app
+def _openapi(app: FastAPI, server: Server) -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for item in schema.get("paths", {}).values():  # validation errors are 400 here, never 422
+            for op in item.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        if not server.ready:  # the token ids' bound comes with the model: this document is not the last
+            return schema
+        _token_id_bounds(schema.get("components", {}).get("schemas", {}), server)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _card(server: Server) -> dict:

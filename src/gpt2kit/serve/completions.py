@@ -1,6 +1,6 @@
 """/v1/completions: planning a request (checks, rows, admission), accounting for its rows' events
-(rows, work tokens, latency metrics) and building its response, whole or as server-sent events,
-with one builder for both (:class:`Response`).
+(rows, work tokens, latency metrics) and answering it, whole or as server-sent events, with one
+builder for both (serve/response.py); the request's state is serve/job.py's Job.
 
 A request whose client goes away has its rows cancelled, and the engine drops them at its next
 step. Admission is bounded: at most max_batch rows run and max_queue wait; a request that would
@@ -17,68 +17,24 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import gpt2kit.serve.schemas as S
 import gpt2kit.serve.search as search
 from gpt2kit.serve.errors import APIError, error_body
+from gpt2kit.serve.job import Choice, Job
 from gpt2kit.serve.lifecycle import DISCONNECTED, SHUTDOWN
 from gpt2kit.serve.limits import check_work, logit_bias_ids, request_share, work_tokens
-from gpt2kit.serve.logprobs import Offsets, logprobs_obj, prompt_logprobs
+from gpt2kit.serve.logprobs import prompt_logprobs
+from gpt2kit.serve.response import Response, choice_obj, usage
 
 if TYPE_CHECKING:
-    import concurrent.futures
-
     from fastapi import Request
 
-    from gpt2kit.engine import Row, RowEvent
-    from gpt2kit.engine.beam import Beam
+    from gpt2kit.engine import RowEvent
     from gpt2kit.serve.server import Server
-    from gpt2kit.tokenizer import Tokenizer
 
 log = logging.getLogger("gpt2kit.serve")
-
-
-@dataclass(eq=False)
-class Choice:
-    prompt_index: int
-    sample_index: int
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[float | None] = field(default_factory=list)
-    tops: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
-    finish_reason: str | None = None
-    last: float = 0.0  # time of the last token (per-token latency)
-
-    def mean_logprob(self) -> float:
-        return sum(self.logprobs) / max(len(self.logprobs), 1)
-
-
-@dataclass(eq=False)
-class Job:
-    """One request's state; its rows' events arrive on `queue` (RowEvent, or a lifecycle sentinel)."""
-
-    id: str
-    created: int
-    arrived: float
-    prompts: list[list[int]]
-    prompt_texts: list[str]
-    body: S.CompletionRequest
-    n: int
-    best_of: int
-    queue: asyncio.Queue
-    rows: list[Row] = field(default_factory=list)
-    choices: dict[Row, Choice] = field(default_factory=dict)
-    pending: set = field(default_factory=set)
-    first_token: bool = False
-    watcher: asyncio.Task | None = None  # waits for the client to disconnect (serve/lifecycle.py)
-    work: int = 0  # tokens of work it holds against the server's limit (gpt2kit.serve.limits)
-    scoring: int = 0  # of which prompt tokens still to score for echo log-probs
-    # beam or contrastive search (serve/search.py): each prompt's result, and a contrastive job
-    found: dict[int, list[Beam]] = field(default_factory=dict)
-    side: concurrent.futures.Future | None = None
-    side_rows: int = 0  # rows the contrastive job holds against the server's limit
 
 
 # --- planning ---------------------------------------------------------------------------------
@@ -313,54 +269,6 @@ async def echo_logprobs(server: Server, job: Job, request: Request) -> list[tupl
     return out
 
 
-def usage(job: Job) -> dict:
-    prompt = sum(map(len, job.prompts))
-    done = sum(len(c.tokens) for c in job.choices.values())
-    done += sum(len(b.tokens) for beams in job.found.values() for b in beams)
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
-
-
-# --- the response -----------------------------------------------------------------------------
-
-
-class Response:
-    """The completion's parts, for the whole response and for each streamed chunk alike: a choice
-    begins with its prompt (echoed text, its log-probs), its tokens' log-probs continue the same
-    text offsets, and every object has the same envelope."""
-
-    def __init__(self, tokenizer: Tokenizer, job: Job, prompt_lp: list[tuple[list, list]] | None) -> None:
-        self.tok, self.job, self.prompt_lp = tokenizer, job, prompt_lp
-        self.offsets: dict[object, Offsets] = {}
-
-    def begin(self, key: object, i: int) -> tuple[str, dict | None]:
-        """Choice `key` of prompt i begins: its echoed text ('' without echo) and, with echo and
-        logprobs, the prompt's logprobs object; its offsets then start past the prompt."""
-        body, off = self.job.body, Offsets(self.tok)
-        self.offsets[key] = off
-        text = self.job.prompt_texts[i] if body.echo else ""
-        if body.logprobs is not None and body.echo:
-            return text, logprobs_obj(self.tok, self.job.prompts[i], *self.prompt_lp[i], off)
-        for t in self.job.prompts[i]:
-            off.feed(t)
-        return text, None
-
-    def tokens(self, key: object, tokens, lps, tops, before: dict | None = None) -> dict | None:
-        """The logprobs object of choice `key`'s tokens (None without logprobs), after `before`."""
-        if self.job.body.logprobs is None:
-            return before
-        lp = logprobs_obj(self.tok, tokens, lps, tops, self.offsets[key])
-        return lp if before is None else {k: before[k] + lp[k] for k in lp}
-
-    def envelope(self, choices: list[dict]) -> dict[str, Any]:
-        job = self.job
-        return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.body.model,
-                "choices": choices}
-
-
-def _choice(text: str, index: int, lp: dict | None, finish_reason: str | None) -> dict:
-    return {"text": text, "index": index, "logprobs": lp, "finish_reason": finish_reason}
-
-
 async def complete(server: Server, job: Job, request: Request) -> dict:
     try:
         prompt_lp = await echo_logprobs(server, job, request)
@@ -386,7 +294,7 @@ def _choices(job: Job, out: Response) -> list[dict]:
         for rank, c in enumerate(mine):
             text, lp = out.begin(c, i)
             lp = out.tokens(c, c.tokens, c.logprobs, c.tops, lp)
-            choices.append(_choice(text + c.text, i * job.n + rank, lp, c.finish_reason))
+            choices.append(choice_obj(text + c.text, i * job.n + rank, lp, c.finish_reason))
     return choices
 
 
@@ -416,13 +324,13 @@ async def stream_objects(server: Server, job: Job, request: Request) -> AsyncIte
             for j in range(job.n):
                 text, lp = out.begin((i, j), i)
                 if body.echo:
-                    yield chunk(out, [_choice(text, i * job.n + j, lp, None if job.rows else "length")])
+                    yield chunk(out, [choice_obj(text, i * job.n + j, lp, None if job.rows else "length")])
         while job.pending:
             ev = await next_event(server, job, request)
             c = job.choices[ev.row]
             lp = out.tokens((c.prompt_index, c.sample_index), [ev.token], [ev.logprob], [ev.top_logprobs])
             if ev.text or lp is not None or ev.finish_reason:
-                yield chunk(out, [_choice(ev.text, c.prompt_index * job.n + c.sample_index, lp, ev.finish_reason)])
+                yield chunk(out, [choice_obj(ev.text, c.prompt_index * job.n + c.sample_index, lp, ev.finish_reason)])
         if include_usage:
             yield chunk(out, [], usage(job))
     except APIError as e:

@@ -7,8 +7,8 @@ heaptrack for what stayed allocated):
 
 - **oneDNN's compiled products.** Every prepacked product (gpt2kit.decode.packed) compiles a
   kernel and a descriptor for each row count it runs, and two caches (oneDNN's primitive cache
-  and ideep's descriptor cache, 1,024 entries each by default) keep them: ~1.4 MiB per row count
-  and product for GPT-2 124M. Prompt chunks and scored texts bring new row counts for a long
+  and ideep's descriptor cache, 1,024 entries each by default) keep them, an entry pair per row count
+  and product (its size in docs/serving.md). Prompt chunks and scored texts bring new row counts for a long
   time. ``bound_kernel_caches`` caps both (decode.packed.bound_caches) before the model's first
   oneDNN call.
 - **Freed heap memory not given back.** glibc raises its mmap threshold after a large block is
@@ -16,9 +16,9 @@ heaptrack for what stayed allocated):
   whole prompt, the prefix cache's keys and values) then come from the heap, which fragments and
   keeps its pages. ``HeapTrim`` hands free pages back (``malloc_trim(0)``) once the engine has had
   no work for half a second (EngineLoop's tidy_after), and at most every ``every`` seconds while it
-  stays busy: ~20 ms a call for a 124M server, about one decode step. Fixing the threshold instead
-  (``MALLOC_MMAP_THRESHOLD_=131072``) also kept it level but cost 9% of the 8-client throughput
-  (page faults on every large block).
+  stays busy (a call's cost in docs/serving.md). Fixing the threshold instead
+  (``MALLOC_MMAP_THRESHOLD_=131072``) also kept it level but cost throughput (page faults on every
+  large block).
 
 Neither changes a number the server computes.
 """

@@ -39,7 +39,7 @@ class ServeOptions:
     api_key: str | None = _setting(
         None, "require 'Authorization: Bearer KEY' (all but /health); visible in the process list: prefer "
               "--api-key-file or $GPT2KIT_API_KEY", metavar="KEY")
-    # the template's text (Jinja2), or None: the model's own, else serve/chat.py's DEFAULT_TEMPLATE
+    # the template's text (Jinja2), or None: the model's own, else serve/template.py's DEFAULT_TEMPLATE
     chat_template: str | None = _setting(None, "a Jinja2 template over `messages` for /v1/chat/completions (default: "
                                                "the model directory's own, else a plain User:/Assistant: transcript)")
     max_body_bytes: int = _setting(1 << 20, "a request body's size at most, else 413 (default 1 MiB)",

@@ -1,4 +1,5 @@
-"""Running the app under uvicorn: connection timeouts, the graceful shutdown and the ready line.
+"""Running the app under uvicorn: serve() (load a checkpoint, serve it until interrupted), connection
+timeouts, the graceful shutdown and the ready line.
 
 - Timeouts: uvicorn's keep-alive timeout (ServeOptions.keep_alive_timeout) closes a connection
   idle after a response; its h11 protocol is extended with a deadline on request heads
@@ -19,6 +20,8 @@ import copy
 import json
 import logging
 import signal
+import socket
+import sys
 import time
 
 import h11
@@ -26,7 +29,13 @@ import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from gpt2kit.checkpoint import load_model, load_tokenizer
+from gpt2kit.config import check_scheme
+from gpt2kit.quant.gate import gate_activations
+from gpt2kit.quant.modules import quantize_model
+from gpt2kit.serve.app import create_app
 from gpt2kit.serve.errors import error_body
+from gpt2kit.serve.options import ServeOptions
 
 log = logging.getLogger("gpt2kit.serve")
 
@@ -44,6 +53,43 @@ def make_server(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: st
                             http=_timed_h11(opts.read_timeout), timeout_keep_alive=opts.keep_alive_timeout,
                             timeout_graceful_shutdown=_AFTER_ABORT)
     return GracefulServer(config)
+
+
+
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
+          device: str | None = None, opts: ServeOptions | None = None, log_level: str = "info",
+          sock: socket.socket | None = None, quantize: str | None = None, adapter: str | None = None,
+          gate_data: str | None = None) -> None:
+    """Load checkpoint `model` (in the background: /health answers 503 until it is ready) and serve
+    it until interrupted (SIGTERM/SIGINT: a drain of opts.shutdown_grace seconds, docs/serving.md).
+    A model that fails to load stops the server and raises here. quantize: "int8" quantizes the
+    loaded weights (gpt2kit.quant.modules, LM head included; docs/quantization.md); adapter: a LoRA adapter
+    directory (peft's format) merged into the weights first; gate_data: held-out text on which the
+    int8 model must pass the int8-activation quality gate (gpt2kit.quant.gate), then served with int8
+    activations (a model that fails it does not load)."""
+    if quantize is not None:
+        check_scheme(quantize)  # an unknown scheme fails before the server starts
+
+    def loader():
+        m = load_model(model, dtype=dtype, device=device, adapter=adapter)
+        if quantize is not None:
+            m = quantize_model(m, quantize)
+        tokenizer = load_tokenizer(model)
+        if gate_data is not None:
+            print(f"gpt2kit serve: {gate_activations(m, tokenizer, gate_data)}", file=sys.stderr, flush=True)
+        return m, tokenizer
+
+    app = create_app(loader, opts)
+    server = make_server(app, host=host, port=port, log_level=log_level)
+
+    def failed(exc: BaseException) -> None:
+        server.should_exit = True
+
+    app.state.server.on_load_error = failed
+    server.run(sockets=[sock] if sock is not None else None)
+    err = app.state.server.load_error
+    if err is not None:
+        raise err
 
 
 class GracefulServer(uvicorn.Server):

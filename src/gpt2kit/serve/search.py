@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     import gpt2kit.serve.schemas as S
     from gpt2kit.engine import Row, RowEvent
     from gpt2kit.sampling import SamplingSettings
-    from gpt2kit.serve.completions import Job, Response
+    from gpt2kit.serve.job import Job
+    from gpt2kit.serve.response import Response
     from gpt2kit.serve.server import Server
 
 log = logging.getLogger("gpt2kit.serve")

@@ -20,6 +20,7 @@ from gpt2kit.serve.errors import APIError
 from gpt2kit.serve.lifecycle import Lifecycle
 from gpt2kit.serve.memory import HeapTrim, bound_kernel_caches
 from gpt2kit.serve.metrics import Metrics
+from gpt2kit.serve.template import resolve as resolve_template
 
 if TYPE_CHECKING:
     from gpt2kit.engine import EngineLoop, Row, RowEvent
@@ -38,7 +39,7 @@ class Server:
         bound_kernel_caches(opts)  # before the model's first oneDNN call (gpt2kit.serve.memory)
         self.model: GPT2 | None = None
         self.tokenizer: Tokenizer | None = None
-        self.chat_template: str | None = None  # /v1/chat/completions' template and its stops (serve/chat.py)
+        self.chat_template: str | None = None  # /v1/chat/completions' template and its stops (serve/template.py)
         self.chat_stops: tuple[str, ...] = ()
         self.engine_loop: EngineLoop | None = None
         self.ready = False
@@ -64,7 +65,6 @@ class Server:
         threading.Thread(target=self._load, name="gpt2kit-load", daemon=True).start()
 
     def _load(self) -> None:
-        import gpt2kit.serve.chat as chat
         from gpt2kit.engine import EngineLoop
         from gpt2kit.engine.routing import serve_engine
 
@@ -77,7 +77,7 @@ class Server:
                                   prefill_chunk=o.prefill_chunk, prefill_idle_budget=o.prefill_idle_budget)
             self.engine_loop = EngineLoop(engine, self._on_events, self._on_error,
                                           admission_window=o.admission_window, tidy=HeapTrim()).start()
-            self.chat_template, self.chat_stops, source = chat.resolve(o.chat_template, tokenizer)
+            self.chat_template, self.chat_stops, source = resolve_template(o.chat_template, tokenizer)
             log.info("chat template: %s", source)
             self.model, self.tokenizer = model, tokenizer
             self.ready = True

@@ -125,55 +125,13 @@ class _Recorder:
 
     def __enter__(self) -> _Recorder:
         m, w, out = self.model, self.what, self.out
-        nh = m.config.n_head
         L = m.config.n_layer
-
-        def heads(t: torch.Tensor) -> torch.Tensor:  # (1, T, C) -> (nh, T, hs)
-            T, C = t.shape[1], t.shape[2]
-            return t[0].reshape(T, nh, C // nh).transpose(0, 1).contiguous()
-
         if "embed" in w:
             self._hook(m.wte, lambda mod, a, o: out.__setitem__("embed.tok", o[0].detach()))
             self._hook(m.wpe, lambda mod, a, o: out.__setitem__("embed.pos", o.reshape(-1, o.shape[-1]).detach()))
         self._hook(m.drop, lambda mod, a, o: out.__setitem__("resid.0", o[0].detach()))
         for i in self.layers:
-            blk, p = m.h[i], f"h.{i}."
-            if "ln" in w:
-                self._hook(blk.ln_1, lambda mod, a, o, p=p: out.__setitem__(p + "ln_1", o[0].detach()))
-
-            def on_c_attn(mod, a, o, p=p):
-                q, k, v = (heads(t) for t in o.detach().chunk(3, dim=-1))  # 3 x (nh, T, hs)
-                if "qkv" in w:
-                    out[p + "attn.q"], out[p + "attn.k"], out[p + "attn.v"] = q, k, v
-                if "scores" in w or "probs" in w:  # now, so q and k need not outlive their block
-                    scores, probs = attention_from_qk(q, k)
-                    if "scores" in w:
-                        out[p + "attn.scores"] = scores
-                    if "probs" in w:
-                        out[p + "attn.probs"] = probs
-
-            def on_c_proj(mod, a, o, p=p):
-                out[p + "attn.z"] = heads(a[0].detach())  # the per-head weighted values, merged for c_proj
-                out[p + "attn.out"] = o[0].detach()
-
-            def on_ln_2(mod, a, o, p=p):
-                out[p + "resid_mid"] = a[0][0].detach()  # ln_2's input is H' = H + A
-                out[p + "ln_2"] = o[0].detach()
-
-            def on_mlp_proj(mod, a, o, p=p):
-                out[p + "mlp.post"] = a[0][0].detach()  # c_proj's input is GELU(c_fc(x))
-                out[p + "mlp.out"] = o[0].detach()
-
-            if w & {"qkv", "scores", "probs"}:
-                self._hook(blk.attn.c_attn, on_c_attn)
-            if w & {"z", "attn_out"}:
-                self._hook(blk.attn.c_proj, on_c_proj)
-            if w & {"resid", "ln"}:
-                self._hook(blk.ln_2, on_ln_2)
-            if "mlp_pre" in w:
-                self._hook(blk.mlp.c_fc, lambda mod, a, o, p=p: out.__setitem__(p + "mlp.pre", o[0].detach()))
-            if w & {"mlp_post", "mlp_out"}:
-                self._hook(blk.mlp.c_proj, on_mlp_proj)
+            self._hook_block(i)
         for i in range(L):
             if i in self.layers or i == L - 1:
                 self._hook(m.h[i], lambda mod, a, o, i=i: out.__setitem__(f"resid.{i + 1}", o[0].detach()))
@@ -183,6 +141,57 @@ class _Recorder:
 
         self._hook(m.ln_f, on_ln_f)
         return self
+
+    def _hook_block(self, i: int) -> None:
+        """The hooks inside block i for what was asked."""
+        w, out = self.what, self.out
+        blk, p = self.model.h[i], f"h.{i}."
+        if "ln" in w:
+            self._hook(blk.ln_1, lambda mod, a, o: out.__setitem__(p + "ln_1", o[0].detach()))
+        self._hook_attention(blk.attn, p)
+
+        def on_ln_2(mod, a, o):
+            out[p + "resid_mid"] = a[0][0].detach()  # ln_2's input is H' = H + A
+            out[p + "ln_2"] = o[0].detach()
+
+        def on_mlp_proj(mod, a, o):
+            out[p + "mlp.post"] = a[0][0].detach()  # c_proj's input is GELU(c_fc(x))
+            out[p + "mlp.out"] = o[0].detach()
+
+        if w & {"resid", "ln"}:
+            self._hook(blk.ln_2, on_ln_2)
+        if "mlp_pre" in w:
+            self._hook(blk.mlp.c_fc, lambda mod, a, o: out.__setitem__(p + "mlp.pre", o[0].detach()))
+        if w & {"mlp_post", "mlp_out"}:
+            self._hook(blk.mlp.c_proj, on_mlp_proj)
+
+    def _hook_attention(self, attn, p: str) -> None:
+        w, out = self.what, self.out
+        nh = self.model.config.n_head
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (1, T, C) -> (nh, T, hs)
+            T, C = t.shape[1], t.shape[2]
+            return t[0].reshape(T, nh, C // nh).transpose(0, 1).contiguous()
+
+        def on_c_attn(mod, a, o):
+            q, k, v = (heads(t) for t in o.detach().chunk(3, dim=-1))  # 3 x (nh, T, hs)
+            if "qkv" in w:
+                out[p + "attn.q"], out[p + "attn.k"], out[p + "attn.v"] = q, k, v
+            if "scores" in w or "probs" in w:  # now, so q and k need not outlive their block
+                scores, probs = attention_from_qk(q, k)
+                if "scores" in w:
+                    out[p + "attn.scores"] = scores
+                if "probs" in w:
+                    out[p + "attn.probs"] = probs
+
+        def on_c_proj(mod, a, o):
+            out[p + "attn.z"] = heads(a[0].detach())  # the per-head weighted values, merged for c_proj
+            out[p + "attn.out"] = o[0].detach()
+
+        if w & {"qkv", "scores", "probs"}:
+            self._hook(attn.c_attn, on_c_attn)
+        if w & {"z", "attn_out"}:
+            self._hook(attn.c_proj, on_c_proj)
 
     def __exit__(self, *exc) -> None:
         for h in self.handles:

@@ -79,7 +79,7 @@ def lens_logits(tr, layer: int) -> torch.Tensor:
     return unembed(tr.model, tr.model.ln_f(tr[f"resid.{layer}"]))
 
 
-# Rows of lens logits per product: a (rows, V) float32 block and its scratch, at most ~256 MB each,
+# Rows of lens logits per product: a (rows, V) float32 block and its scratch, at most 2**28 bytes each,
 # so the products stay large (fewer passes over wte) while memory stays bounded for long inputs.
 _LENS_BLOCK_BYTES = 2**28
 

@@ -303,14 +303,7 @@ def build_run(cfg: TrainConfig, d: Dist) -> tuple[Run, bool]:
         torch.backends.cudnn.allow_tf32 = True
 
     # What runs forward: the model with the fused chunked loss (no (B, T, V) logits; gpt2kit.train.loss).
-    teacher = None
-    if cfg.distill_from is not None:
-        teacher = distill.load_teacher(cfg.distill_from, _fine_tune_source(cfg.distill_from), raw.config,
-                                       cfg.seq_len, cfg.distill_dtype, d.device)
-        log(f"distilling from {cfg.distill_from} ({teacher.num_parameters() / 1e6:.1f}M parameters, "
-            f"{cfg.distill_dtype}): targets {cfg.distill_weight:g} x its probabilities"
-            + (f" + {1 - cfg.distill_weight:g} x the data's tokens" if cfg.distill_weight < 1 else ""))
-    loss_model = TrainingLoss(raw, teacher=teacher, teacher_weight=cfg.distill_weight)
+    loss_model = _loss_model(cfg, raw, d)
     if cfg.fsdp:
         fsdp.shard(loss_model)  # before the optimizer: it takes the sharded parameters
     optimizer = _make_optimizer(raw, cfg)
@@ -321,11 +314,7 @@ def build_run(cfg: TrainConfig, d: Dist) -> tuple[Run, bool]:
 
         model = DistributedDataParallel(fwd, device_ids=[d.device.index] if d.device.type == "cuda" else None)
     B, T, W = cfg.batch_size, cfg.seq_len, d.world_size
-    if cfg.sampling == "random":
-        train_loader = RandomWindowLoader(cfg.data, "train", batch_size=B, seq_len=T, seed=cfg.seed, rank=d.rank,
-                                          world_size=W)
-    else:
-        train_loader = ShardLoader(cfg.data, "train", batch_size=B, seq_len=T, rank=d.rank, world_size=W)
+    train_loader = _train_loader(cfg, d)
     val_loader, eval_batches = _val_loader(cfg, d)
     train_loader, val_loader = with_masks(train_loader), with_masks(val_loader)  # prompt/completion loss masks
     for loader in (train_loader, val_loader):
@@ -334,32 +323,58 @@ def build_run(cfg: TrainConfig, d: Dist) -> tuple[Run, bool]:
     run = Run(cfg, d, raw, model, fwd, optimizer, train_loader, val_loader, eval_batches, accum,
               _autocast(cfg, d.device), out)
     if ckpt is not None:
-        if cfg.fsdp:
-            fsdp.load_sharded(loss_model, optimizer, out, ckpt["sharded"])
-        else:
-            optimizer.load_state_dict(ckpt["optimizer"])
-            _match_param_layout(optimizer)
-        train_loader.load_state_dict(ckpt["loader"])
-        run.step = int(ckpt["step"])
-        run.sharded = ckpt.get("sharded")
-        # written before checkpoints said it: the output, if there is one, was written with the checkpoint
-        legacy = run.step if finetune.output_written(out, cfg) else None
-        run.output_step = ckpt.get("output_step", legacy)
-        if cfg.max_steps < run.step:
-            raise ValueError(f"--max-steps {cfg.max_steps} is below the step {out / CHECKPOINT_NAME} is at "
-                             f"({run.step}); a run cannot go back: pass --max-steps above {run.step} to extend it")
-        rngs = ckpt["rng"]
-        if len(rngs) == W:
-            set_rng_state(rngs[d.rank], d.device)
-        else:
-            log(f"warning: the checkpoint was written by {len(rngs)} ranks, this run has {W}: "
-                f"dropout masks will differ from an uninterrupted run")
-        log(f"resuming {out / CHECKPOINT_NAME} at step {run.step}")
+        _restore(run, ckpt, loss_model)
         del ckpt
     log(f"{W} x {B} x {T} tokens x {accum} micro-steps = {cfg.total_batch_tokens:,} tokens per step, "
         f"{cfg.max_steps} steps, {cfg.dtype} on {d.device}"
         + (f" (Muon's Newton-Schulz in {cfg.muon_dtype})" if cfg.muon_dtype else ""))
     return run, run.step == 0 and not cfg.resume
+
+
+def _loss_model(cfg: TrainConfig, raw: GPT2, d: Dist) -> TrainingLoss:
+    teacher = None
+    if cfg.distill_from is not None:
+        teacher = distill.load_teacher(cfg.distill_from, _fine_tune_source(cfg.distill_from), raw.config,
+                                       cfg.seq_len, cfg.distill_dtype, d.device)
+        d.print0(f"distilling from {cfg.distill_from} ({teacher.num_parameters() / 1e6:.1f}M parameters, "
+                 f"{cfg.distill_dtype}): targets {cfg.distill_weight:g} x its probabilities"
+                 + (f" + {1 - cfg.distill_weight:g} x the data's tokens" if cfg.distill_weight < 1 else ""))
+    return TrainingLoss(raw, teacher=teacher, teacher_weight=cfg.distill_weight)
+
+
+def _train_loader(cfg: TrainConfig, d: Dist) -> RandomWindowLoader | ShardLoader:
+    B, T, W = cfg.batch_size, cfg.seq_len, d.world_size
+    if cfg.sampling == "random":
+        return RandomWindowLoader(cfg.data, "train", batch_size=B, seq_len=T, seed=cfg.seed, rank=d.rank,
+                                  world_size=W)
+    return ShardLoader(cfg.data, "train", batch_size=B, seq_len=T, rank=d.rank, world_size=W)
+
+
+def _restore(run: Run, ckpt: dict[str, Any], loss_model: TrainingLoss) -> None:
+    """The optimizer, data position, step and RNG states of the run OUT/checkpoint.pt holds."""
+    cfg, d, out = run.cfg, run.dist, run.out
+    log, W = d.print0, d.world_size
+    if cfg.fsdp:
+        fsdp.load_sharded(loss_model, run.optimizer, out, ckpt["sharded"])
+    else:
+        run.optimizer.load_state_dict(ckpt["optimizer"])
+        _match_param_layout(run.optimizer)
+    run.train_loader.load_state_dict(ckpt["loader"])
+    run.step = int(ckpt["step"])
+    run.sharded = ckpt.get("sharded")
+    # written before checkpoints said it: the output, if there is one, was written with the checkpoint
+    legacy = run.step if finetune.output_written(out, cfg) else None
+    run.output_step = ckpt.get("output_step", legacy)
+    if cfg.max_steps < run.step:
+        raise ValueError(f"--max-steps {cfg.max_steps} is below the step {out / CHECKPOINT_NAME} is at "
+                         f"({run.step}); a run cannot go back: pass --max-steps above {run.step} to extend it")
+    rngs = ckpt["rng"]
+    if len(rngs) == W:
+        set_rng_state(rngs[d.rank], d.device)
+    else:
+        log(f"warning: the checkpoint was written by {len(rngs)} ranks, this run has {W}: "
+            f"dropout masks will differ from an uninterrupted run")
+    log(f"resuming {out / CHECKPOINT_NAME} at step {run.step}")
 
 
 def _val_loader(cfg: TrainConfig, d: Dist) -> tuple[ShardLoader | None, int]:

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpt2kit.config import DTYPE_NAMES, PRESETS
+from gpt2kit.config import DTYPE_NAMES, LORA_BIASES, PRESETS
 from gpt2kit.validate import check_choice, check_int, check_number
 
 OPTIMIZERS = ("adamw", "muon")
@@ -22,7 +22,6 @@ SAMPLINGS = ("random", "sequential")
 TRAIN_DTYPES = ("float32", "bfloat16")  # canonical names (float16 would need loss scaling and gains nothing)
 ARCH_OVERRIDES = ("n_layer", "n_embd", "n_head", "n_ctx")
 LORA_TARGETS = "c_attn,attn.c_proj,c_fc,mlp.c_proj"
-LORA_BIASES = ("none", "all", "lora_only")  # peft's LoraConfig.bias (gpt2kit.lora.BIASES; no torch here)
 
 
 def _setting(default: Any, help: str, **cli: Any) -> Any:
@@ -125,6 +124,23 @@ class TrainConfig:
                                    default_text="none")
 
     def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_optimizer()
+        self._check_lora()
+        for name in ("freeze", "train_only", "lora_targets"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip(" ,")):
+                raise ValueError(f"TrainConfig.{name} must be a non-empty comma list, got {value!r}")
+        self._check_distill()
+        if self.dropout is not None:
+            check_number("TrainConfig.dropout", self.dropout, "in [0, 1)", lambda v: 0 <= v < 1)
+        for name in ("dtype", "muon_dtype"):
+            self._canonical_dtype(name)
+        if self.total_batch_tokens is not None and self.seq_len is not None:
+            if self.total_batch_tokens % (self.batch_size * self.seq_len):
+                raise ValueError(batch_message(self.total_batch_tokens, self.batch_size, self.seq_len, 1))
+
+    def _check_counts(self) -> None:
         for name in ("data", "out", "model"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"TrainConfig.{name} must be a non-empty string, got {getattr(self, name)!r}")
@@ -135,6 +151,8 @@ class TrainConfig:
         for name in ("eval_every", "save_every", "seed", "warmup_steps", "stop_at"):
             if getattr(self, name) is not None:
                 check_int(f"TrainConfig.{name}", getattr(self, name), ">= 0", lambda v: v >= 0)
+
+    def _check_optimizer(self) -> None:
         for name in ("lr", "muon_lr"):
             check_number(f"TrainConfig.{name}", getattr(self, name), "> 0", lambda v: v > 0)
         if self.optimizer is not None:
@@ -147,6 +165,8 @@ class TrainConfig:
             check_number("TrainConfig.min_lr", self.min_lr, f"in [0, lr={self.lr}]", lambda v: 0 <= v <= self.lr)
         for name in ("weight_decay", "grad_clip"):
             check_number(f"TrainConfig.{name}", getattr(self, name), ">= 0", lambda v: v >= 0)
+
+    def _check_lora(self) -> None:
         if self.lora_rank is not None:
             check_int("TrainConfig.lora_rank", self.lora_rank, ">= 1", lambda v: v >= 1)
             if self.freeze is not None or self.train_only is not None:
@@ -164,18 +184,6 @@ class TrainConfig:
         if self.lora_alpha is not None:
             check_number("TrainConfig.lora_alpha", self.lora_alpha, "> 0", lambda v: v > 0)
         check_number("TrainConfig.lora_dropout", self.lora_dropout, "in [0, 1)", lambda v: 0 <= v < 1)
-        for name in ("freeze", "train_only", "lora_targets"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.strip(" ,")):
-                raise ValueError(f"TrainConfig.{name} must be a non-empty comma list, got {value!r}")
-        self._check_distill()
-        if self.dropout is not None:
-            check_number("TrainConfig.dropout", self.dropout, "in [0, 1)", lambda v: 0 <= v < 1)
-        for name in ("dtype", "muon_dtype"):
-            self._canonical_dtype(name)
-        if self.total_batch_tokens is not None and self.seq_len is not None:
-            if self.total_batch_tokens % (self.batch_size * self.seq_len):
-                raise ValueError(batch_message(self.total_batch_tokens, self.batch_size, self.seq_len, 1))
 
     def _canonical_dtype(self, name: str) -> None:
         """dtype / muon_dtype by their canonical names (bf16 -> bfloat16); None (not yet resolved) stays."""

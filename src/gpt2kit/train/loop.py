@@ -73,14 +73,6 @@ class TrainResult:
     out: Path
 
 
-def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int,
-                  schedule: str = "cosine") -> float:
-    """The rate for 0-based step `step`: linear warmup to lr over warmup_steps, then the schedule
-    (cosine, or wsd's flat stretch and linear decay; gpt2kit.train.optim.lr_factor) to min_lr at max_steps."""
-    return lr * lr_factor(step, schedule=schedule, warmup_steps=warmup_steps, max_steps=max_steps,
-                          min_lr_ratio=min_lr / lr)
-
-
 def resume_config(out: str | os.PathLike[str], **changes: Any) -> TrainConfig:
     """The TrainConfig saved in OUT/checkpoint.pt, with `changes` applied and resume=True.
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt2kit._io import atomic_write
+from gpt2kit.progress import clock
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
@@ -246,9 +247,3 @@ class Reporter:
 
 def _mfu(rec: dict[str, Any]) -> str:
     return f" (MFU {rec['mfu']:.1%})" if "mfu" in rec else ""
-
-
-def clock(seconds: float) -> str:
-    """H:MM:SS."""
-    s = int(round(seconds))
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"

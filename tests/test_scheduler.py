@@ -1,6 +1,6 @@
-"""The engine under the server: rows that join a running batch mid-way, or run squeezed by
-max_batch, get exactly the tokens they get alone; cancelled rows leave at the next step; the
-log-probs it reports are the model's (full forward, float32, within 1e-5)."""
+"""The engine's scheduler, as the server and generate() run it: rows that join a running batch
+mid-way, or run squeezed by max_batch, get exactly the tokens they get alone; cancelled rows leave
+at the next step; the log-probs it reports are the model's (full forward, float32, within 1e-5)."""
 
 from __future__ import annotations
 
