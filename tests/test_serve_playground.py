@@ -73,6 +73,9 @@ class Page:
         self.page = self.context.new_page()
         self.requests: list = []
         self.page.on("request", lambda r: self.requests.append(r))
+        self.problems: list[str] = []  # script errors and console errors (a blocked script or style shows here)
+        self.page.on("pageerror", lambda e: self.problems.append(str(e)))
+        self.page.on("console", lambda m: m.type == "error" and self.problems.append(m.text))
         self.page.set_default_timeout(WAIT)
         self.page.goto(url + "/")
 
@@ -111,9 +114,10 @@ def test_the_page_is_served_self_contained_with_a_policy_that_allows_only_its_ow
     assert re.findall(r'(?:src|href)="([^"]*)"', html) == ["data:,"]
     assert not re.search(r"(?:https?:)?//[a-z0-9.-]+\.[a-z]{2,}", html.split("<script>")[1], re.I)
     csp = dict(d.strip().split(" ", 1) for d in r.headers["content-security-policy"].split(";"))
-    script = re.search(r"<script>(.*?)</script>", html, re.S).group(1)
-    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
-    assert csp["script-src"] == f"'sha256-{digest}'" and csp["connect-src"] == "'self'"
+    for tag in ("script", "style"):
+        block = re.search(rf"<{tag}>(.*?)</{tag}>", html, re.S).group(1)
+        assert csp[f"{tag}-src"] == f"'sha256-{base64.b64encode(hashlib.sha256(block.encode()).digest()).decode()}'"
+    assert csp["connect-src"] == "'self'"
     assert csp["default-src"] == "'none'"
     assert "/" not in httpx.get(server + "/openapi.json", timeout=60).json()["paths"]  # no API
 
@@ -144,7 +148,21 @@ def test_the_page_streams_a_completion_and_shows_each_tokens_log_prob_on_hover(p
         assert abs(shown - want["logprobs"]["token_logprobs"][k]) <= 1e-4
         for alt, lp in want["logprobs"]["top_logprobs"][k].items():
             assert f"{json.dumps(alt, ensure_ascii=False)}\t{lp:.4f}" in tip
-    assert page.outside() == []
+    border = page.page.eval_on_selector(".tok[data-lp]", "e => getComputedStyle(e).borderBottomStyle")
+    assert border == "solid"  # the page's style applies under its policy
+    assert page.outside() == [] and page.problems == []
+
+
+def test_the_page_streams_n_seeded_samples_as_the_api_gives_them(page, server, model_dir):
+    page.models_loaded()
+    page.settings(max_tokens=6, temperature=1, seed=7, n=2, logprobs="")
+    assert page.run() == "done"
+    want = httpx.post(server + "/v1/completions", timeout=60,
+                      json={"model": model_dir, "prompt": page.page.input_value("#prompt"), "max_tokens": 6,
+                            "seed": 7, "n": 2}).json()["choices"]
+    got = [page.page.get_attribute(f".choice[data-index='{i}']", "data-text") for i in range(2)]
+    assert got == [c["text"] for c in sorted(want, key=lambda c: c["index"])]
+    assert page.page.locator(".choice").count() == 2 and page.page.locator(".tok[data-lp]").count() == 0
 
 
 def test_an_api_error_is_shown_in_the_page(page):
@@ -170,7 +188,7 @@ def test_the_page_chats_and_keeps_the_conversation(page, server, model_dir):
                             "max_tokens": 6, "temperature": 0}).json()["choices"][0]["message"]["content"]
     assert page.page.get_attribute(".choice[data-index='0']", "data-text") == want
     assert page.page.locator("#transcript .msg").all_inner_texts() == ["user\nWhat is a cat?", f"assistant\n{want}"]
-    assert page.outside() == []
+    assert page.outside() == [] and page.problems == []
 
 
 def test_the_trace_command_shown_runs_and_writes_the_report(page, tmp_path):

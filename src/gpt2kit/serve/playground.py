@@ -3,7 +3,7 @@ calls this server's own API from the browser (completions and chat, streamed, wi
 
 The page holds no data, so it is served without the API key; it asks for the key and sends it on
 its API calls, which the key guards as always. Its Content-Security-Policy lets it reach this
-server only (connect-src 'self') and run only its own script (by hash), so nothing is fetched
+server only (connect-src 'self') and use only its own script and style (by hash), so nothing is fetched
 from elsewhere and nothing injected could run.
 """
 
@@ -25,11 +25,14 @@ PATH = "/"
 def _page() -> tuple[str, str]:
     """(the page, its Content-Security-Policy)."""
     html = resources.files("gpt2kit.serve").joinpath("assets", "playground.html").read_text(encoding="utf-8")
-    hashes = " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(s.encode()).digest()).decode()}'"
-                      for s in re.findall(r"<script>(.*?)</script>", html, flags=re.S))
-    csp = (f"default-src 'none'; script-src {hashes}; style-src 'unsafe-inline'; connect-src 'self'; "
-           "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    csp = (f"default-src 'none'; script-src {_hashes(html, 'script')}; style-src {_hashes(html, 'style')}; "
+           "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
     return html, csp
+
+
+def _hashes(html: str, tag: str) -> str:
+    return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(s.encode()).digest()).decode()}'"
+                    for s in re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.S))
 
 
 def install(app: FastAPI) -> None:
