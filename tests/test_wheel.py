@@ -132,7 +132,7 @@ def test_the_wheel_holds_every_file_of_the_package_and_the_metadata_pypi_shows(b
         entry_points = z.read(f"{info}/entry_points.txt").decode()
     package = {f.removeprefix("src/") for f in built.files if f.startswith("src/gpt2kit/")}
     for data in ("vocab/encoder.json", "vocab/vocab.bpe", "trace/assets/report.js", "decode/csrc/int8_linear.c",
-                 "decode/csrc/solo.h"):
+                 "decode/csrc/solo.h", "serve/assets/playground.html"):
         assert f"gpt2kit/{data}" in package  # the comparison below covers the data files
     assert {n for n in names if not n.startswith(info)} == package
     assert license_text == (ROOT / "LICENSE").read_bytes() and b"MIT License" in license_text
@@ -238,6 +238,9 @@ def test_the_installed_wheel_serves_a_completion(built):
         assert r.status_code == 200, r.text
         answer = r.json()
         assert answer["usage"]["completion_tokens"] == 4 and answer["choices"][0]["text"]
+        page = httpx.get(url + "/", timeout=TIMEOUT)  # the playground, from the wheel's own asset
+        assert page.status_code == 200
+        assert page.text == (ROOT / "src/gpt2kit/serve/assets/playground.html").read_text(encoding="utf-8")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

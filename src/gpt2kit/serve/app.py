@@ -2,7 +2,8 @@
 size and deadline in serve/gate.py) over the server's state (serve/server.py: the model and its
 engine loop, a worker thread, so the event loop never waits on the model). What /v1/completions
 computes is serve/completions.py, what /v1/chat/completions adds serve/chat.py (its template
-serve/template.py); log-probs are formatted in serve/logprobs.py.
+serve/template.py); log-probs are formatted in serve/logprobs.py. GET / is the playground page
+(serve/playground.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 import gpt2kit.serve.chat as chat
+import gpt2kit.serve.playground as playground
 import gpt2kit.serve.schemas as S
 import gpt2kit.serve.template as template
 from gpt2kit.serve.completions import complete, plan, stream
@@ -48,7 +50,7 @@ _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health"
 
 
 class _Guard:
-    """ASGI middleware: the API key (every path but /health), the body-size limit (413) and the
+    """ASGI middleware: the API key (every path but /health and the page at /), the body-size limit (413) and the
     request counter, before FastAPI sees the request."""
 
     def __init__(self, app, server: Server) -> None:
@@ -67,7 +69,7 @@ class _Guard:
 
         try:
             headers = dict(scope.get("headers") or [])
-            if opts.api_key is not None and path != "/health":
+            if opts.api_key is not None and path not in ("/health", playground.PATH):
                 got = headers.get(b"authorization", b"").decode("latin-1")
                 if not hmac.compare_digest(got.encode(), f"Bearer {opts.api_key}".encode()):
                     return await _send_error(send_counted, 401, "Incorrect or missing API key: send "
@@ -101,6 +103,7 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
                   description="OpenAI-compatible completions for GPT-2 checkpoints (gpt2kit serve)")
     app.state.server = server
     install(app)
+    playground.install(app)
 
     _completion_routes(app, server)
     _info_routes(app, server)
