@@ -1,0 +1,284 @@
+"""`gpt2kit explore`: the trace as a local web app, one page served on a loopback address.
+
+The page (assets/explore.html, .css, .js and the sampling code it shares with the static report)
+is served by the app itself and fetches nothing else, so it works offline. Its numbers come from
+gpt2kit.trace: the views are the trace's report (render_html) of the typed text, the block stepper
+reads the same Trace (gpt2kit.trace.stages), and generation runs the model with a KVCache, one
+token per step at the position the cache's length gives. One lock serialises every use of the
+model: the trace's hooks sit on the model's own modules while it records.
+
+Routes (JSON in and out; a bad value is a 400 naming it):
+  GET  /                 the page
+  GET  /api/info         the model's name and shape
+  POST /api/trace        {text} -> ids, tokens and the report's HTML
+  POST /api/stages       {text, layer, head, position, rows, cols} -> gpt2kit.trace.stages.block_stages
+  POST /api/gen/start    {text} -> a generation session: the last position's logits (float32, base64)
+  POST /api/gen/append   {session, mode: greedy | sample, temperature, top_k, top_p, min_p, seed}
+  POST /api/intervene    {text, ablate: [names], steer: {name, text, scale}} -> clean vs intervened next tokens
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import re
+import secrets
+import threading
+from collections import OrderedDict
+from importlib import resources
+
+import torch
+
+from gpt2kit.trace.report import token_text
+
+MAX_SESSIONS = 4  # generation sessions kept (each holds a KV cache of n_ctx positions); the oldest goes
+TOP_SENT = 50  # tokens named with each distribution: the shown top 10 always come from the raw top 10
+
+
+def asset(name: str) -> str:
+    return resources.files("gpt2kit.trace").joinpath("assets", name).read_text(encoding="utf-8")
+
+
+def _b64_f32(t: torch.Tensor) -> str:
+    return base64.b64encode(t.detach().float().cpu().contiguous().numpy().astype("<f4").tobytes()).decode("ascii")
+
+
+class Explorer:
+    """The model, its tokenizer and the app's state: the last trace and the generation sessions."""
+
+    def __init__(self, model, tokenizer, name: str = "") -> None:
+        if model.training:
+            raise ValueError("explore shows inference: call model.eval() first")
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.lock = threading.Lock()
+        self._last: tuple[tuple[int, ...], object] | None = None
+        self.sessions: OrderedDict[str, dict] = OrderedDict()
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def info(self) -> dict:
+        cfg = self.config
+        return {"model": self.name, "config": {k: getattr(cfg, k) for k in ("n_vocab", "n_ctx", "n_embd", "n_head",
+                                                                             "n_layer")}}
+
+    def ids(self, text: str) -> list[int]:
+        if not text:
+            raise ValueError("the text is empty: type something")
+        ids = self.tokenizer.encode(text)
+        n_ctx = self.config.n_ctx
+        if len(ids) > n_ctx:
+            raise ValueError(f"the text is {len(ids)} tokens, more than the model's context n_ctx={n_ctx}")
+        return ids
+
+    def trace(self, text: str):
+        """The Trace of the text (everything recorded), the last one kept for the stepper."""
+        from gpt2kit.trace import trace
+
+        ids = self.ids(text)
+        if self._last is None or self._last[0] != tuple(ids):
+            self._last = (tuple(ids), trace(self.model, self.tokenizer, ids, name=self.name))
+        return self._last[1]
+
+    def report(self, text: str) -> dict:
+        with self.lock:
+            tr = self.trace(text)
+            return {"ids": tr.ids, "tokens": tr.tokens, "html": tr.to_html()}
+
+    def stages(self, text: str, layer: int, head: int, position: int, rows: int, cols: int) -> dict:
+        from gpt2kit.trace.stages import block_stages
+
+        with self.lock:
+            tr = self.trace(text)
+            out = block_stages(tr, layer, head, position, rows, cols)
+        out["tokens"] = tr.tokens
+        out["vocab"] = {str(i): token_text(self.tokenizer, i) for i, _ in out["stages"][-1]["top"]}
+        return out
+
+    # --- generation, one token at a time on a KV cache ------------------------------------------
+    def _state(self, sid: str, s: dict, logits: torch.Tensor) -> dict:
+        s["logits"] = logits
+        top = logits.topk(min(TOP_SENT, logits.numel())).indices.tolist()
+        return {"session": sid, "ids": s["ids"], "tokens": [token_text(self.tokenizer, i) for i in s["ids"]],
+                "prompt_length": s["prompt_length"], "cache_length": s["cache"].length,
+                "n_ctx": self.config.n_ctx, "logits": _b64_f32(logits), "greedy": top[0],
+                "vocab": {str(i): token_text(self.tokenizer, i) for i in top}}
+
+    @torch.no_grad()
+    def gen_start(self, text: str) -> dict:
+        from gpt2kit.kv_cache import KVCache
+
+        ids = self.ids(text)
+        with self.lock:
+            cache = KVCache.for_model(self.model, 1, self.config.n_ctx)
+            idx = torch.tensor([ids], device=self.model.wpe.weight.device)
+            logits = self.model(idx, cache=cache).logits[0, -1].float()  # (V,): the last position's
+            sid = secrets.token_hex(8)
+            s = {"ids": list(ids), "prompt_length": len(ids), "cache": cache}
+            self.sessions[sid] = s
+            while len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
+            return self._state(sid, s, logits)
+
+    @torch.no_grad()
+    def gen_append(self, sid: str, mode: str, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0, seed: int = 0) -> dict:
+        from gpt2kit.sampling.sampler import row_generator, sample, warp
+        from gpt2kit.sampling.settings import SamplingSettings
+
+        if mode not in ("greedy", "sample"):
+            raise ValueError(f"mode must be greedy or sample, got {mode!r}")
+        settings = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+        with self.lock:
+            s = self.sessions.get(sid)
+            if s is None:
+                raise LookupError(f"no generation session {sid!r} (at most {MAX_SESSIONS} are kept): start again")
+            cache = s["cache"]
+            if cache.length >= self.config.n_ctx:
+                raise ValueError(f"the context is full: n_ctx={self.config.n_ctx} tokens")
+            logits = s["logits"][None]  # (1, V)
+            if mode == "greedy" or settings.greedy:
+                token = int(logits.argmax())
+            else:
+                gen = row_generator(seed, 0, prompt=s["ids"])  # the same seed and context, the same draw
+                token = int(sample(warp(logits, settings), [gen])[0])
+            idx = torch.tensor([[token]], device=self.model.wpe.weight.device)
+            # one new token at position cache.length; the earlier keys and values are read from the cache
+            new = self.model(idx, cache=cache).logits[0, -1].float()
+            s["ids"].append(token)
+            self.sessions.move_to_end(sid)
+            return {**self._state(sid, s, new), "appended": token}
+
+    def intervene(self, text: str, ablate: list[str], steer: dict | None) -> dict:
+        """The last position's next tokens with and without the interventions (gpt2kit.trace.intervene):
+        ablate names zero-ablated; steer {name, text, scale} adds scale x the unit vector of the steer
+        text's last-position tensor at that name."""
+        from gpt2kit.trace import ablate as ablation
+        from gpt2kit.trace import steer as steering
+        from gpt2kit.trace import trace
+
+        ivs = [ablation(n) for n in ablate]
+        ids = self.ids(text)
+        with self.lock:
+            if steer is not None:
+                ivs.append(steering(steer["name"], self._direction(steer["text"], steer["name"]),
+                                    float(steer["scale"])))
+            if not ivs:
+                raise ValueError("nothing to change: give ablate names or a steer")
+            tr = trace(self.model, self.tokenizer, ids, what="resid", interventions=ivs, name=self.name)
+            eff = tr.intervention_effect(k=10)
+        return {"interventions": eff["interventions"], "rows": eff["last"], "kl_last": eff["kl"][-1],
+                "vocab": {str(i): token_text(self.tokenizer, i) for i, _, _ in eff["last"]}}
+
+    def _direction(self, text: str, name: str) -> torch.Tensor:
+        """The unit vector of the text's last-position tensor at the name (so a scale reads in norms)."""
+        from gpt2kit.trace.points import capture_run, resolve
+
+        canon, head = resolve(name, self.config.n_layer, self.config.n_head)
+        if head is not None or canon.split(".")[-1] in ("q", "k", "v", "z"):
+            raise ValueError(f"steer at a residual, attention or MLP output, not a per-head tensor ({name!r})")
+        got, _ = capture_run(self.model, self.ids(text), [canon])
+        x = got[canon][-1].float()  # (C,)
+        return x / x.norm().clamp_min(1e-12)
+
+
+def page(ex: Explorer) -> str:
+    """The one page: its CSS and scripts inline, the model's shape as data."""
+    info = json.dumps(ex.info(), ensure_ascii=True).replace("<", "\\u003c")
+    title = html.escape(f"gpt2kit explore — {ex.name or 'model'}")
+    fill = {"TITLE": title, "CSS": asset("explore.css"), "JS": asset("sampling.js") + asset("explore.js"),
+            "DATA": info}
+    return re.sub(r"__(TITLE|CSS|JS|DATA)__", lambda m: fill[m.group(1)], asset("explore.html"))
+
+
+MAX_BODY_BYTES = 1 << 20  # a request is a text of at most n_ctx tokens and a few numbers
+
+
+def create_app(ex: Explorer):
+    """The FastAPI app: the page and the JSON routes (the module doc); 400 with {error: {message,
+    param}} for a bad value, 404 for a session that is gone."""
+    from fastapi import Body, FastAPI, Request
+    from fastapi.responses import HTMLResponse, JSONResponse
+
+    from gpt2kit.serve.gate import host_allowed
+
+    app = FastAPI(title="gpt2kit explore", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def gate(request: Request, call_next):
+        # a page elsewhere that points its own name at 127.0.0.1 (DNS rebinding) sends that name as Host
+        if not host_allowed(request.headers.get("host"), request.scope.get("server"), ()):
+            return _error(400, f"Host {request.headers.get('host')!r} is not allowed: use 127.0.0.1 or localhost",
+                          "host")
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", None)
+        return await call_next(request)
+
+    def _error(status: int, message: str, param: str | None):
+        return JSONResponse({"error": {"message": message, "param": param}}, status_code=status)
+
+    def answer(fn, param: str | None = None):
+        try:
+            return fn()
+        except LookupError as e:
+            return _error(404, str(e).strip("'\""), "session")
+        except (ValueError, TypeError, KeyError) as e:  # the request's values (the trace's own messages)
+            return _error(400, str(e).strip("'\""), param)
+
+    @app.get("/", response_class=HTMLResponse)
+    def index():
+        return HTMLResponse(page(ex), headers={"Cache-Control": "no-store"})
+
+    @app.get("/api/info")
+    def info():
+        return ex.info()
+
+    @app.post("/api/trace")
+    def trace_route(text: str = Body(..., embed=True)):
+        return answer(lambda: ex.report(text), "text")
+
+    @app.post("/api/stages")
+    def stages_route(text: str = Body(...), layer: int = Body(0), head: int = Body(0), position: int = Body(-1),
+                     rows: int = Body(4), cols: int = Body(8)):
+        def run():
+            pos = position if position >= 0 else len(ex.ids(text)) + position
+            return ex.stages(text, layer, head, pos, rows, cols)
+        return answer(run)
+
+    @app.post("/api/gen/start")
+    def gen_start(text: str = Body(..., embed=True)):
+        return answer(lambda: ex.gen_start(text), "text")
+
+    @app.post("/api/gen/append")
+    def gen_append(session: str = Body(...), mode: str = Body("greedy"), temperature: float = Body(1.0),
+                   top_k: int = Body(0), top_p: float = Body(1.0), min_p: float = Body(0.0), seed: int = Body(0)):
+        return answer(lambda: ex.gen_append(session, mode, temperature, top_k, top_p, min_p, seed))
+
+    @app.post("/api/intervene")
+    def intervene(text: str = Body(...), ablate: list[str] = Body([]), steer: dict | None = Body(None)):
+        return answer(lambda: ex.intervene(text, ablate, steer))
+
+    return app
+
+
+def bind(port: int):
+    """A listening socket on 127.0.0.1:port (0: a free port); OSError names a port in use."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on 127.0.0.1:{port} ({e.strerror}); choose another --port") from None
+    return sock
+
+
+def server_for(ex: Explorer, log_level: str = "warning"):
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(create_app(ex), log_level=log_level, timeout_graceful_shutdown=2))
