@@ -19,7 +19,6 @@ Routes (JSON in and out; a bad value is a 400 naming it):
 
 from __future__ import annotations
 
-import base64
 import html
 import json
 import re
@@ -30,7 +29,7 @@ from importlib import resources
 
 import torch
 
-from gpt2kit.trace.report import token_text
+from gpt2kit.trace.report import b64_f32, token_text
 
 MAX_SESSIONS = 4  # generation sessions kept (each holds a KV cache of n_ctx positions); the oldest goes
 TOP_SENT = 50  # tokens named with each distribution: the shown top 10 always come from the raw top 10
@@ -38,10 +37,6 @@ TOP_SENT = 50  # tokens named with each distribution: the shown top 10 always co
 
 def asset(name: str) -> str:
     return resources.files("gpt2kit.trace").joinpath("assets", name).read_text(encoding="utf-8")
-
-
-def _b64_f32(t: torch.Tensor) -> str:
-    return base64.b64encode(t.detach().float().cpu().contiguous().numpy().astype("<f4").tobytes()).decode("ascii")
 
 
 class Explorer:
@@ -103,7 +98,7 @@ class Explorer:
         top = logits.topk(min(TOP_SENT, logits.numel())).indices.tolist()
         return {"session": sid, "ids": s["ids"], "tokens": [token_text(self.tokenizer, i) for i in s["ids"]],
                 "prompt_length": s["prompt_length"], "cache_length": s["cache"].length,
-                "n_ctx": self.config.n_ctx, "logits": _b64_f32(logits), "greedy": top[0],
+                "n_ctx": self.config.n_ctx, "logits": b64_f32(logits), "greedy": top[0],
                 "vocab": {str(i): token_text(self.tokenizer, i) for i in top}}
 
     @torch.no_grad()
