@@ -98,7 +98,7 @@ $('step-more').addEventListener('click',function(){rows=Math.min(rows*2,64);cols
 var widget=S.widget($('gen-widget'),'gen-'),gen=null;
 function showGen(g){
   gen=g;var box=$('gen-context');box.innerHTML='';
-  g.tokens.forEach(function(t,i){box.appendChild(el('span',{'class':i>=g.prompt_length?'new':''},show(t)));});
+  g.tokens.forEach(function(t,i){box.appendChild(el('span',{'class':i>=g.prompt_length?'new':'','data-id':String(g.ids[i])},show(t)));});
   var added=g.ids.length-g.prompt_length;
   $('gen-cache').textContent='KV cache: '+g.cache_length+' positions (the text\'s '+g.prompt_length+
     (added?' + '+added+' appended':'')+'). '+(added?'Each appended token was fed alone, at position = the cache '+
