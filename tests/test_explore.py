@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -21,9 +23,10 @@ from gpt2kit.tokenizer import Tokenizer
 from gpt2kit.trace import ablate, trace
 
 pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient  # noqa: E402
+from fastapi.testclient import TestClient
 
-from gpt2kit.trace.explore import Explorer, create_app  # noqa: E402
+from gpt2kit.trace.explore import Explorer
+from gpt2kit.trace.explore_app import create_app
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "When Mary and John went to the store, John gave a drink to"
@@ -97,9 +100,8 @@ def test_stage_values_are_the_trace_tensors(client, model):
         merged = tr[p + "attn.z"].transpose(0, 1).reshape(T, C)
         close("merged", merged)
         close("attn.out", blk.attn.c_proj(merged))
-        for key, name in (("attn.out", "attn.out"), ("resid_mid", "resid_mid"), ("ln_2", "ln_2"), ("mlp.pre", "mlp.pre"),
-                          ("mlp.post", "mlp.post"), ("mlp.out", "mlp.out")):
-            close(key, tr[p + name])
+        for key in ("attn.out", "resid_mid", "ln_2", "mlp.pre", "mlp.post", "mlp.out"):
+            close(key, tr[p + key])
         close("output", tr[f"resid.{layer + 1}"])
         close("ln_f", tr["ln_f"])
         close("logits", tr.logits)
@@ -126,7 +128,8 @@ def test_generation_reuses_the_cache_and_equals_the_full_forward(client, model):
     assert torch.allclose(_f32(r["logits"]), full, atol=1e-4)
     assert r["greedy"] == int(full.argmax())
     g = client.post("/api/gen/append", json={"session": r["session"], "mode": "greedy"}).json()
-    assert g["appended"] == int(full.argmax()) and g["cache_length"] == len(ids) + 1 and g["ids"] == ids + [g["appended"]]
+    assert g["appended"] == int(full.argmax()) and g["cache_length"] == len(ids) + 1
+    assert g["ids"] == [*ids, g["appended"]]
     with torch.no_grad():
         full2 = model(torch.tensor([g["ids"]])).logits[0, -1]
     assert torch.allclose(_f32(g["logits"]), full2, atol=1e-4)
@@ -210,7 +213,7 @@ def test_cli_explore_bad_port_and_port_in_use(model_dir):
                        capture_output=True, text=True, timeout=120, env=ENV)
     assert p.returncode != 0 and error_lines(p.stderr) == ["gpt2kit explore: error: --port must be in [0, 65535], "
                                                            "got 70000"]
-    from gpt2kit.trace.explore import bind
+    from gpt2kit.trace.explore_app import bind
 
     sock = bind(0)
     try:
@@ -225,7 +228,7 @@ def test_cli_explore_bad_port_and_port_in_use(model_dir):
 
 
 def served(argv: list[str], cwd=None, timeout: float = 120.0):
-    """Start `gpt2kit explore` (argv after `explore`), return (process, URL) once it prints its URL."""
+    """Start `gpt2kit explore` (argv after `explore`), return (process, URL, the line) once it prints its URL."""
     import selectors
     import time
 
@@ -238,7 +241,7 @@ def served(argv: list[str], cwd=None, timeout: float = 120.0):
         if sel.select(timeout=1.0):
             line = proc.stdout.readline()
             if "http://127.0.0.1:" in line:
-                return proc, line.split()[2]
+                return proc, line.split()[2], line
             if not line:
                 break
         if proc.poll() is not None:
@@ -261,7 +264,7 @@ def stop(proc) -> int:
 def test_cli_explore_serves_on_loopback_and_stops(model_dir):
     import httpx
 
-    proc, url = served(["--model", str(model_dir), "--port", "0"])
+    proc, url, _ = served(["--model", str(model_dir), "--port", "0"])
     try:
         assert url.startswith("http://127.0.0.1:") and url.endswith("/")
         info = httpx.get(url + "api/info", timeout=30).json()
@@ -272,3 +275,42 @@ def test_cli_explore_serves_on_loopback_and_stops(model_dir):
     finally:
         code = stop(proc)
     assert code in (0, 130)  # Ctrl-C: the server shuts down, the command says "interrupted"
+
+
+# --- docs/explore.md runs as written ----------------------------------------------------------------------
+
+
+def test_docs_explore_md_runs_as_written(tmp_path):
+    """Every block of docs/explore.md in order: python files (first line `# NAME.py`) are written, other
+    python blocks and bash blocks run (gpt2kit as `python -m gpt2kit`) and each text block after one is its
+    output; the block marked `<!-- server ... -->` is started on a free port, its page fetched, then stopped."""
+    import httpx
+
+    doc = (ROOT / "docs" / "explore.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"(<!-- server[^>]*-->\n)?```(\w+)\n(.*?)```", doc, flags=re.S)
+    last_out, ran, compared, server = None, 0, 0, 0
+    for marker, lang, body in blocks:
+        if lang == "python" and (m := re.match(r"# (\S+\.py)\n", body)):
+            (tmp_path / m.group(1)).write_text(body, encoding="utf-8")
+            continue
+        if marker:
+            argv = shlex.split(body)
+            assert argv[:2] == ["gpt2kit", "explore"] and "--port" not in argv
+            proc, url, line = served([*argv[2:], "--port", "0"], cwd=tmp_path)
+            try:
+                assert httpx.get(url, timeout=30).status_code == 200
+                last_out = line.replace(url, "http://127.0.0.1:8001/")  # the default port, as the doc shows
+            finally:
+                assert stop(proc) in (0, 130)
+            ran, server = ran + 1, server + 1
+        elif lang in ("python", "bash"):
+            script = re.sub(r"(?m)^gpt2kit ", f"{sys.executable} -m gpt2kit ", body)
+            argv = [sys.executable, "-c", body] if lang == "python" else ["bash", "-c", script]
+            proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
+            assert proc.returncode == 0, (body, proc.stderr)
+            last_out, ran = proc.stdout, ran + 1
+        elif lang == "text" and last_out is not None:
+            assert body.strip() == last_out.strip()
+            last_out, compared = None, compared + 1
+    assert ran == 4 and compared == 2 and server == 1
+    assert (tmp_path / "report.html").stat().st_size > 0

@@ -39,7 +39,8 @@ def model():
 @contextlib.contextmanager
 def explorer(model):
     """The app on a free 127.0.0.1 port in a thread, stopped on the way out."""
-    from gpt2kit.trace.explore import Explorer, bind, server_for
+    from gpt2kit.trace.explore import Explorer
+    from gpt2kit.trace.explore_app import bind, server_for
 
     sock = bind(0)
     server = server_for(Explorer(model, Tokenizer.default(), name="small"))
@@ -140,7 +141,8 @@ def test_explore_end_to_end(model):
         page.fill("#seed", "5")
         page.click("#append-sample")
         page.wait_for_function("() => document.getElementById('gen-cache').textContent.includes('+ 2 appended')")
-        want = int(sample(warp(logits2[None], SamplingSettings(**SETTINGS, seed=5)), [row_generator(5, 0, prompt=ids2)])[0])
+        drawn = sample(warp(logits2[None], SamplingSettings(**SETTINGS, seed=5)), [row_generator(5, 0, prompt=ids2)])
+        want = int(drawn[0])
         assert page.eval_on_selector_all("#gen-context .new", "s => s[1].dataset.id") == str(want)
 
         # step through block 1, head 2, at position 5
@@ -174,7 +176,7 @@ def test_explore_end_to_end(model):
         assert frame.locator("#panel-sample #samp-top tr").count() == 11
         assert page.inner_text("#js-errors").strip() == ""
     port = url.split(":")[2].rstrip("/")
-    outside = [r for r in requests if not (r.startswith(f"http://127.0.0.1:{port}/") or r.startswith(("about:", "data:")))]
+    outside = [r for r in requests if not r.startswith((f"http://127.0.0.1:{port}/", "about:", "data:"))]
     assert outside == [] and len(requests) >= 8
 
 

@@ -7,7 +7,7 @@ reads the same Trace (gpt2kit.trace.stages), and generation runs the model with 
 token per step at the position the cache's length gives. One lock serialises every use of the
 model: the trace's hooks sit on the model's own modules while it records.
 
-Routes (JSON in and out; a bad value is a 400 naming it):
+Routes (gpt2kit.trace.explore_app; JSON in and out, a bad value is a 400 naming it):
   GET  /                 the page
   GET  /api/info         the model's name and shape
   POST /api/trace        {text} -> ids, tokens and the report's HTML
@@ -37,6 +37,10 @@ TOP_SENT = 50  # tokens named with each distribution: the shown top 10 always co
 
 def asset(name: str) -> str:
     return resources.files("gpt2kit.trace").joinpath("assets", name).read_text(encoding="utf-8")
+
+
+class SessionGone(LookupError):
+    """A generation session the app no longer holds (404)."""
 
 
 class Explorer:
@@ -129,7 +133,7 @@ class Explorer:
         with self.lock:
             s = self.sessions.get(sid)
             if s is None:
-                raise LookupError(f"no generation session {sid!r} (at most {MAX_SESSIONS} are kept): start again")
+                raise SessionGone(f"no generation session {sid!r} (at most {MAX_SESSIONS} are kept): start again")
             cache = s["cache"]
             if cache.length >= self.config.n_ctx:
                 raise ValueError(f"the context is full: n_ctx={self.config.n_ctx} tokens")
@@ -186,94 +190,3 @@ def page(ex: Explorer) -> str:
     fill = {"TITLE": title, "CSS": asset("explore.css"), "JS": asset("sampling.js") + asset("explore.js"),
             "DATA": info}
     return re.sub(r"__(TITLE|CSS|JS|DATA)__", lambda m: fill[m.group(1)], asset("explore.html"))
-
-
-MAX_BODY_BYTES = 1 << 20  # a request is a text of at most n_ctx tokens and a few numbers
-
-
-def create_app(ex: Explorer):
-    """The FastAPI app: the page and the JSON routes (the module doc); 400 with {error: {message,
-    param}} for a bad value, 404 for a session that is gone."""
-    from fastapi import Body, FastAPI, Request
-    from fastapi.responses import HTMLResponse, JSONResponse
-
-    from gpt2kit.serve.gate import host_allowed
-
-    app = FastAPI(title="gpt2kit explore", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        # a page elsewhere that points its own name at 127.0.0.1 (DNS rebinding) sends that name as Host
-        if not host_allowed(request.headers.get("host"), request.scope.get("server"), ()):
-            return _error(400, f"Host {request.headers.get('host')!r} is not allowed: use 127.0.0.1 or localhost",
-                          "host")
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", None)
-        return await call_next(request)
-
-    def _error(status: int, message: str, param: str | None):
-        return JSONResponse({"error": {"message": message, "param": param}}, status_code=status)
-
-    def answer(fn, param: str | None = None):
-        try:
-            return fn()
-        except LookupError as e:
-            return _error(404, str(e).strip("'\""), "session")
-        except (ValueError, TypeError, KeyError) as e:  # the request's values (the trace's own messages)
-            return _error(400, str(e).strip("'\""), param)
-
-    @app.get("/", response_class=HTMLResponse)
-    def index():
-        return HTMLResponse(page(ex), headers={"Cache-Control": "no-store"})
-
-    @app.get("/api/info")
-    def info():
-        return ex.info()
-
-    @app.post("/api/trace")
-    def trace_route(text: str = Body(..., embed=True)):
-        return answer(lambda: ex.report(text), "text")
-
-    @app.post("/api/stages")
-    def stages_route(text: str = Body(...), layer: int = Body(0), head: int = Body(0), position: int = Body(-1),
-                     rows: int = Body(4), cols: int = Body(8)):
-        def run():
-            pos = position if position >= 0 else len(ex.ids(text)) + position
-            return ex.stages(text, layer, head, pos, rows, cols)
-        return answer(run)
-
-    @app.post("/api/gen/start")
-    def gen_start(text: str = Body(..., embed=True)):
-        return answer(lambda: ex.gen_start(text), "text")
-
-    @app.post("/api/gen/append")
-    def gen_append(session: str = Body(...), mode: str = Body("greedy"), temperature: float = Body(1.0),
-                   top_k: int = Body(0), top_p: float = Body(1.0), min_p: float = Body(0.0), seed: int = Body(0)):
-        return answer(lambda: ex.gen_append(session, mode, temperature, top_k, top_p, min_p, seed))
-
-    @app.post("/api/intervene")
-    def intervene(text: str = Body(...), ablate: list[str] = Body([]), steer: dict | None = Body(None)):
-        return answer(lambda: ex.intervene(text, ablate, steer))
-
-    return app
-
-
-def bind(port: int):
-    """A listening socket on 127.0.0.1:port (0: a free port); OSError names a port in use."""
-    import socket
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(("127.0.0.1", port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on 127.0.0.1:{port} ({e.strerror}); choose another --port") from None
-    return sock
-
-
-def server_for(ex: Explorer, log_level: str = "warning"):
-    import uvicorn
-
-    return uvicorn.Server(uvicorn.Config(create_app(ex), log_level=log_level, timeout_graceful_shutdown=2))

@@ -51,12 +51,15 @@ $('run').addEventListener('click',run);
 var stepPosChosen=false;
 function shapeText(s){return s.shape+' = ('+s.dims.join(', ')+')';}
 function valuesTable(s){
-  var t=el('table',{'class':'vals'}),h=el('tr');h.appendChild(el('th',null,'t \\ col'));
+  // "…" where columns are left out: before the first shown (the keys before a window) and after the last
+  var t=el('table',{'class':'vals'}),h=el('tr'),before=s.cols[0]>0,after=s.cols[s.cols.length-1]<s.dims[s.dims.length-1]-1;
+  h.appendChild(el('th',null,'t \\ col'));if(before)h.appendChild(el('th',null,'\u2026'));
   s.cols.forEach(function(c){h.appendChild(el('th',null,String(c)));});
-  if(s.cols.length<s.dims[s.dims.length-1])h.appendChild(el('th',null,'\u2026'));
+  if(after)h.appendChild(el('th',null,'\u2026'));
   t.appendChild(h);
   s.values.forEach(function(row,i){var tr=el('tr');tr.appendChild(el('th',null,String(s.rows[i])));
-    row.forEach(function(x){tr.appendChild(el('td',null,num(x)));});t.appendChild(tr);});
+    if(before)tr.appendChild(el('th'));
+    row.forEach(function(x){tr.appendChild(el('td',null,num(x)));});if(after)tr.appendChild(el('th'));t.appendChild(tr);});
   return t;
 }
 var current=0;
