@@ -11,6 +11,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -160,6 +161,8 @@ def test_bad_values_are_400s_naming_them(client):
     assert "temperature" in err("/api/gen/append", {"session": s, "mode": "sample", "temperature": -1})
     assert "mode must be greedy or sample" in err("/api/gen/append", {"session": s, "mode": "beam"})
     assert "unknown name" in err("/api/intervene", {"text": TEXT, "ablate": ["h.0.nothing"]})
+    assert err("/api/stages", {"text": TEXT, "layer": "one"}).startswith("layer: ")  # the field, named
+    assert err("/api/gen/start", {}).startswith("text: ")
     r = client.get("/", headers={"Host": "attacker.example"})
     assert r.status_code == 200  # TestClient's server is not loopback: the Host check is for loopback servers
 
@@ -172,6 +175,24 @@ def test_a_full_context_says_so(model):
     assert s["cache_length"] == SMALL.n_ctx
     with pytest.raises(ValueError, match="the context is full"):
         ex.gen_append(s["session"], "greedy")
+
+
+def test_an_int8_model_explores_with_its_own_numbers(model):
+    """--quantize int8: the stages are the int8 model's trace, the cached decode its full forward."""
+    from gpt2kit.quant.modules import quantize_model
+
+    q = quantize_model(varied_model(SMALL), "int8")
+    c = TestClient(create_app(Explorer(q, Tokenizer.default(), name="int8")))
+    tr = trace(q, Tokenizer.default(), TEXT)
+    st = {s["key"]: s for s in c.post("/api/stages", json={"text": TEXT, "layer": 1, "position": 4, "rows": 5,
+                                                            "cols": 4 * SMALL.n_embd}).json()["stages"]}
+    assert torch.allclose(_block(st["mlp.out"]), tr["h.1.mlp.out"][:5].double(), atol=1e-5, rtol=0)
+    assert not torch.allclose(tr.logits, trace(model, Tokenizer.default(), TEXT).logits, atol=1e-3)  # int8 differs
+    g = c.post("/api/gen/start", json={"text": TEXT}).json()
+    g = c.post("/api/gen/append", json={"session": g["session"]}).json()
+    with torch.no_grad():
+        full = q(torch.tensor([g["ids"]])).logits[0, -1]
+    assert torch.allclose(_f32(g["logits"]), full, atol=1e-3)
 
 
 def test_interventions_compare_with_the_trace(client, model):
@@ -227,12 +248,11 @@ def test_cli_explore_bad_port_and_port_in_use(model_dir):
     assert p.returncode == 1 and len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0]
 
 
-def served(argv: list[str], cwd=None, timeout: float = 120.0):
+def served(argv: list[str], cwd=None, timeout: float = 120.0, env=None):
     """Start `gpt2kit explore` (argv after `explore`), return (process, URL, the line) once it prints its URL."""
     import selectors
-    import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "gpt2kit", "explore", *argv], cwd=cwd, env=ENV, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2kit", "explore", *argv], cwd=cwd, env=env or ENV, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
@@ -261,10 +281,14 @@ def stop(proc) -> int:
             proc.wait(10)
 
 
-def test_cli_explore_serves_on_loopback_and_stops(model_dir):
+def test_cli_explore_serves_on_loopback_and_stops(model_dir, tmp_path):
     import httpx
 
-    proc, url, _ = served(["--model", str(model_dir), "--port", "0"])
+    opened = tmp_path / "opened"
+    opener = tmp_path / "browser.py"  # what webbrowser runs for --open: it writes down the URL it was given
+    opener.write_text(f"import sys\nopen({str(opened)!r}, 'w').write(sys.argv[1])\n")
+    proc, url, _ = served(["--model", str(model_dir), "--port", "0", "--open"],
+                          env={**ENV, "BROWSER": f"{sys.executable} {opener} %s"})
     try:
         assert url.startswith("http://127.0.0.1:") and url.endswith("/")
         info = httpx.get(url + "api/info", timeout=30).json()
@@ -272,6 +296,11 @@ def test_cli_explore_serves_on_loopback_and_stops(model_dir):
         assert httpx.get(url, timeout=30).status_code == 200
         bad = httpx.get(url, headers={"Host": "attacker.example"}, timeout=30)
         assert bad.status_code == 400 and "not allowed" in bad.json()["error"]["message"]
+        for _ in range(200):
+            if opened.exists() and opened.read_text():
+                break
+            time.sleep(0.05)
+        assert opened.read_text() == url
     finally:
         code = stop(proc)
     assert code in (0, 130)  # Ctrl-C: the server shuts down, the command says "interrupted"

@@ -4,6 +4,7 @@ lists the routes), its Host check and body limit, and the loopback socket uvicor
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel
 
@@ -66,6 +67,13 @@ def create_app(ex: Explorer):
     def _error(status: int, message: str, param: str | None):
         return JSONResponse({"error": {"message": message, "param": param}}, status_code=status)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        # a missing field or a value of the wrong type: the same shape as every other refusal
+        first = exc.errors()[0] if exc.errors() else {}
+        field = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        return _error(400, f"{field or 'the body'}: {first.get('msg', 'invalid')}", field)
+
     def answer(fn, param: str | None = None):
         try:
             return fn()
@@ -119,6 +127,7 @@ def bind(port: int):
     except OSError as e:
         sock.close()
         raise OSError(f"cannot listen on 127.0.0.1:{port} ({e.strerror}); choose another --port") from None
+    sock.listen(128)  # listening now: a browser opened before uvicorn starts waits in the backlog
     return sock
 
 
