@@ -167,6 +167,15 @@ def test_bad_values_are_400s_naming_them(client):
     assert r.status_code == 200  # TestClient's server is not loopback: the Host check is for loopback servers
 
 
+def test_a_text_too_big_to_record_says_to_shorten_it(model, monkeypatch):
+    import gpt2kit.trace.record as record
+
+    monkeypatch.setattr(record, "DEFAULT_MAX_BYTES", 2**20)
+    ex = Explorer(model, Tokenizer.default())
+    with pytest.raises(ValueError, match=r"for 14 tokens needs ~\d+ MiB, over the limit of 1 MiB: use a shorter text"):
+        ex.report(TEXT)
+
+
 def test_a_full_context_says_so(model):
     ex = Explorer(model, Tokenizer.default())
     text = " the" * SMALL.n_ctx

@@ -74,9 +74,15 @@ class Explorer:
 
     def trace(self, text: str):
         """The Trace of the text (everything recorded), the last one kept for the stepper."""
-        from gpt2kit.trace import trace
+        from gpt2kit.trace import KINDS, trace
+        from gpt2kit.trace.record import DEFAULT_MAX_BYTES, estimate_bytes
 
         ids = self.ids(text)
+        cfg = self.config
+        need = estimate_bytes(cfg, len(ids), frozenset(KINDS), range(cfg.n_layer))
+        if need > DEFAULT_MAX_BYTES:  # the big sizes at long texts: say what to shorten, not trace's flags
+            raise ValueError(f"recording every tensor of this model for {len(ids)} tokens needs ~{need / 2**20:,.0f} "
+                             f"MiB, over the limit of {DEFAULT_MAX_BYTES / 2**20:,.0f} MiB: use a shorter text")
         if self._last is None or self._last[0] != tuple(ids):
             self._last = (tuple(ids), trace(self.model, self.tokenizer, ids, name=self.name))
         return self._last[1]
