@@ -29,10 +29,12 @@ fillSelect($('iv-layer'),C.n_layer);fillSelect($('iv-head'),C.n_head);
 $('iv-name').value='h.'+Math.floor(C.n_layer/2)+'.resid';
 
 // --- the text and the report ------------------------------------------------------------------
-var text='',tokens=[],rows=4,cols=8;
+var text='',tokens=[],rows=4,cols=8,runs=0,stageRuns=0;
 function run(){
+  var mine=++runs;  // an older run's answer arriving after a newer one is dropped
   text=$('text').value;$('error').hidden=true;$('status').textContent='running\u2026';
   return post('/api/trace',{text:text}).then(function(r){
+    if(mine!==runs)return;
     tokens=r.tokens;$('count').textContent=r.ids.length+' of '+C.n_ctx+' tokens';
     var f=$('report');f.onload=function(){try{f.style.height=(f.contentDocument.documentElement.scrollHeight+20)+'px';}
       catch(e){report('report: '+e);}done('report');};
@@ -66,7 +68,9 @@ var current=0;
 function stages(){
   var body={text:text,layer:+$('step-layer').value,head:+$('step-head').value,position:+$('step-pos').value,
     rows:rows,cols:cols};
+  var mine=++stageRuns;
   return post('/api/stages',body).then(function(r){
+    if(mine!==stageRuns)return;
     var box=$('stages');box.innerHTML='';
     r.stages.forEach(function(s,i){
       var d=el('div',{'class':'stage',id:'stage-'+s.key,'data-key':s.key}),head=el('div',{'class':'head'});
