@@ -222,7 +222,7 @@ def test_the_page_is_one_self_contained_file(client):
     r = client.get("/")
     assert r.status_code == 200 and "<script" in r.text
     assert not FETCH.search(r.text) and "http:" not in r.text and "https:" not in r.text
-    assert '"n_layer": 2' in r.text
+    assert '"n_layer":2' in r.text
 
 
 # --- the command ------------------------------------------------------------------------------------------

@@ -19,24 +19,16 @@ Routes (gpt2kit.trace.explore_app; JSON in and out, a bad value is a 400 naming 
 
 from __future__ import annotations
 
-import html
-import json
-import re
 import secrets
 import threading
 from collections import OrderedDict
-from importlib import resources
 
 import torch
 
-from gpt2kit.trace.report import b64_f32, token_text
+from gpt2kit.trace.report import asset, b64_f32, fill_page, token_text
 
 MAX_SESSIONS = 4  # generation sessions kept (each holds a KV cache of n_ctx positions); the oldest goes
 TOP_SENT = 50  # tokens named with each distribution: the shown top 10 always come from the raw top 10
-
-
-def asset(name: str) -> str:
-    return resources.files("gpt2kit.trace").joinpath("assets", name).read_text(encoding="utf-8")
 
 
 class SessionGone(LookupError):
@@ -191,8 +183,5 @@ class Explorer:
 
 def page(ex: Explorer) -> str:
     """The one page: its CSS and scripts inline, the model's shape as data."""
-    info = json.dumps(ex.info(), ensure_ascii=True).replace("<", "\\u003c")
-    title = html.escape(f"gpt2kit explore — {ex.name or 'model'}")
-    fill = {"TITLE": title, "CSS": asset("explore.css"), "JS": asset("sampling.js") + asset("explore.js"),
-            "DATA": info}
-    return re.sub(r"__(TITLE|CSS|JS|DATA)__", lambda m: fill[m.group(1)], asset("explore.html"))
+    return fill_page(asset("explore.html"), f"gpt2kit explore — {ex.name or 'model'}", asset("explore.css"),
+                     asset("sampling.js") + asset("explore.js"), ex.info())

@@ -203,7 +203,7 @@ def _token_text(tr, i: int) -> str:
     return token_text(tr.tokenizer, i)
 
 
-def _asset(name: str) -> str:
+def asset(name: str) -> str:
     return resources.files("gpt2kit.trace").joinpath("assets", name).read_text(encoding="utf-8")
 
 
@@ -212,7 +212,7 @@ _OPTIONAL_PANELS = (("intervene", "intervention"), ("sae", "sae"))
 
 
 def _template(data: dict) -> str:
-    page = _asset("report.html")
+    page = asset("report.html")
     for panel, key in _OPTIONAL_PANELS:
         if data[key] is None:
             page = re.sub(rf'<section id="panel-{panel}".*?</section>\n', "", page, count=1, flags=re.S)
@@ -235,14 +235,18 @@ def sampling_data(tr) -> dict:
     return {"position": len(tr.ids) - 1, "logits": b64_f32(last), "vocab": {str(i): _token_text(tr, i) for i in top}}
 
 
-def render_html(tr) -> str:
-    data = _round_tree(report_data(tr, attention_encoding="u8"))
-    data["sampling"] = sampling_data(tr)  # after rounding: the logits stay float32
+def fill_page(template: str, title: str, css: str, js: str, data) -> str:
+    """A page template's __TITLE__, __CSS__, __JS__ and __DATA__ (data as JSON) filled in."""
     # "</script" or "<!--" in the text would end or confuse the script element; "<" can only sit
     # inside JSON strings, where \u003c means the same.
     payload = json.dumps(data, separators=(",", ":"), ensure_ascii=True).replace("<", "\\u003c")
-    title = html.escape(f"gpt2kit trace — {tr.name or 'model'} — {len(tr.ids)} tokens")
-    fill = {"TITLE": title, "CSS": _asset("report.css"), "JS": _asset("sampling.js") + _asset("report.js"),
-            "DATA": payload}
+    fill = {"TITLE": html.escape(title), "CSS": css, "JS": js, "DATA": payload}
     # One pass, so a placeholder-like string inside the user's text is never substituted.
-    return re.sub(r"__(TITLE|CSS|JS|DATA)__", lambda m: fill[m.group(1)], _template(data))
+    return re.sub(r"__(TITLE|CSS|JS|DATA)__", lambda m: fill[m.group(1)], template)
+
+
+def render_html(tr) -> str:
+    data = _round_tree(report_data(tr, attention_encoding="u8"))
+    data["sampling"] = sampling_data(tr)  # after rounding: the logits stay float32
+    return fill_page(_template(data), f"gpt2kit trace — {tr.name or 'model'} — {len(tr.ids)} tokens",
+                     asset("report.css"), asset("sampling.js") + asset("report.js"), data)
