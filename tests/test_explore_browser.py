@@ -187,6 +187,15 @@ def test_explore_fits_a_phone(model):
         assert page.inner_text("#js-errors").strip() == ""
         assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
         assert page.locator("#gen-top tr[data-id]").count() == 10
+        # the tour: every page's "show me" finds its live view; a stage page opens that stage
+        shown = []
+        for _ in range(17):
+            page.click("#tour-show")
+            shown.append((page.inner_text("#tour-title"), page.get_attribute(".stage.cur", "data-key")))
+            page.click("#tour-next")
+        assert page.inner_text("#tour-count") == "(17 of 17)" and page.inner_text("#js-errors").strip() == ""
+        assert ("LayerNorm", "ln_1.norm") in shown and ("The causal mask", "masked") in shown
+        assert page.locator(".lit").count() == 1  # the last page's target, marked
 
 
 def test_a_bad_text_is_shown_not_thrown(model):
