@@ -37,7 +37,8 @@ def _assets() -> str:
     from importlib import resources
 
     root = resources.files("gpt2kit.trace").joinpath("assets")
-    return "".join(root.joinpath(n).read_text(encoding="utf-8") for n in ("report.html", "report.css", "report.js"))
+    names = ("report.html", "report.css", "report.js", "sampling.js")
+    return "".join(root.joinpath(n).read_text(encoding="utf-8") for n in names)
 
 
 def test_report_is_self_contained():

@@ -208,7 +208,7 @@ def test_the_installed_wheel_writes_a_trace_report_with_its_assets(built, tmp_pa
     out = tmp_path / "report.html"
     _wheel_cli(built, ["trace", "Hello world", "-m", "model", "--out", str(out)], built.cache)
     page = out.read_text(encoding="utf-8")
-    for asset in ("report.css", "report.js"):
+    for asset in ("report.css", "report.js", "sampling.js"):
         assert (ROOT / "src/gpt2kit/trace/assets" / asset).read_text(encoding="utf-8") in page
 
 

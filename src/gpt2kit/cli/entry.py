@@ -13,6 +13,7 @@ from collections.abc import Callable
 from gpt2kit.cli.bench import register_bench
 from gpt2kit.cli.check import register_check
 from gpt2kit.cli.common import one_line, one_line_warnings, prog, set_prog
+from gpt2kit.cli.explore import register_explore
 from gpt2kit.cli.generate import register_generate, register_score
 from gpt2kit.cli.models import (
     register_convert,
@@ -29,7 +30,7 @@ from gpt2kit.cli.train import register_prepare, register_train
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
     register_tokenize, register_detokenize, register_score, register_convert, register_info, register_prepare,
     register_train, register_generate, register_bench, register_trace, register_serve, register_quantize,
-    register_merge, register_check,
+    register_merge, register_check, register_explore,
 ]
 
 

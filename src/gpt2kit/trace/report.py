@@ -1,6 +1,6 @@
 """The trace as data (`report_data`, what --json writes) and as one self-contained HTML file.
 
-The HTML (assets/report.html, .css and .js, filled in here) holds all its data and code inline:
+The HTML (assets/report.html, .css and .js with sampling.js, filled in here) holds all its data and code inline:
 no src/href/import points anywhere, so it opens offline in a browser, in Jupyter
 (Trace._repr_html_) and in VS Code's preview. Attention maps travel as base64 uint8
 (probability x 255), other numbers rounded to 5 significant digits; --json keeps full precision.
@@ -203,7 +203,7 @@ def _token_text(tr, i: int) -> str:
     return token_text(tr.tokenizer, i)
 
 
-def _asset(name: str) -> str:
+def asset(name: str) -> str:
     return resources.files("gpt2kit.trace").joinpath("assets", name).read_text(encoding="utf-8")
 
 
@@ -212,19 +212,41 @@ _OPTIONAL_PANELS = (("intervene", "intervention"), ("sae", "sae"))
 
 
 def _template(data: dict) -> str:
-    page = _asset("report.html")
+    page = asset("report.html")
     for panel, key in _OPTIONAL_PANELS:
         if data[key] is None:
             page = re.sub(rf'<section id="panel-{panel}".*?</section>\n', "", page, count=1, flags=re.S)
     return page
 
 
-def render_html(tr) -> str:
-    data = _round_tree(report_data(tr, attention_encoding="u8"))
+def b64_f32(t: torch.Tensor) -> str:
+    """A tensor's numbers as little-endian float32, base64 (what a page's Float32Array reads)."""
+    return base64.b64encode(t.detach().float().cpu().contiguous().numpy().astype("<f4").tobytes()).decode("ascii")
+
+
+# The sampling panel computes in the page from the last position's full logits (V float32, base64:
+# ~270 KB for GPT-2's vocabulary), so every setting's distribution is exact, its normaliser included.
+SAMPLING_SHOWN = 10
+
+
+def sampling_data(tr) -> dict:
+    last = tr.logits[-1]
+    top = last.float().topk(min(SAMPLING_SHOWN, last.numel())).indices.tolist()
+    return {"position": len(tr.ids) - 1, "logits": b64_f32(last), "vocab": {str(i): _token_text(tr, i) for i in top}}
+
+
+def fill_page(template: str, title: str, css: str, js: str, data) -> str:
+    """A page template's __TITLE__, __CSS__, __JS__ and __DATA__ (data as JSON) filled in."""
     # "</script" or "<!--" in the text would end or confuse the script element; "<" can only sit
     # inside JSON strings, where \u003c means the same.
     payload = json.dumps(data, separators=(",", ":"), ensure_ascii=True).replace("<", "\\u003c")
-    title = html.escape(f"gpt2kit trace — {tr.name or 'model'} — {len(tr.ids)} tokens")
-    fill = {"TITLE": title, "CSS": _asset("report.css"), "JS": _asset("report.js"), "DATA": payload}
+    fill = {"TITLE": html.escape(title), "CSS": css, "JS": js, "DATA": payload}
     # One pass, so a placeholder-like string inside the user's text is never substituted.
-    return re.sub(r"__(TITLE|CSS|JS|DATA)__", lambda m: fill[m.group(1)], _template(data))
+    return re.sub(r"__(TITLE|CSS|JS|DATA)__", lambda m: fill[m.group(1)], template)
+
+
+def render_html(tr) -> str:
+    data = _round_tree(report_data(tr, attention_encoding="u8"))
+    data["sampling"] = sampling_data(tr)  # after rounding: the logits stay float32
+    return fill_page(_template(data), f"gpt2kit trace — {tr.name or 'model'} — {len(tr.ids)} tokens",
+                     asset("report.css"), asset("sampling.js") + asset("report.js"), data)

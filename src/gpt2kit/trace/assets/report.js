@@ -279,6 +279,12 @@ function sae(){
   var w=el('div',{'class':'scroll'});w.appendChild(tbl);box.appendChild(w);
 }
 
+function sampling(){
+  var G=D.sampling;if(!G)return;
+  var w=GPT2Sampling.widget(document.getElementById('sample'),'samp-');
+  w.set(GPT2Sampling.b64f32(G.logits),function(i){var s=G.vocab[String(i)];return s===undefined?tok(i):s;});
+}
+
 function walk(){
   var box=document.getElementById('walk'),cur=null,block=-2;
   document.getElementById('walk-pos').textContent=D.walk_position+' ('+JSON.stringify(D.tokens[D.walk_position])+')';
@@ -301,7 +307,7 @@ function walk(){
 }
 
 var panels=[['summary',summary],['tokens',tokens],['heads',heads],['lens',lens],['dla',dla],['norms',norms],
-  ['patch',patch],['intervene',intervene],['sae',sae],['walk',walk]];
+  ['patch',patch],['sampling',sampling],['intervene',intervene],['sae',sae],['walk',walk]];
 for(var i=0;i<panels.length;i++){try{panels[i][1]();}catch(e){report(panels[i][0]+': '+(e&&e.stack||e));}}
 document.body.setAttribute('data-rendered',errs.textContent?'with-errors':'ok');
 })();
