@@ -48,6 +48,19 @@ class _Intervene(_Text):
 MAX_BODY_BYTES = 1 << 20  # a request is a text of at most n_ctx tokens and a few numbers
 
 
+def _error(status: int, message: str, param: str | None):
+    return JSONResponse({"error": {"message": message, "param": param}}, status_code=status)
+
+
+def _answer(fn, param: str | None = None):
+    try:
+        return fn()
+    except SessionGone as e:
+        return _error(404, str(e), "session")
+    except ValueError as e:  # the request's values (the trace's and the sampler's own messages)
+        return _error(400, str(e), param)
+
+
 def create_app(ex: Explorer):
     """The FastAPI app: the page and the JSON routes (the module doc); 400 with {error: {message,
     param}} for a bad value, 404 for a session that is gone."""
@@ -64,9 +77,6 @@ def create_app(ex: Explorer):
             return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", None)
         return await call_next(request)
 
-    def _error(status: int, message: str, param: str | None):
-        return JSONResponse({"error": {"message": message, "param": param}}, status_code=status)
-
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         # a missing field or a value of the wrong type: the same shape as every other refusal
@@ -74,14 +84,11 @@ def create_app(ex: Explorer):
         field = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
         return _error(400, f"{field or 'the body'}: {first.get('msg', 'invalid')}", field)
 
-    def answer(fn, param: str | None = None):
-        try:
-            return fn()
-        except SessionGone as e:
-            return _error(404, str(e), "session")
-        except ValueError as e:  # the request's values (the trace's and the sampler's own messages)
-            return _error(400, str(e), param)
+    _routes(app, ex)
+    return app
 
+
+def _routes(app: FastAPI, ex: Explorer) -> None:
     @app.get("/", response_class=HTMLResponse)
     def index():
         return HTMLResponse(page(ex), headers={"Cache-Control": "no-store"})
@@ -92,28 +99,26 @@ def create_app(ex: Explorer):
 
     @app.post("/api/trace")
     def trace_route(body: _Text):
-        return answer(lambda: ex.report(body.text), "text")
+        return _answer(lambda: ex.report(body.text), "text")
 
     @app.post("/api/stages")
     def stages_route(body: _Stages):
         def run():
             pos = body.position if body.position >= 0 else len(ex.ids(body.text)) + body.position
             return ex.stages(body.text, body.layer, body.head, pos, body.rows, body.cols)
-        return answer(run)
+        return _answer(run)
 
     @app.post("/api/gen/start")
     def gen_start(body: _Text):
-        return answer(lambda: ex.gen_start(body.text), "text")
+        return _answer(lambda: ex.gen_start(body.text), "text")
 
     @app.post("/api/gen/append")
     def gen_append(b: _Append):
-        return answer(lambda: ex.gen_append(b.session, b.mode, b.temperature, b.top_k, b.top_p, b.min_p, b.seed))
+        return _answer(lambda: ex.gen_append(b.session, b.mode, b.temperature, b.top_k, b.top_p, b.min_p, b.seed))
 
     @app.post("/api/intervene")
     def intervene(b: _Intervene):
-        return answer(lambda: ex.intervene(b.text, b.ablate, None if b.steer is None else b.steer.model_dump()))
-
-    return app
+        return _answer(lambda: ex.intervene(b.text, b.ablate, None if b.steer is None else b.steer.model_dump()))
 
 
 def bind(port: int):

@@ -224,8 +224,8 @@ def b64_f32(t: torch.Tensor) -> str:
     return base64.b64encode(t.detach().float().cpu().contiguous().numpy().astype("<f4").tobytes()).decode("ascii")
 
 
-# The sampling panel computes in the page from the last position's full logits (V float32, base64:
-# ~270 KB for GPT-2's vocabulary), so every setting's distribution is exact, its normaliser included.
+# The sampling panel computes in the page from the last position's full logits (V float32, base64),
+# so every setting's distribution is exact, its normaliser included.
 SAMPLING_SHOWN = 10
 
 
