@@ -250,3 +250,56 @@ def test_cli_reference_is_generated():
 
     committed = (ROOT / "docs" / "reference" / "cli.md").read_text(encoding="utf-8")
     assert committed == render(), "stale: python -m gpt2kit.cli.reference docs/reference/cli.md"
+
+
+# --- the README's server example, against a real server -----------------------------------------------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_readme_serve_example_answers(workdirs, tmp_path):
+    """The README's serve block (skipped above: it starts a server) run as a reader would: the server in
+    one process, then its curl command and its OpenAI-client block against it, on a free port."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    import shutil
+    import time
+    import urllib.request
+
+    if shutil.which("curl") is None:
+        pytest.skip("no curl")
+    readme = blocks_of(ROOT / "README.md")
+    shell = next(b for b in readme if b.lang == "bash" and "gpt2kit serve" in b.code)
+    client = next(b for b in readme if b.lang == "python" and "OpenAI(" in b.code)
+    serve, _, curl = shell.code.partition("\n")
+    port = _free_port()
+    at = lambda code: code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")  # noqa: E731
+    argv = serve.split("#")[0].split()
+    assert argv[:2] == ["gpt2kit", "serve"], serve
+    cwd = workdirs(ROOT / "README.md")
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "gpt2kit", *argv[1:], "--port", str(port)], cwd=cwd,
+                              env=shell_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):  # the model loads in the background; /health answers 200 once it is ready
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        proc = subprocess.run(["bash", "-e", "-c", at(curl)], cwd=cwd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and '"choices"' in proc.stdout, (proc.stdout, proc.stderr)
+        py = subprocess.run([sys.executable, "-c", at(client.code)], cwd=cwd, env=shell_env(), capture_output=True,
+                            text=True, timeout=300)
+        assert py.returncode == 0 and py.stdout.strip(), py.stderr
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
