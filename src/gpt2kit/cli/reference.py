@@ -16,8 +16,18 @@ Every command's flags and arguments, generated from the parser `gpt2kit` runs
 for: [the README](../../README.md#the-command-line); each topic's page in [docs/](../index.md).
 `gpt2kit COMMAND --help` prints the same.
 
-Every command also takes `--debug` (the traceback instead of the one-line error); `gpt2kit --version`
-prints the version.
+What every command shares:
+
+- `M` (`--model`, `SRC`, `BASE`) is a hub id (`gpt2`, `gpt2-medium`, `openai-community/gpt2-xl`, any GPT-2
+  fine-tune), an HF directory, or OpenAI's release directory (`hparams.json`, `model.ckpt.*`, `encoder.json`,
+  `vocab.bpe`). A name that is not an existing path is a hub id only if it is a published name or
+  `owner/name`; `HF_HUB_OFFLINE=1` uses only huggingface_hub's cache.
+- stdout carries only the command's output; stderr shows the stages (a status line on a terminal, one line
+  per stage elsewhere) and each warning as one line, `gpt2kit COMMAND: warning: ...`. Input that is not
+  UTF-8 is read with U+FFFD for the bad bytes and a warning.
+- An error is one line on stderr and exit code 1 (2 for usage errors; 130 on Ctrl-C; 141 when the reader
+  of stdout went away, as with `| head`). `--debug`, anywhere on the line, shows the traceback instead.
+- `gpt2kit --version` prints the version.
 """
 
 
