@@ -107,3 +107,48 @@ def register_trace(sub: argparse._SubParsersAction) -> None:
                    help="the text a :mean ablation averages over (default: the traced text)")
     add_quantize_arg(p)
     p.set_defaults(func=cmd_trace)
+
+
+def add_intervention_args(p: argparse.ArgumentParser, *, generating: bool) -> None:
+    """The trace's intervention flags for generate and score (the same names and forms as trace's)."""
+    p.add_argument("--ablate", action="append", default=[], metavar="NAME[:zero]",
+                   help="zero the tensor at a trace or TransformerLens name at every step, e.g. h.9.attn.head.9 "
+                        "(repeatable; docs/trace.md)")
+    p.add_argument("--steer", action="append", default=[], metavar="NAME:VEC.npy[*SCALE]",
+                   help="add SCALE x the vector at a name at every step, e.g. h.6.resid:love.npy*4 (repeatable; "
+                        "gpt2kit steer make writes one)")
+    p.add_argument("--replace", action="append", default=[], metavar="NAME:VALUE.npy",
+                   help="set the tensor at a name to the array at every step (repeatable)")
+    p.add_argument("--sae", default=None, metavar="DIR",
+                   help="a sparse autoencoder in SAELens's format whose features --clamp sets")
+    p.add_argument("--clamp", action="append", default=[], metavar="FEATURE=VALUE",
+                   help="set the --sae feature to VALUE at its hook point (the SAE's error term kept; repeatable)")
+    if generating:
+        p.add_argument("--intervene-on", default="both", choices=("both", "prompt", "generated"),
+                       help="the positions interventions change: the prompt's, the generated tokens' or both")
+
+
+def parse_interventions(args: argparse.Namespace) -> list:
+    """The flags' ablations, steering vectors and replacements (a bad form or file fails here, before
+    the model loads); --clamp's FEATURE=VALUE pairs are checked too."""
+    from gpt2kit.trace.intervene import parse_ablate, parse_replace, parse_steer
+    from gpt2kit.trace.steering import parse_clamps
+
+    if args.clamp and args.sae is None:
+        raise CLIError("--clamp sets features of an SAE: give --sae DIR")
+    if args.sae is not None and not args.clamp:
+        raise CLIError("--sae DIR here is for --clamp FEATURE=VALUE (its features in a report: gpt2kit trace --sae)")
+    args.clamps = parse_clamps(args.clamp) if args.clamp else ()
+    return ([parse_ablate(s) for s in args.ablate] + [parse_steer(s) for s in args.steer]
+            + [parse_replace(s) for s in args.replace])
+
+
+def interventions_for(args: argparse.Namespace, model, items: list):
+    """The checked interventions (gpt2kit.trace.steering.prepare) for the loaded model, or None."""
+    from gpt2kit.trace.steering import Clamp, Interventions, prepare
+
+    if args.sae is not None:
+        items = [*items, Clamp(args.sae, args.clamps)]
+    if not items:
+        return None
+    return prepare(model, Interventions(tuple(items), getattr(args, "intervene_on", "both")))

@@ -42,7 +42,7 @@ from gpt2kit.engine.batch_cache import SlotPool
 from gpt2kit.engine.beam_rows import BeamGroup, admit, choose_tokens, prefill_index
 from gpt2kit.engine.outputs import RowText, advance, token_logprobs
 from gpt2kit.engine.prefill import ChunkedPrefill, Joining
-from gpt2kit.engine.rows import Leases, Row, RowEvent, RowKey, SlotLease, requeued_on_error
+from gpt2kit.engine.rows import Leases, Row, RowEdits, RowEvent, RowKey, SlotLease, edited, requeued_on_error
 from gpt2kit.sampling import SamplingSettings
 from gpt2kit.sampling.sampler import RowSampler
 from gpt2kit.validate import check_int
@@ -105,9 +105,11 @@ class Engine:
     # -- rows in and out (any thread) --
 
     def new_row(self, prompt: Sequence[int], settings: SamplingSettings, *, seed: int | None = None,
-                sample_index: int = 0, logprobs: int | None = None, key: RowKey | None = None) -> Row:
+                sample_index: int = 0, logprobs: int | None = None, key: RowKey | None = None,
+                edits: RowEdits | None = None) -> Row:
         """A row for a prompt of valid token ids. seed: the run's seed (resolve_seed(settings) for
-        one call); rows with equal (seed, sample_index) draw the same random numbers."""
+        one call); rows with equal (seed, sample_index) draw the same random numbers. edits: what it
+        changes in the network (gpt2kit.trace.steering.prepare), its forwards only."""
         if settings.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass tokenizer=...")
         if not settings.greedy and seed is None:
@@ -115,7 +117,8 @@ class Engine:
         check_columns(len(prompt), settings.max_new_tokens, self.model.config.n_ctx, self.max_len)
         sampler = RowSampler(settings, prompt, self.model.config.n_vocab, seed, sample_index, self.device)
         text = RowText(self.tokenizer, settings.stop_strings) if self.tokenizer is not None else None
-        return Row(list(prompt), settings, sampler, text, logprobs, key or RowKey(sample_index=sample_index))
+        return Row(list(prompt), settings, sampler, text, logprobs, key or RowKey(sample_index=sample_index),
+                   edits=edits)
 
     def new_beam_rows(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None
                       ) -> list[Row]:
@@ -262,7 +265,15 @@ class Engine:
             sel = torch.tensor(self._slots, dtype=torch.long, device=tok.device)
             tok = torch.full((B,), EOT_ID % self.model.config.n_vocab, dtype=tok.dtype,
                              device=tok.device).index_copy_(0, sel, tok)
-        logits = decode_step(self.model, tok[:, None], cache, mask, self.kernels.step(B))  # (hi, V)
+        by_slot: list[Row | None] = [None] * B
+        for row, slot in zip(self.rows, self._slots, strict=True):
+            by_slot[slot] = row
+        hooks = edited(self.model, by_slot, torch.zeros(B, 1, dtype=torch.bool))  # fed tokens are generated ones
+        if hooks is None:
+            logits = decode_step(self.model, tok[:, None], cache, mask, self.kernels.step(B))  # (hi, V)
+        else:
+            with hooks:  # on the model's own forward, where the hooks fire
+                logits = decode_step(self.model, tok[:, None], cache, mask, None)
         self.pool.advance(self._slots, P)
         self._logits = logits if sel is None else logits[sel]
 

@@ -67,6 +67,7 @@ from gpt2kit.trace.record import (
 from gpt2kit.trace.report import render_html, report_data, token_text
 from gpt2kit.trace.sae import SAE, load_sae, sae_view
 from gpt2kit.trace.sae import activations as sae_activations
+from gpt2kit.trace.steering import Clamp, Interventions, clamp
 
 
 @dataclass
@@ -325,5 +326,6 @@ def _patching(model, tokenizer, ids, patch_from, pairs, mode, metric, answer, fo
                  describe=lambda i: token_text(tokenizer, i), attribution=attribution)
 
 
-__all__ = ["ALIASES", "GROUPS", "KINDS", "Intervention", "Trace", "ablate", "attention_from_qk", "hook", "parse_layers",
-           "parse_what", "replace", "run_hooked", "run_with_hooks", "steer", "trace"]
+__all__ = ["ALIASES", "GROUPS", "KINDS", "Clamp", "Intervention", "Interventions", "Trace", "ablate",
+           "attention_from_qk", "clamp", "hook", "parse_layers", "parse_what", "replace", "run_hooked",
+           "run_with_hooks", "steer", "trace"]
