@@ -301,3 +301,80 @@ def test_replace_while_generating(model):
     for _ in range(GREEDY.max_new_tokens):
         seq.append(int(run_with_hooks(model, seq, [("h.0.attn.v", fn)])[0, -1].argmax()))
     assert got == seq[len(PROMPTS[0]):]
+
+
+# --- TransformerLens: the same hooks during its generate ------------------------------------------
+@pytest.fixture(scope="module")
+def tl_pair(tmp_path_factory):
+    """A varied random model and TransformerLens's bridge over the same weights (converted through
+    transformers)."""
+    pytest.importorskip("transformer_lens")
+    from helpers import hf_from_ours, varied_model
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import GPT2TokenizerFast
+
+    from gpt2kit.tokenizer import Tokenizer
+
+    m = varied_model()
+    d = tmp_path_factory.mktemp("tl")
+    hf = hf_from_ours(m)
+    hf.save_pretrained(d)
+    Tokenizer.default().save(d)
+    GPT2TokenizerFast(vocab_file=str(d / "vocab.json"), merges_file=str(d / "merges.txt")).save_pretrained(d)
+    br = TransformerBridge.boot_transformers(str(d), hf_model=hf, tokenizer=GPT2TokenizerFast.from_pretrained(d),
+                                             device="cpu")
+    return m, br
+
+
+def _ours_with_logits(model, prompt, interventions, n):
+    """Greedy tokens and each step's logits (n, V), read off the model's forward as the engine runs it."""
+    seen = []
+    h = model.register_forward_hook(lambda mod, args, out: seen.append(out.logits[0, -1].detach().clone()))
+    try:
+        toks = generate(model, [prompt], SamplingSettings(temperature=0.0, max_new_tokens=n, stop_token_ids=()),
+                        interventions=interventions)[0].tokens
+    finally:
+        h.remove()
+    return toks, torch.stack(seen[:n])
+
+
+def _tl_with_logits(br, prompt, hooks, n):
+    """TransformerLens's greedy generate with fwd_hooks on. Its KV-cached generate differs from its own
+    uncached one on this model even without hooks (its bridge's cache path, not the hooks), so the
+    reference is its generate without the cache: every step re-runs the sequence through the hooks."""
+    with br.hooks(fwd_hooks=hooks):
+        out = br.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, stop_at_eos=False,
+                          use_past_kv_cache=False, verbose=False, return_type="tokens", output_logits=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits)
+
+
+STEER = torch.randn(C, generator=torch.Generator().manual_seed(7)) * 2
+
+
+def test_steering_and_ablation_equal_transformer_lens_generate(tl_pair, tmp_path):
+    model, br = tl_pair
+    prompt, n = [5, 17, 3, 99], 32
+
+    def add(x, hook):
+        return x + 3.0 * STEER
+
+    def zero_head(x, hook):  # (B, T, nh, hs)
+        x = x.clone()
+        x[:, :, 2] = 0
+        return x
+
+    w = _sae_dir(tmp_path / "sae")
+
+    def sae_clamp(x, hook):
+        return _clamped_by_formula(w, x, ((3, 6.0),), False)
+
+    cases = [([steer("h.1.resid", STEER, 3.0)], [("blocks.1.hook_resid_pre", add)]),
+             ([ablate("h.1.attn.head.2")], [("blocks.1.attn.hook_z", zero_head)]),
+             ([clamp(tmp_path / "sae", {3: 6.0})], [("blocks.1.hook_resid_pre", sae_clamp)])]
+    plain = generate(model, [prompt], SamplingSettings(temperature=0.0, max_new_tokens=n, stop_token_ids=()))[0]
+    for ours_ivs, tl_hooks in cases:
+        toks, logits = _ours_with_logits(model, prompt, ours_ivs, n)
+        want, want_logits = _tl_with_logits(br, prompt, tl_hooks, n)
+        assert toks == want, ours_ivs
+        assert (logits - want_logits).abs().max() < 1e-4
+        assert toks != plain.tokens  # each intervention changes the text: the comparison can fail
