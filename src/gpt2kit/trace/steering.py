@@ -31,6 +31,7 @@ import torch
 from gpt2kit.trace.intervene import Intervention, _value, _width, finite_float32
 from gpt2kit.trace.points import PER_HEAD, edit_hooks, point, resolve
 from gpt2kit.trace.sae import SAE, load_sae
+from gpt2kit.trace.vectors import check_fits
 
 ON = ("both", "prompt", "generated")
 
@@ -121,6 +122,7 @@ def _resolve(model, iv: Intervention) -> _Edit:
             raise ValueError(f"{iv.name!r} names head {head}, and head={iv.head} was given too")
         _, head = resolve(f"{name}.head.{iv.head}", cfg.n_layer, cfg.n_head)
     _point(model, name, iv.label())
+    check_fits(iv.made_on, model, iv.label())
     per_head = name.split(".", 2)[-1] in PER_HEAD
     hs = cfg.n_embd // cfg.n_head
     shape = (hs,) if head is not None else (cfg.n_head, hs) if per_head else (_width(model, name),)
