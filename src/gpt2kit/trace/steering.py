@@ -19,6 +19,7 @@ Legend: B rows, T tokens of a forward, D an SAE's d_in, K clamped features, nh h
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import re
@@ -143,6 +144,9 @@ def _point(model, name: str, label: str) -> None:
         raise ValueError(f"{label}: {e}") from None
 
 
+_SAE_TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
+
+
 def _resolve_clamp(model, c: Clamp) -> _Edit:
     cfg = model.config
     sae = c.sae if isinstance(c.sae, SAE) else load_sae(c.sae, cfg.n_layer, cfg.n_head)
@@ -157,8 +161,11 @@ def _resolve_clamp(model, c: Clamp) -> _Edit:
         if not 0 <= f < sae.d_sae:
             raise ValueError(f"{c.label()}: feature {f} is outside the SAE's features [0, {sae.d_sae})")
         finite_float32([v], f"{c.label()}: the value of feature {f}")
-    feats = torch.tensor([f for f, _ in c.features], dtype=torch.long)
-    vals = torch.tensor([v for _, v in c.features], dtype=torch.float32)
+    device = model.wte.weight.device
+    feats = torch.tensor([f for f, _ in c.features], dtype=torch.long, device=device)
+    vals = torch.tensor([v for _, v in c.features], dtype=torch.float32, device=device)
+    sae = dataclasses.replace(sae, **{k: getattr(sae, k).to(device) for k in _SAE_TENSORS
+                                      if getattr(sae, k) is not None})  # on the model's device
     return _Edit(sae.name, "clamp", per_head=sae.name.split(".", 2)[-1] in PER_HEAD, sae=sae, features=feats,
                  values=vals)
 
@@ -204,7 +211,7 @@ def _apply(x: torch.Tensor, e: _Edit, sel: torch.Tensor) -> None:
     v = x.transpose(1, 2) if e.per_head else x  # (1, T, nh, hs) or (1, T, W)
     if e.kind == "clamp":
         xin = e.sae.read(x)[:, sel]  # (1, k, D)
-        delta = e.sae.clamp_delta(xin, e.features.to(x.device), e.values.to(x.device))
+        delta = e.sae.clamp_delta(xin, e.features, e.values)
         v[:, sel] = v[:, sel] + delta.view(v[:, sel].shape).to(x.dtype)
         return
     if e.head is not None:
