@@ -317,3 +317,38 @@ def test_a_bias_for_another_base_names_the_tensor(tmp_path):
     save_file(state, weights)
     with pytest.raises(CheckpointError, match=r"the bias for h.0.ln_1.bias has shape \(48,\), the model's is \(32,\)"):
         apply_adapter(random_model(), tmp_path / "adapter")
+
+
+def test_disable_adapter_is_the_base_bit_for_bit_and_merge_unmerge_round_trip():
+    """disable_adapter / merge_lora_in_place / unmerge_lora (peft's disable_adapter, merge_adapter,
+    unmerge_adapter) on one loaded model: off, the logits and greedy tokens are the base model's exactly;
+    merged, the adapted logits within 1e-5; unmerged, the adapted ones bit for bit; every state restored
+    on leaving, an error included."""
+    import copy
+
+    from gpt2kit import SamplingSettings, generate
+    from gpt2kit.lora import disable_adapter, merge_lora_in_place, unmerge_lora
+
+    base = random_model()
+    model = apply_lora(copy.deepcopy(base), 4, targets=ALL, tokens=[3, 7, 11])
+    _randomise_adapter(model)
+    ids = torch.tensor([[3, 7, 11, 500, 42, 9]])
+    greedy = SamplingSettings(temperature=0.0, max_new_tokens=10, stop_token_ids=())
+    with torch.no_grad():
+        want_base, adapted = base(ids).logits, model(ids).logits
+        assert (want_base - adapted).abs().max() > 1e-3  # the adapter changes the logits
+        with disable_adapter(model):
+            assert torch.equal(model(ids).logits, want_base)
+            assert generate(model, [[3, 7, 11]], greedy)[0].tokens == generate(base, [[3, 7, 11]], greedy)[0].tokens
+        assert torch.equal(model(ids).logits, adapted)
+        with pytest.raises(RuntimeError, match="inside"), disable_adapter(model):
+            raise RuntimeError("inside")
+        assert torch.equal(model(ids).logits, adapted)
+        merge_lora_in_place(model)
+        assert (model(ids).logits - adapted).abs().max() < 1e-5
+        with disable_adapter(model):
+            assert torch.equal(model(ids).logits, want_base)
+        unmerge_lora(model)
+        assert torch.equal(model(ids).logits, adapted)
+    with pytest.raises(ValueError, match="no adapter"), disable_adapter(base):
+        pass

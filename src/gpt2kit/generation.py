@@ -67,7 +67,7 @@ MAX_ROWS = 65536  # rows (prompts x samples) of one generate call
 
 def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSettings | None = None,
                     *, tokenizer: Tokenizer | None = None, batch_size: int | None = None,
-                    draft_model: GPT2 | None = None) -> Iterator[Step]:
+                    draft_model: GPT2 | None = None, interventions=None) -> Iterator[Step]:
     """Generate for token-id prompts, yielding one :class:`Step` per decode step.
 
     Rows are the prompts x settings.num_samples (sequence index prompt_index * num_samples +
@@ -76,6 +76,9 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
     text of each row and stop_strings apply. Bad arguments raise ValueError here, before the
     first step. With draft_model (or settings.prompt_lookup), decoding is speculative
     (gpt2kit.engine.speculative): a step may give a row several tokens, yielded as consecutive Steps.
+    interventions: the trace's ablations, steering vectors, replacements and SAE clamps
+    (gpt2kit.trace: ablate, steer, replace, clamp), applied at every forward to every row: a list
+    (every position), or gpt2kit.trace.Interventions(items, on="prompt" | "generated" | "both").
     """
     settings = settings or SamplingSettings()
     if settings.num_beams > 1:
@@ -83,15 +86,17 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
                          f"beam is known only at the end; call generate()")
     if settings.contrastive:
         raise ValueError("contrastive search (penalty_alpha > 0) runs through generate(), not streamed")
-    engine, _ = _start(model, prompts, settings, tokenizer, batch_size, draft_model)
+    engine, _ = _start(model, prompts, settings, tokenizer, batch_size, draft_model, interventions)
     return _stream(model, engine)
 
 
 def _start(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSettings, tokenizer: Tokenizer | None,
-           batch_size: int | None, draft_model: GPT2 | None = None) -> tuple[Engine, list[list[int]]]:
+           batch_size: int | None, draft_model: GPT2 | None = None, interventions=None
+           ) -> tuple[Engine, list[list[int]]]:
     """Check every argument, then an Engine holding all the rows; also the prompts as id lists."""
     cfg = model.config
     prompts = _check_call(prompts, settings, cfg.n_vocab, batch_size)
+    edits = _edits(model, interventions, speculative=draft_model is not None or bool(settings.prompt_lookup))
     window = settings.window_for(cfg.n_ctx)
     if window >= cfg.n_ctx:
         raise ValueError(f"window must be below the context n_ctx={cfg.n_ctx}, got {window}")
@@ -111,9 +116,21 @@ def _start(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSett
         engine = Engine(model, tokenizer, max_batch=min(batch_size or rows, rows), pack_weights=settings.pack_weights,
                         max_len=max_len)
     seed = resolve_seed(settings)
-    engine.submit([engine.new_row(p, settings, seed=seed, sample_index=j, key=RowKey(i * n + j, i, j))
+    engine.submit([engine.new_row(p, settings, seed=seed, sample_index=j, key=RowKey(i * n + j, i, j), edits=edits)
                    for i, p in enumerate(prompts) for j in range(n)])
     return engine, prompts
+
+
+def _edits(model: GPT2, interventions, *, speculative: bool):
+    """The interventions checked against the model (gpt2kit.trace.steering.prepare), or None."""
+    if not interventions:
+        return None
+    if speculative:
+        raise ValueError("interventions apply to plain decoding, not speculative decoding (a draft model or "
+                         "prompt_lookup)")
+    from gpt2kit.trace.steering import prepare  # the trace wing loads only for a call that intervenes
+
+    return prepare(model, interventions)
 
 
 def _check_call(prompts: Sequence[Sequence[int]], settings: SamplingSettings, n_vocab: int,
@@ -212,7 +229,7 @@ def encode_prompts(tokenizer: Tokenizer, texts: str | Sequence[str]) -> list[lis
 
 def generate(model: GPT2, prompts: str | Sequence[str] | Sequence[Sequence[int]],
              settings: SamplingSettings | None = None, *, tokenizer: Tokenizer | None = None,
-             batch_size: int | None = None, draft_model: GPT2 | None = None) -> list[Completion]:
+             batch_size: int | None = None, draft_model: GPT2 | None = None, interventions=None) -> list[Completion]:
     """Run :func:`generate_stream` to the end; one Completion per row, in sequence-index order.
 
     prompts: token-id lists, or text (one string or a list; needs the tokenizer).
@@ -224,8 +241,10 @@ def generate(model: GPT2, prompts: str | Sequence[str] | Sequence[Sequence[int]]
             raise ValueError("text prompts need a tokenizer: pass tokenizer=...")
         prompts = encode_prompts(tokenizer, prompts)
     if settings.num_beams > 1 or settings.contrastive:
+        if interventions:
+            raise ValueError("interventions apply to sampled or greedy generation, not beam or contrastive search")
         return _beam_completions(model, prompts, settings, tokenizer, batch_size)
-    engine, prompts = _start(model, prompts, settings, tokenizer, batch_size, draft_model)
+    engine, prompts = _start(model, prompts, settings, tokenizer, batch_size, draft_model, interventions)
     n = settings.num_samples
     out = [Completion(i * n + j, i, j, list(p), text="" if tokenizer else None)
            for i, p in enumerate(prompts) for j in range(n)]
@@ -283,13 +302,14 @@ def _beam_completions(model: GPT2, prompts: Sequence[Sequence[int]], settings: S
 
 
 def stream_text(model: GPT2, tokenizer: Tokenizer, prompt: str,
-                settings: SamplingSettings | None = None) -> Iterator[str]:
+                settings: SamplingSettings | None = None, *, interventions=None) -> Iterator[str]:
     """The new text for one prompt (one sample), piece by piece as it is generated; pieces are
     whole characters and concatenate to the completion's text."""
     settings = settings or SamplingSettings()
     if settings.num_samples != 1:
         raise ValueError(f"stream_text generates one sample, got num_samples={settings.num_samples}")
-    for step in generate_stream(model, encode_prompts(tokenizer, prompt), settings, tokenizer=tokenizer):
+    for step in generate_stream(model, encode_prompts(tokenizer, prompt), settings, tokenizer=tokenizer,
+                                interventions=interventions):
         piece = step.text.get(0, "")
         if piece:
             yield piece

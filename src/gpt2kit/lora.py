@@ -3,6 +3,7 @@
     apply_lora(model, rank=8, alpha=16, targets="c_attn,attn.c_proj,c_fc,mlp.c_proj")
     ... train: only the lora_A / lora_B parameters require gradients ...
     merge_lora(model)  # back to plain nn.Linear with W + (alpha / r) B A
+    with disable_adapter(model): ...  # the base model meanwhile; merge_lora_in_place / unmerge_lora: reversible
 
 Each targeted nn.Linear (out, in) becomes a LoRALinear holding the same frozen `weight` and `bias`
 (the same names, so the base's state-dict keys do not move) plus lora_A (r, in) and lora_B (out, r):
@@ -27,8 +28,9 @@ Legend: r rank, in/out the matrix's features.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +73,8 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(rank, in_f, **kw))
         self.lora_B = nn.Parameter(torch.zeros(out_f, rank, **kw))
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.active = True  # False inside disable_adapter: the base layer alone
+        self.merged: torch.Tensor | None = None  # merge_lora_in_place's W + scaling * B A, until unmerge_lora
 
     @torch.no_grad()
     def reset_lora(self, generator: torch.Generator | None = None) -> None:
@@ -80,6 +84,10 @@ class LoRALinear(nn.Module):
         self.lora_B.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return F.linear(x, self.weight, self.bias)
+        if self.merged is not None:
+            return F.linear(x, self.merged, self.bias)
         y = F.linear(x, self.weight, self.bias)  # (..., out)
         z = F.linear(self.lora_dropout(x), self.lora_A)  # (..., r)
         return y + F.linear(z, self.lora_B) * self.scaling  # (..., out)
@@ -105,9 +113,12 @@ class TrainableTokens(nn.Module):
         self.register_buffer("token_indices", torch.tensor(list(indices), dtype=torch.long,
                                                             device=embedding.weight.device))
         self.trainable_tokens = nn.Parameter(embedding.weight.detach()[self.token_indices].clone())  # (K, C)
+        self.active = True  # False inside disable_adapter: the frozen table alone
 
     def merged_weight(self) -> torch.Tensor:
-        """The table with the trained rows in (V, C), differentiable in them."""
+        """The table with the trained rows in (V, C), differentiable in them (the frozen table when off)."""
+        if not self.active:
+            return self.weight
         return self.weight.index_copy(0, self.token_indices, self.trainable_tokens)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -237,4 +248,47 @@ def merge_lora(model: nn.Module) -> nn.Module:
         model.wte = table
     for p in model.parameters():
         p.requires_grad_(True)
+    return model
+
+
+def _adapters(model: nn.Module) -> list[nn.Module]:
+    found = [m for m in model.modules() if isinstance(m, LoRALinear | TrainableTokens)]
+    if not found:
+        raise ValueError("the model has no adapter (gpt2kit.lora.apply_lora, or apply_adapter(..., merge=False), adds "
+                         "one)")
+    return found
+
+
+@contextlib.contextmanager
+def disable_adapter(model: nn.Module) -> Iterator[nn.Module]:
+    """peft's disable_adapter: inside, every LoRA layer computes its base layer alone and trained token
+    rows give way to the frozen table, so the model is the base bit for bit; on leaving (an error too)
+    each is as it was. One loaded model, base and adapted side by side (a trace, an A/B run)."""
+    found = _adapters(model)
+    was = [m.active for m in found]
+    try:
+        for m in found:
+            m.active = False
+        yield model
+    finally:
+        for m, a in zip(found, was, strict=True):
+            m.active = a
+
+
+@torch.no_grad()
+def merge_lora_in_place(model: nn.Module) -> nn.Module:
+    """peft's merge_adapter: each LoRA layer computes with W + scaling * B A in one product (the
+    merged matrix kept beside W, so unmerge_lora gives back the unmerged layer exactly); the
+    adapters stay, unlike merge_lora's swap to plain layers."""
+    for m in _adapters(model):
+        if isinstance(m, LoRALinear):
+            m.merged = m.merged_weight()
+    return model
+
+
+def unmerge_lora(model: nn.Module) -> nn.Module:
+    """Undo merge_lora_in_place: the base product plus the low-rank one again."""
+    for m in _adapters(model):
+        if isinstance(m, LoRALinear):
+            m.merged = None
     return model

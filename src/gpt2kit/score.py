@@ -18,6 +18,7 @@ on the model's own forward.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -52,9 +53,20 @@ class ScoreResult:
         return {"tokens": self.tokens, "logprobs": self.logprobs, "nll": self.nll, "ppl": self.ppl}
 
 
-def score_tokens(model, tokens: list[int], *, eot_token: int = EOT_ID, stride: int | None = None) -> list[float]:
-    """ln p(tokens[i] | eot, tokens[:i]) for every i, with the strided sliding window."""
-    return _score(model, tokens, eot_token, stride, 0)[0]
+def score_tokens(model, tokens: list[int], *, eot_token: int = EOT_ID, stride: int | None = None,
+                 interventions=None) -> list[float]:
+    """ln p(tokens[i] | eot, tokens[:i]) for every i, with the strided sliding window. interventions:
+    the trace's ablations, steering vectors, replacements and SAE clamps (gpt2kit.trace), applied at
+    every position of every window."""
+    return _score(model, tokens, eot_token, stride, 0, edits=_edits(model, interventions))[0]
+
+
+def _edits(model, interventions):
+    if not interventions:
+        return None
+    from gpt2kit.trace.steering import prepare  # the trace wing loads only for a call that intervenes
+
+    return prepare(model, interventions)
 
 
 def score_tokens_top(model, tokens: list[int], top: int, *, eot_token: int = EOT_ID, stride: int | None = None,
@@ -69,8 +81,8 @@ def score_tokens_top(model, tokens: list[int], top: int, *, eot_token: int = EOT
 
 
 @torch.inference_mode()
-def _score(model, tokens: list[int], eot_token: int, stride: int | None, top: int, cache: PrefixCache | None = None
-           ) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
+def _score(model, tokens: list[int], eot_token: int, stride: int | None, top: int, cache: PrefixCache | None = None,
+           edits=None) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
     n_ctx = model.config.n_ctx
     stride = n_ctx // 2 if stride is None else stride
     if not 1 <= stride < n_ctx:
@@ -91,7 +103,8 @@ def _score(model, tokens: list[int], eot_token: int, stride: int | None, top: in
     while scored_to < len(seq):
         end = min(begin + n_ctx, len(seq))
         window = seq[begin:end]
-        logits = _forward(model, window, None, present=False)[0].float()  # (W, V); row k predicts seq[begin + k + 1]
+        with _applied(model, edits, len(window)):
+            logits = _forward(model, window, None, present=False)[0].float()  # (W, V): row k -> seq[begin + k + 1]
         logp = torch.log_softmax(logits[:-1], dim=-1)  # (W - 1, V)
         targets = window[1:]
         first = scored_to - begin - 1  # the row that predicts the first unscored position
@@ -157,7 +170,15 @@ def _forward(model, ids: torch.Tensor, past: torch.Tensor | None, *, present: bo
     return logits, cache.to_present() if present else None
 
 
-def score_text(model, tokenizer, text: str, *, stride: int | None = None) -> ScoreResult:
+def _applied(model, edits, n: int):
+    if edits is None:
+        return contextlib.nullcontext()
+    from gpt2kit.trace.steering import applied
+
+    return applied(model, edits, n)
+
+
+def score_text(model, tokenizer, text: str, *, stride: int | None = None, interventions=None) -> ScoreResult:
     tokens = tokenizer.encode(text)
-    logprobs = score_tokens(model, tokens, eot_token=tokenizer.eot_token, stride=stride)
+    logprobs = score_tokens(model, tokens, eot_token=tokenizer.eot_token, stride=stride, interventions=interventions)
     return ScoreResult(tokens, logprobs, len(text.encode("utf-8")))

@@ -24,13 +24,13 @@ from gpt2kit.cli.models import (
     register_tokenize,
 )
 from gpt2kit.cli.serve import register_serve
-from gpt2kit.cli.trace import register_trace
+from gpt2kit.cli.trace import register_steer, register_trace
 from gpt2kit.cli.train import register_prepare, register_train
 
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
     register_tokenize, register_detokenize, register_score, register_convert, register_info, register_prepare,
     register_train, register_generate, register_bench, register_trace, register_serve, register_quantize,
-    register_merge, register_check, register_explore,
+    register_merge, register_check, register_explore, register_steer,
 ]
 
 

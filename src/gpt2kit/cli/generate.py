@@ -20,6 +20,7 @@ from gpt2kit.cli.decoding import SKIPPED as _DECODING_SKIPPED
 from gpt2kit.cli.decoding import add_arguments as add_decoding_arguments
 from gpt2kit.cli.decoding import load_draft, print_beams, report_acceptance, with_early_stopping
 from gpt2kit.cli.load import add_model_args, add_quantize_arg, check_load_args, load_for
+from gpt2kit.cli.trace import add_intervention_args, interventions_for, parse_interventions
 from gpt2kit.sampling import SamplingSettings
 
 
@@ -42,9 +43,10 @@ def cmd_score(args: argparse.Namespace) -> int:
 
     text = read_text(args.file)
     check_load_args(args)  # before the model loads
+    items = parse_interventions(args)
     model, tok = load_for(args)
     args.status.show(f"scoring {len(text):,} characters")
-    result = score_text(model, tok, text, stride=args.stride)
+    result = score_text(model, tok, text, stride=args.stride, interventions=interventions_for(args, model, items))
     args.status.hide()
     if args.json:
         print(json.dumps(result.to_json()))
@@ -74,6 +76,7 @@ def register_score(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--stride", type=int, default=None, help="sliding-window stride for long texts (default n_ctx/2)")
     p.add_argument("--json", action="store_true", help='print {"tokens", "logprobs", "nll", "ppl"}')
+    add_intervention_args(p, generating=False)
     add_quantize_arg(p)
     p.set_defaults(func=cmd_score)
 
@@ -139,7 +142,7 @@ def _generate_and_print(model, tok, texts: list[str], settings, args: argparse.N
             out.header(0)
             drafted = accepted = 0
             for step in generate_stream(model, ids, settings, tokenizer=tok, batch_size=args.batch_size,
-                                        draft_model=args.draft):
+                                        draft_model=args.draft, interventions=args.interventions):
                 for d, a in step.drafts.values():
                     drafted, accepted = drafted + d, accepted + a
                 if bar is not None:
@@ -214,8 +217,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     for w in args.bad_words or ():
         bad_word_text(w, "--bad-words")  # before the model loads
+    items = parse_interventions(args)
+    if (items or args.sae) and (settings.num_beams > 1 or settings.contrastive):
+        raise CLIError("interventions apply to sampled or greedy generation, not beam or contrastive search")
     texts = _read_prompts(args.prompts_file) if args.prompts_file is not None else [args.prompt or ""]
     model, tok = load_for(args)
+    args.interventions = interventions_for(args, model, items)
     settings = _with_bad_words(settings, tok, args)
     args.draft = load_draft(args, model, tok)
     if not args.interactive:  # no prompt: unconditional samples from <|endoftext|>
@@ -261,5 +268,6 @@ def register_generate(sub: argparse._SubParsersAction) -> None:
                         '"tokens", "text", "finish_reason"} (indexes from 0)')
     p.add_argument("--interactive", "-i", action="store_true",
                    help="read prompts from stdin until EOF; Ctrl-C stops a sample, Ctrl-C at the prompt quits")
+    add_intervention_args(p, generating=True)
     add_quantize_arg(p)
     p.set_defaults(func=cmd_generate, sampling_fields=fields)

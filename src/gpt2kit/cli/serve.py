@@ -11,7 +11,7 @@ from gpt2kit.cli.common import CLIError, DefaultsShown, add_field_flags, field_v
 from gpt2kit.cli.load import add_model_args, add_quantize_arg, check_adapter, check_load_args
 from gpt2kit.serve.options import ServeOptions
 
-_BY_HAND = ("served_model_name", "chat_template", "allowed_hosts")
+_BY_HAND = ("served_model_name", "chat_template", "allowed_hosts", "steer_vectors", "saes")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -36,7 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"gpt2kit serve: warning: {w}", file=sys.stderr)
     hosts = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     opts = ServeOptions(**values, served_model_name=args.served_model_name or args.model, chat_template=template,
-                        allowed_hosts=hosts)
+                        allowed_hosts=hosts, steer_vectors=tuple(args.steer_vector), saes=tuple(args.sae))
     print(f"gpt2kit serve: loading {args.model} as {opts.served_model_name!r} on http://{args.host}:{args.port}"
           f" (/health answers 503 until it is ready)", file=sys.stderr, flush=True)
     serve(args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device, opts=opts,
@@ -57,5 +57,7 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allowed-hosts", default=None, metavar="NAMES", help=help["allowed_hosts"])
     p.add_argument("--served-model-name", default=None, help=help["served_model_name"])
     p.add_argument("--chat-template", default=None, metavar="FILE", help=help["chat_template"])
+    p.add_argument("--steer-vector", action="append", default=[], metavar="NAME=FILE", help=help["steer_vectors"])
+    p.add_argument("--sae", action="append", default=[], metavar="NAME=DIR", help=help["saes"])
     add_quantize_arg(p)
     p.set_defaults(func=cmd_serve, serve_fields=fields)

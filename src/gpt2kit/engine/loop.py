@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gpt2kit.engine.rows import Row, RowEvent, RowKey
+    from gpt2kit.engine.rows import Row, RowEdits, RowEvent, RowKey
     from gpt2kit.engine.scheduler import Engine
     from gpt2kit.sampling import SamplingSettings
 
@@ -55,10 +55,11 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def new_row(self, prompt: Sequence[int], settings: SamplingSettings, *, seed: int | None = None,
-                sample_index: int = 0, logprobs: int | None = None, key: RowKey | None = None) -> Row:
+                sample_index: int = 0, logprobs: int | None = None, key: RowKey | None = None,
+                edits: RowEdits | None = None) -> Row:
         """Engine.new_row (any thread: it only reads the model's config and device)."""
         return self.engine.new_row(prompt, settings, seed=seed, sample_index=sample_index, logprobs=logprobs,
-                                   key=key)
+                                   key=key, edits=edits)
 
     def new_beam_rows(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None
                       ) -> list[Row]:

@@ -33,6 +33,7 @@ import torch
 
 from gpt2kit.config import EOT_ID
 from gpt2kit.decode.step import prefill_ragged
+from gpt2kit.engine.rows import edited
 
 if TYPE_CHECKING:
     from gpt2kit.decode import Kernels
@@ -167,7 +168,19 @@ def prefill_slots(model: GPT2, pool: SlotPool, group: list[tuple[Joining, int]],
     pad = EOT_ID % model.config.n_vocab
     idx = torch.tensor([j.context[done:done + t] + [pad] * (T - t) for j, t in group], dtype=torch.long,
                        device=pool.kv.device)  # (b, T)
-    logits = prefill_ragged(model, idx, [t - 1 for _, t in group], cache, kernels)  # (b, V)
+    hooks = edited(model, [j.row for j, _ in group], _prompt_tokens(group, done, T))
+    if hooks is None:
+        logits = prefill_ragged(model, idx, [t - 1 for _, t in group], cache, kernels)  # (b, V)
+    else:
+        with hooks:  # on the model's own modules, where the hooks fire
+            logits = prefill_ragged(model, idx, [t - 1 for _, t in group], cache, None)
     for j, t in group:
         pool.prefilled(j.slot, done + t)
     return list(logits.split(1))
+
+
+def _prompt_tokens(group: list[tuple[Joining, int]], done: int, T: int) -> torch.Tensor:
+    """(b, T) bool: which of each chunk's tokens are its row's prompt tokens (a row prefilled again
+    after a full context has generated tokens in its window)."""
+    at = torch.arange(done, done + T)
+    return torch.stack([at + j.row.start < len(j.row.prompt) for j, _ in group])

@@ -1,8 +1,8 @@
 """A server's engine with speculative decoding: the plain engine (gpt2kit.engine.scheduler) and a
 speculative one (gpt2kit.engine.speculative) behind Engine's interface, each row sent to one.
 
-Eligible rows — greedy ones, not beams nor leased slots (so every response is exactly what the
-plain engine gives; sampled rows keep their seeded tokens there) whose prompt + max_new_tokens +
+Eligible rows — greedy ones, not beams, leased slots nor rows with interventions (so every response
+is exactly what the plain engine gives; sampled rows keep their seeded tokens there) whose prompt + max_new_tokens +
 draft tokens fit in the context (the speculative engine keeps the whole sequence) — speculate; the
 rest run as always.
 """
@@ -29,7 +29,7 @@ class RoutedEngine:
 
     def eligible(self, row: Row) -> bool:
         s = row.settings
-        return (row.beam is None and row.lease is None and s.greedy
+        return (row.beam is None and row.lease is None and row.edits is None and s.greedy
                 and len(row.prompt) + s.max_new_tokens + self.k <= self.n_ctx)
 
     def new_row(self, *args, **kw) -> Row:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import threading
     from collections import deque
     from collections.abc import Iterator
+
+    import torch
 
     from gpt2kit.engine.batch_cache import SlotPool
     from gpt2kit.engine.beam import Beam
@@ -19,6 +21,15 @@ if TYPE_CHECKING:
     from gpt2kit.kv_cache import KVCache
     from gpt2kit.sampling import SamplingSettings
     from gpt2kit.sampling.sampler import RowSampler
+
+
+class RowEdits(Protocol):
+    """What a row changes in the network while it runs (gpt2kit.trace.steering.Edits): a forward
+    holding such rows runs on the model's own modules inside hooks(model, rows' edits, prompt), where
+    prompt (B, T) says which of each row's tokens are prompt tokens."""
+
+    def hooks(self, model, rows: list[RowEdits | None], prompt: torch.Tensor) -> contextlib.AbstractContextManager:
+        ...
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,7 @@ class Row:
     accepted: int = 0
     beam: BeamGroup | None = None  # beam search: the group this slot belongs to
     lease: SlotLease | None = None  # a slot held for a search's own forwards (Engine.new_lease): never fed
+    edits: RowEdits | None = None  # interventions applied to its forwards
 
     @property
     def dropped(self) -> bool:
@@ -149,6 +161,14 @@ def fail(rows: list[Row], error: BaseException) -> list[RowEvent]:
     for row in rows:
         row.finish_reason, row.error = "error", error
     return [RowEvent.failed(row, error) for row in rows]
+
+
+def edited(model, rows: list[Row | None], prompt: torch.Tensor) -> contextlib.AbstractContextManager | None:
+    """The hooks of a forward over rows (None: a slot riding along) whose tokens are prompt tokens where
+    prompt (B, T) says; None when no row carries edits (the forward may then run on any kernel set)."""
+    edits = [None if r is None else r.edits for r in rows]
+    first = next((e for e in edits if e is not None), None)
+    return None if first is None else first.hooks(model, edits, prompt)
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ Legend: B rows in the batch, T (padded) context length, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -42,7 +43,7 @@ from gpt2kit.engine.batch_cache import SlotPool
 from gpt2kit.engine.beam_rows import BeamGroup, admit, choose_tokens, prefill_index
 from gpt2kit.engine.outputs import RowText, advance, token_logprobs
 from gpt2kit.engine.prefill import ChunkedPrefill, Joining
-from gpt2kit.engine.rows import Leases, Row, RowEvent, RowKey, SlotLease, requeued_on_error
+from gpt2kit.engine.rows import Leases, Row, RowEdits, RowEvent, RowKey, SlotLease, edited, requeued_on_error
 from gpt2kit.sampling import SamplingSettings
 from gpt2kit.sampling.sampler import RowSampler
 from gpt2kit.validate import check_int
@@ -105,7 +106,8 @@ class Engine:
     # -- rows in and out (any thread) --
 
     def new_row(self, prompt: Sequence[int], settings: SamplingSettings, *, seed: int | None = None,
-                sample_index: int = 0, logprobs: int | None = None, key: RowKey | None = None) -> Row:
+                sample_index: int = 0, logprobs: int | None = None, key: RowKey | None = None,
+                edits: RowEdits | None = None) -> Row:
         """A row for a prompt of valid token ids. seed: the run's seed (resolve_seed(settings) for
         one call); rows with equal (seed, sample_index) draw the same random numbers."""
         if settings.stop_strings and self.tokenizer is None:
@@ -115,7 +117,7 @@ class Engine:
         check_columns(len(prompt), settings.max_new_tokens, self.model.config.n_ctx, self.max_len)
         sampler = RowSampler(settings, prompt, self.model.config.n_vocab, seed, sample_index, self.device)
         text = RowText(self.tokenizer, settings.stop_strings) if self.tokenizer is not None else None
-        return Row(list(prompt), settings, sampler, text, logprobs, key or RowKey(sample_index=sample_index))
+        return Row(list(prompt), settings, sampler, text, logprobs, key or RowKey(0, 0, sample_index), edits=edits)
 
     def new_beam_rows(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None
                       ) -> list[Row]:
@@ -262,7 +264,7 @@ class Engine:
             sel = torch.tensor(self._slots, dtype=torch.long, device=tok.device)
             tok = torch.full((B,), EOT_ID % self.model.config.n_vocab, dtype=tok.dtype,
                              device=tok.device).index_copy_(0, sel, tok)
-        logits = decode_step(self.model, tok[:, None], cache, mask, self.kernels.step(B))  # (hi, V)
+        logits = feed_forward(self.model, self.kernels, by_slot(self.rows, self._slots, B), tok, cache, mask)
         self.pool.advance(self._slots, P)
         self._logits = logits if sel is None else logits[sel]
 
@@ -332,6 +334,23 @@ def sample_rows(rows: list[Row], logits: torch.Tensor
         if reason is None:
             keep.append(r)
     return tok, events, keep, src
+
+
+def feed_forward(model: GPT2, kernels: KernelSets, rows: list[Row | None], tok: torch.Tensor, cache, mask
+                 ) -> torch.Tensor:
+    """decode_step of tok (B,) over a step's slots (rows: the row at each, Row.edits its interventions);
+    with interventions, on the model's own forward inside their hooks (the fed tokens are generated ones)."""
+    hooks = edited(model, rows, torch.zeros(len(rows), 1, dtype=torch.bool))
+    with hooks or contextlib.nullcontext():
+        return decode_step(model, tok[:, None], cache, mask, None if hooks else kernels.step(len(rows)))  # (B, V)
+
+
+def by_slot(rows: list[Row], slots: list[int], B: int) -> list[Row | None]:
+    """The rows at their slots' batch indices of a step over B slots (None: a slot riding along)."""
+    out: list[Row | None] = [None] * B
+    for row, slot in zip(rows, slots, strict=True):
+        out[slot] = row
+    return out
 
 
 def in_slot_order(rows: list[Row], slots: list[int], logits: torch.Tensor

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import gpt2kit.serve.schemas as S
 import gpt2kit.serve.search as search
 from gpt2kit.serve.errors import APIError, error_body
+from gpt2kit.serve.interventions import edits_for
 from gpt2kit.serve.job import Choice, Job
 from gpt2kit.serve.lifecycle import DISCONNECTED, SHUTDOWN
 from gpt2kit.serve.limits import check_work, logit_bias_ids, request_share, work_tokens
@@ -57,6 +58,10 @@ def plan(server: Server, body: S.CompletionRequest, more_stops: tuple[str, ...] 
     if best_of < n:
         raise APIError(400, f"best_of ({best_of}) must be >= n ({n})", param="best_of")
     kind = search.method(body)  # beam or contrastive search, or None
+    edits = edits_for(server, body)
+    if edits is not None and (kind or (echo and body.logprobs is not None)):
+        raise APIError(400, "interventions apply to sampled or greedy rows, not to beam or contrastive search nor to "
+                            "echoed prompt log-probs", param="interventions")
     per_prompt = search.check(server, body, kind, n, best_of) if kind else best_of  # rows per prompt
     if not kind and body.stream and best_of > n:
         raise APIError(400, "best_of cannot be streamed: drop stream or best_of", param="best_of")
@@ -102,7 +107,7 @@ def plan(server: Server, body: S.CompletionRequest, more_stops: tuple[str, ...] 
         for i, p in enumerate(prompts):
             for j in range(best_of):
                 row = loop.new_row(p, settings, seed=seed, sample_index=j, logprobs=want,
-                                   key=RowKey(i * best_of + j, i, j, owner=job))
+                                   key=RowKey(i * best_of + j, i, j, owner=job), edits=edits)
                 job.rows.append(row)
                 job.choices[row] = Choice(i, j)
         job.pending = set(job.rows)

@@ -72,6 +72,13 @@ class ServeOptions:
     draft_tokens: int = _setting(4, "tokens --draft-model proposes per step (1 .. 64)", metavar="K")
     prompt_lookup: int = _setting(0, "every greedy request drafts up to N tokens per step from n-gram matches in its "
                                      "context (0 = off; at most 64)", metavar="N")
+    # Interventions a request may carry (serve/interventions.py; docs/serving.md)
+    allow_interventions: bool = _setting(False, "accept a request's `interventions` (head ablations, steering "
+                                                "vectors and SAE clamps named from --steer-vector and --sae)")
+    max_interventions: int = _setting(8, "interventions one request may carry at most (default 8)", metavar="N")
+    # NAME=FILE / NAME=DIR pairs: the only vectors and SAEs a request can name
+    steer_vectors: tuple[str, ...] = _setting((), "a steering vector requests may name: NAME=FILE.npy (repeatable)")
+    saes: tuple[str, ...] = _setting((), "an SAE (SAELens's format) requests may clamp: NAME=DIR (repeatable)")
 
     def __post_init__(self) -> None:
         check_int("ServeOptions.max_batch", self.max_batch, ">= 1", lambda v: v >= 1)
@@ -96,5 +103,13 @@ class ServeOptions:
         self.allowed_hosts = tuple(self.allowed_hosts)
         check_int("ServeOptions.draft_tokens", self.draft_tokens, "in [1, 64]", lambda v: 1 <= v <= 64)
         check_int("ServeOptions.prompt_lookup", self.prompt_lookup, "in [0, 64] (0 = off)", lambda v: 0 <= v <= 64)
+        check_int("ServeOptions.max_interventions", self.max_interventions, "in [1, 64]", lambda v: 1 <= v <= 64)
+        self.steer_vectors, self.saes = tuple(self.steer_vectors), tuple(self.saes)
+        for what, pairs in (("steer_vectors", self.steer_vectors), ("saes", self.saes)):
+            names = [p.partition("=")[0] for p in pairs]
+            bad = [p for p in pairs if not (p.partition("=")[0] and p.partition("=")[2]) or ":" in p.partition("=")[0]]
+            if bad or len(set(names)) < len(names):
+                raise ValueError(f"ServeOptions.{what}: each is NAME=PATH with a unique NAME (no ':'), got "
+                                 f"{bad or names}")
         if self.draft_model is not None and self.prompt_lookup:
             raise ValueError("ServeOptions: draft from a draft model or by prompt lookup, not both")

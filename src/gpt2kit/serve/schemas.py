@@ -22,6 +22,7 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 Prompt = str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
 Stop = str | Annotated[list[str], Field(max_length=4)] | None
 MAX_BAD_WORDS, MAX_SUPPRESS = 256, 4096  # entries of bad_words and suppress_tokens in one request
+MAX_INTERVENTIONS, MAX_SPEC = 64, 256  # interventions[] entries and characters (the server's own bound is lower)
 
 
 class StreamOptions(BaseModel):
@@ -84,6 +85,12 @@ class Extensions(BaseModel):
                           "none can improve) or \"never\", transformers' meanings (default false)")
     penalty_alpha: float | None = Field(None, ge=0, le=1, description="extension (transformers'): contrastive search "
                                         "over top_k > 1 candidates (0 = off); deterministic, n 1, not streamed")
+    interventions: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_SPEC)]],
+                             Field(max_length=MAX_INTERVENTIONS)] | None = Field(
+        None, description="extension: changes to the network while this request's rows run, as gpt2kit generate's "
+                          "flags write them: 'NAME' (zero it, e.g. h.9.attn.head.9), 'NAME:VECTOR*SCALE' (add a vector "
+                          "the server was given with --steer-vector), 'clamp:SAE:FEATURE=VALUE' (an SAE given with "
+                          "--sae); only on a server started with --allow-interventions")
 
     def warper_settings(self, tokenizer, n_vocab: int, max_tokens: int) -> dict:
         """The SamplingSettings fields of the warper and constraint extensions; ValueError (a 400)

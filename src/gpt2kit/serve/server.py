@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from gpt2kit.prefix_cache import PrefixCache
 from gpt2kit.serve.errors import APIError
+from gpt2kit.serve.interventions import Library
 from gpt2kit.serve.lifecycle import Lifecycle
 from gpt2kit.serve.memory import HeapTrim, bound_kernel_caches
 from gpt2kit.serve.metrics import Metrics
@@ -42,6 +43,7 @@ class Server:
         self.chat_template: str | None = None  # /v1/chat/completions' template and its stops (serve/template.py)
         self.chat_stops: tuple[str, ...] = ()
         self.engine_loop: EngineLoop | None = None
+        self.library = Library()  # the vectors and SAEs requests may name (serve/interventions.py)
         self.ready = False
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
@@ -77,6 +79,7 @@ class Server:
                                   prefill_chunk=o.prefill_chunk, prefill_idle_budget=o.prefill_idle_budget)
             self.engine_loop = EngineLoop(engine, self._on_events, self._on_error,
                                           admission_window=o.admission_window, tidy=HeapTrim()).start()
+            self.library = Library.load(o, model)  # a bad vector or SAE fails the start-up, naming its flag
             self.chat_template, self.chat_stops, source = resolve_template(o.chat_template, tokenizer)
             log.info("chat template: %s", source)
             self.model, self.tokenizer = model, tokenizer

@@ -23,6 +23,8 @@ from gpt2kit.trace.api import Trace, trace
 from gpt2kit.trace.intervene import Intervention, ablate, hook, replace, steer
 from gpt2kit.trace.points import ALIASES, run_with_hooks
 from gpt2kit.trace.record import GROUPS, KINDS, attention_from_qk, parse_layers, parse_what, run_hooked
+from gpt2kit.trace.steering import Clamp, Interventions, clamp
 
-__all__ = ["ALIASES", "GROUPS", "KINDS", "Intervention", "Trace", "ablate", "attention_from_qk", "hook", "parse_layers",
-           "parse_what", "replace", "run_hooked", "run_with_hooks", "steer", "trace"]
+__all__ = ["ALIASES", "GROUPS", "KINDS", "Clamp", "Intervention", "Interventions", "Trace", "ablate",
+           "attention_from_qk", "clamp", "hook", "parse_layers", "parse_what", "replace", "run_hooked",
+           "run_with_hooks", "steer", "trace"]

@@ -20,6 +20,7 @@ import torch
 
 from gpt2kit._io import check_input
 from gpt2kit.trace.points import PER_HEAD, resolve
+from gpt2kit.trace.vectors import check_fits, read_meta
 
 KINDS = ("zero", "mean", "replace", "add", "fn")
 
@@ -38,6 +39,7 @@ class Intervention:
     value: Any = None  # replace / add: the slice at one position, or one per selected position
     scale: float = 1.0
     fn: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    made_on: dict | None = None  # a saved vector's metadata (gpt2kit.trace.vectors): the model it fits
 
     def label(self) -> str:
         at = self.name + (f".head.{self.head}" if self.head is not None and ".head." not in self.name else "")
@@ -149,7 +151,7 @@ def parse_steer(spec: str) -> Intervention:
         raise ValueError(f"--steer {spec!r}: the scale after * is a number, not {scale!r}") from None
     check_scale(s, f"--steer {spec!r}")
     name, pos = _name_positions(head)
-    iv = Intervention(name, "add", positions=pos, value=_load_vector(path), scale=s)
+    iv = Intervention(name, "add", positions=pos, value=_load_vector(path), scale=s, made_on=read_meta(path))
     _value(iv)  # scale x vector overflowing float32 fails here, before the model loads
     return iv
 
@@ -202,6 +204,7 @@ def resolve_all(model, interventions: Sequence[Intervention], T: int) -> list[Re
             if head is not None and head != iv.head:
                 raise ValueError(f"{iv.name!r} names head {head}, and head={iv.head} was given too")
             _, head = resolve(f"{name}.head.{iv.head}", cfg.n_layer, cfg.n_head)
+        check_fits(iv.made_on, model, iv.label())
         positions = None
         if iv.positions is not None:
             bad = [p for p in iv.positions if not -T <= p < T]

@@ -115,16 +115,29 @@ class SAE:
     def reconstruct(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(feature activations (T, F), reconstruction (T, D)) of (T, D) activations."""
         f, state = self._encode(x)
+        return f, self._decode(f, state)
+
+    def _decode(self, f: torch.Tensor, state: tuple) -> torch.Tensor:
+        """(T, F) feature activations -> (T, D), undoing the input's normalisation (`state`, from _encode)."""
         if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
-            f_dec = f / self.W_dec.norm(dim=-1)
-        else:
-            f_dec = f
-        out = f_dec @ self.W_dec + self.b_dec
+            f = f / self.W_dec.norm(dim=-1)
+        out = f @ self.W_dec + self.b_dec
         if state[0] == "scale":
             out = out / state[1]
         elif state[0] == "ln":
             out = out * state[2] + state[1]
-        return f, out
+        return out
+
+    @torch.no_grad()
+    def clamp_delta(self, x: torch.Tensor, features: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """What clamping `features` (K,) to `values` (K,) adds to what the SAE reads, (..., T, D) (read()):
+        decode(clamped) - decode(features), i.e. the clamped reconstruction with the error term
+        (x - reconstruction) kept, minus x (sae-lens's use_error_term). Clamping a feature to its own
+        value adds exactly 0."""
+        f, state = self._encode(x)
+        g = f.clone()
+        g[..., features] = values.to(g)
+        return self._decode(g, state) - self._decode(f, state)
 
 
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "true/false", type(None): "null"}
