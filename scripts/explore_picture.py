@@ -23,8 +23,8 @@ def render(model_path: str, png: Path, *, text: str, width: int, height: int, ch
     from playwright.sync_api import sync_playwright
 
     from gpt2kit import load_model, load_tokenizer
+    from gpt2kit.serve.explore_app import bind, server_for
     from gpt2kit.trace.explore import Explorer
-    from gpt2kit.trace.explore_app import bind, server_for
 
     sock = bind(0)
     server = server_for(Explorer(load_model(model_path), load_tokenizer(model_path), name=Path(model_path).name))

@@ -26,8 +26,8 @@ from gpt2kit.trace import ablate, trace
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
 
+from gpt2kit.serve.explore_app import create_app
 from gpt2kit.trace.explore import Explorer
-from gpt2kit.trace.explore_app import create_app
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "When Mary and John went to the store, John gave a drink to"
@@ -243,7 +243,7 @@ def test_cli_explore_bad_port_and_port_in_use(model_dir):
                        capture_output=True, text=True, timeout=120, env=ENV)
     assert p.returncode != 0 and error_lines(p.stderr) == ["gpt2kit explore: error: --port must be in [0, 65535], "
                                                            "got 70000"]
-    from gpt2kit.trace.explore_app import bind
+    from gpt2kit.serve.explore_app import bind
 
     sock = bind(0)
     try:

@@ -39,8 +39,8 @@ def model():
 @contextlib.contextmanager
 def explorer(model):
     """The app on a free 127.0.0.1 port in a thread, stopped on the way out."""
+    from gpt2kit.serve.explore_app import bind, server_for
     from gpt2kit.trace.explore import Explorer
-    from gpt2kit.trace.explore_app import bind, server_for
 
     sock = bind(0)
     server = server_for(Explorer(model, Tokenizer.default(), name="small"))

@@ -22,8 +22,8 @@ def cmd_explore(args: argparse.Namespace) -> int:
         raise CLIError(f"--port must be in [0, 65535], got {args.port}")
     check_load_args(args)  # before the model loads
     check_adapter(args)
+    from gpt2kit.serve.explore_app import bind, server_for
     from gpt2kit.trace.explore import Explorer
-    from gpt2kit.trace.explore_app import bind, server_for
 
     sock = bind(args.port)  # a port in use fails before the model loads
     try:

@@ -7,7 +7,7 @@ reads the same Trace (gpt2kit.trace.stages), and generation runs the model with 
 token per step at the position the cache's length gives. One lock serialises every use of the
 model: the trace's hooks sit on the model's own modules while it records.
 
-Routes (gpt2kit.trace.explore_app; JSON in and out, a bad value is a 400 naming it):
+Routes (gpt2kit.serve.explore_app; JSON in and out, a bad value is a 400 naming it):
   GET  /                 the page
   GET  /api/info         the model's name and shape
   POST /api/trace        {text} -> ids, tokens and the report's HTML
