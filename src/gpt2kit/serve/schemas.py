@@ -156,7 +156,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(Extensions, _SamplingRequest):
-    """POST /v1/chat/completions: the messages rendered by the chat template (serve/chat.py) are
+    """POST /v1/chat/completions: the messages rendered by the chat template (serve/template.py) are
     completed as /v1/completions completes a prompt, with the same extensions and checks."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
