@@ -1,5 +1,5 @@
-"""/v1/chat/completions (serve/chat.py) against the official openai client and raw SSE, on loopback, with
-a tiny random model saved and loaded through the real checkpoint loader: the template in use (the
+"""/v1/chat/completions (serve/chat.py, serve/template.py) against the official openai client and raw
+SSE, on loopback, with a tiny random model saved and loaded through the real checkpoint loader: the template in use (the
 default transcript, the model's own, --chat-template's), and chat completions whole and streamed,
 each compared with /v1/completions on the rendered prompt."""
 

@@ -224,6 +224,17 @@ def test_the_model_file_imports_no_io_and_no_speed_path():
 
 
 
+def test_a_package_face_only_hands_names_on():
+    # An __init__.py holds imports, __all__ and the like, and at most PEP 562's lazy __getattr__ and
+    # __dir__: a class or function of its own lives in a module of the package.
+    own = {f"{path.relative_to(SRC)}: {node.name}"
+           for path in SRC.rglob("__init__.py")
+           for node in ast.parse(path.read_text(encoding="utf-8")).body
+           if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+           and node.name not in ("__getattr__", "__dir__")}
+    assert not own, f"move these into a module of their package: {sorted(own)}"
+
+
 # --- size: a room of one job fits in one reading (STYLE.md) ----------------------------------
 
 MAX_MODULE_LINES, MAX_CLASS_LINES = 450, 200

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt2kit.config import LORA_BIASES
+from gpt2kit.quant.modules import is_quantized
 
 # Our module names inside a block, the matrices LoRA can adapt.
 TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -177,8 +178,6 @@ def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, *, dropo
     to rank (scaling 1). `ranks` / `scalings` give some modules (our names, "h.3.mlp.c_fc") their own
     rank or scaling (peft's rank_pattern / alpha_pattern). `tokens`: embedding rows trained beside
     them (TrainableTokens; peft's trainable_token_indices)."""
-    from gpt2kit.quant.modules import is_quantized
-
     if is_quantized(model):
         raise ValueError("LoRA on an int8-quantized model is not supported: adapt the float model (and "
                          "quantize after merging)")

@@ -29,6 +29,7 @@ from gpt2kit.bench.timing import synced, trial
 from gpt2kit.checkpoint.keymap import to_hf_state
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import prefill, use_decode_layout
+from gpt2kit.decode.layout import huge_pages_available, on_huge_pages
 from gpt2kit.generation import generate
 from gpt2kit.kv_cache import KVCache
 from gpt2kit.machine import cpu_info
@@ -114,8 +115,6 @@ def memory_bandwidth(trials: int = 5, device: torch.device | str = "cpu") -> flo
     device = torch.device(device)
     n = 2**28
     if device.type == "cpu":
-        from gpt2kit.decode.layout import huge_pages_available, on_huge_pages
-
         # filled in place on huge pages: no second GiB written first on ordinary pages
         x = on_huge_pages(torch.ones(1).expand(n)) if huge_pages_available() else torch.ones(n)
     else:

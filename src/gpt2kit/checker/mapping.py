@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from gpt2kit._io import read_bytes
 from gpt2kit.checker.learner import LearnerError
 from gpt2kit.checkpoint.keymap import hf_to_ours
 from gpt2kit.config import GPT2Config
@@ -91,8 +92,6 @@ def read_mapping(source: str | os.PathLike[str] | dict | None) -> dict[str, tupl
         return {}
     where = "the mapping"
     if not isinstance(source, dict):
-        from gpt2kit._io import read_bytes
-
         where = os.fspath(source)
         try:
             source = json.loads(read_bytes(source).decode("utf-8"))

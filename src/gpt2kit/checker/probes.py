@@ -16,6 +16,7 @@ from torch import nn
 import gpt2kit.checker.learner as lr
 from gpt2kit.checker.diagnose import best_match, ln_candidates
 from gpt2kit.checker.stages import StageResult, close, max_abs
+from gpt2kit.trace.points import edit_hooks
 
 CACHE_LABEL = "cache: 2 pieces = whole"
 EPS_LABEL = "layernorm eps (low-variance input)"
@@ -71,8 +72,6 @@ def cache_check(model: nn.Module, ids: torch.Tensor, whole: torch.Tensor, label:
 @torch.no_grad()
 def cache_diagnosis(model: nn.Module, ref_model, ids: torch.Tensor, label: str, tol: float) -> str:
     """Why the pieces differ: the second piece compared with the reference's second piece done wrong."""
-    from gpt2kit.trace.points import edit_hooks
-
     T = ids.shape[1]
     k = T - max(1, T // 3)
     got = _pieces(model, ids, k, label)

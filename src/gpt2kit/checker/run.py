@@ -21,6 +21,7 @@ from gpt2kit.checker.mapping import load_weights, read_mapping
 from gpt2kit.checker.probes import CACHE_LABEL, EPS_LABEL, cache_check, cache_diagnosis, eps_probe
 from gpt2kit.checker.report import CheckReport
 from gpt2kit.checker.stages import Recorder, compare, find_points, max_abs, reference_stages, seeded, stage_table
+from gpt2kit.checkpoint import load_model
 from gpt2kit.model import GPT2
 
 TOLERANCE = 1e-4
@@ -30,8 +31,6 @@ def _reference(model: str | os.PathLike[str] | GPT2) -> tuple[GPT2, str]:
     if isinstance(model, GPT2):
         ref, name = model, "the given model"
     else:
-        from gpt2kit.checkpoint import load_model
-
         ref, name = load_model(model, dtype=torch.float32, device="cpu"), os.fspath(model)
     state = ref.state_dict()
     if not all(t.dtype == torch.float32 for t in state.values()) or "wte.weight" not in state:

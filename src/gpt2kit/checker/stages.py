@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from gpt2kit.checker.mapping import WeightMap
+from gpt2kit.trace.points import edit_hooks
 
 
 @dataclass(frozen=True)
@@ -155,8 +156,6 @@ class Recorder:
 @torch.no_grad()
 def reference_stages(model, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The reference's value at every stage's hook point, and its logits, for ids (B, T)."""
-    from gpt2kit.trace.points import edit_hooks
-
     names = ["resid.0", "ln_f"]
     for i in range(model.config.n_layer):
         names += [f"h.{i}.ln_1", f"h.{i}.attn.out", f"h.{i}.resid_mid", f"h.{i}.ln_2", f"h.{i}.mlp.out",

@@ -41,11 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from gpt2kit._io import atomic_directory, atomic_write_path, atomic_write_text
 from gpt2kit.checkpoint.adapter_config import ADAPTER_CONFIG, AdapterSettings, pattern_value, read_settings, shown
 from gpt2kit.checkpoint.contract import check_finite
 from gpt2kit.checkpoint.errors import CheckpointError
-from gpt2kit.lora import TARGETS
+from gpt2kit.lora import TARGETS, TrainableTokens, apply_lora, bias_names, lora_modules
 
 if TYPE_CHECKING:
     import torch
@@ -92,10 +95,6 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike[str], *, base: s
     """Write the model's LoRA adapters as peft writes them (replacing the directory's adapter files
     atomically; other files in it are kept); `bias` is peft's option, and the biases it names are
     saved with them."""
-    from safetensors.torch import save_file
-
-    from gpt2kit.lora import TrainableTokens, bias_names, lora_modules
-
     modules = lora_modules(model)
     if not modules:
         raise ValueError("the model has no LoRA adapters to save (gpt2kit.lora.apply_lora adds them)")
@@ -148,8 +147,6 @@ def read_adapter(directory: str | os.PathLike[str]) -> Adapter:
 
 def _read_tensors(weights: Path) -> dict[str, torch.Tensor]:
     """adapter_model.safetensors' tensors, every floating one finite (as the model loader checks its own)."""
-    from safetensors.torch import load_file
-
     if not weights.is_file():
         raise FileNotFoundError(f"{weights.parent}: no {ADAPTER_WEIGHTS} (a .bin adapter is not read; peft writes "
                                 "safetensors)")
@@ -313,8 +310,6 @@ def _check_values(model: nn.Module, ad: Adapter, merge: bool) -> None:
 
 def _replace_biases(model: nn.Module, biases: dict[str, torch.Tensor]) -> None:
     """Copy an adapter's trained biases over the model's (the names and shapes already checked)."""
-    import torch
-
     with torch.no_grad():
         for name, t in biases.items():
             p = model.get_parameter(name)
@@ -323,8 +318,6 @@ def _replace_biases(model: nn.Module, biases: dict[str, torch.Tensor]) -> None:
 
 def _merge(model: nn.Module, ad: Adapter) -> None:
     """The trained rows over the base's (the tied head reads them too), and each matrix merged."""
-    import torch
-
     with torch.no_grad():
         if ad.tokens is not None:
             w = model.wte.weight
@@ -336,10 +329,6 @@ def _merge(model: nn.Module, ad: Adapter) -> None:
 
 def _add_modules(model: nn.Module, ad: Adapter) -> None:
     """The adapter as LoRALinear modules (and TrainableTokens) holding its tensors."""
-    import torch
-
-    from gpt2kit.lora import apply_lora, lora_modules
-
     targets = sorted({m.split(".", 2)[2] for m in ad.tensors}, key=TARGETS.index)
     missing = [f"h.{i}.{t}" for i in range(len(model.h)) for t in targets if f"h.{i}.{t}" not in ad.tensors]
     ranks = {m: a.shape[0] for m, (a, _) in ad.tensors.items()}

@@ -21,6 +21,8 @@ import torch
 
 import gpt2kit.checkpoint.hf as hf
 import gpt2kit.checkpoint.quantized as quantized
+from gpt2kit._io import no_space_error, out_of_space, same_path
+from gpt2kit.checkpoint.adapter import apply_adapter, read_adapter
 from gpt2kit.checkpoint.contract import TensorInfo, check, check_finite
 from gpt2kit.checkpoint.errors import CheckpointError
 from gpt2kit.checkpoint.info import describe, holds_model, read_checked_header, reader
@@ -29,7 +31,7 @@ from gpt2kit.config import GPT2Config
 from gpt2kit.decode.layout import use_decode_layout
 from gpt2kit.devices import resolve_device, resolve_dtype
 from gpt2kit.model import GPT2
-from gpt2kit.quant.modules import is_quantized
+from gpt2kit.quant.modules import SCALE_DTYPES, check_scheme, is_quantized, quantize_model, weight_bytes
 from gpt2kit.tokenizer import Tokenizer
 
 __all__ = ["HUB_NAMES", "describe", "holds_model", "load_model", "load_state", "load_tokenizer",
@@ -95,8 +97,6 @@ def load_model(name_or_path: str | os.PathLike[str], *, dtype: torch.dtype | str
                  f" once cast to {str(dtype).removeprefix('torch.')} (out of its range)")
     model.load_state_dict(cast, strict=True, assign=True)
     if adapter is not None:
-        from gpt2kit.checkpoint.adapter import apply_adapter
-
         apply_adapter(model, adapter, merge=True)
     return use_decode_layout(model.eval())  # the layout CPU decode kernels read fastest (decode/layout.py)
 
@@ -135,8 +135,6 @@ def quantize_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str]
     `src` (through a symlink or another spelling too) even with `overwrite`, since the float
     weights would be lost. `progress`, if given, is called with each stage's name (the CLI's
     status line). Returns {"path", "float_bytes", "int8_bytes"}."""
-    from gpt2kit.quant.modules import SCALE_DTYPES, check_scheme, quantize_model, weight_bytes
-
     check_scheme(scheme)
     if scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"unknown scale dtype {scale_dtype!r}; valid choices: {', '.join(SCALE_DTYPES)}")
@@ -168,9 +166,6 @@ def merge_adapter(base: str | os.PathLike[str], adapter: str | os.PathLike[str],
     Refused before anything is loaded: dst holding a model unless overwrite, and dst being the base
     or the adapter directory (whose files would be replaced). A full disk is said about dst, which
     is left as it was (atomic_directory)."""
-    from gpt2kit._io import no_space_error, out_of_space, same_path
-    from gpt2kit.checkpoint.adapter import read_adapter
-
     out = Path(dst).expanduser()
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{dst}: exists and is not a directory")
@@ -191,8 +186,6 @@ def merge_adapter(base: str | os.PathLike[str], adapter: str | os.PathLike[str],
 
 
 def _refuse_same(src: Path, out: Path, dst: str | os.PathLike[str]) -> None:
-    from gpt2kit._io import same_path
-
     if same_path(src, out):
         raise ValueError(f"{dst} is the source being quantized; its float weights would be lost: "
                          "write to another directory")

@@ -21,6 +21,9 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from gpt2kit._io import atomic_directory, atomic_write, atomic_write_text
 from gpt2kit.checkpoint.contract import check_finite
@@ -45,9 +48,6 @@ def read_state(path: Path) -> tuple[GPT2Config, dict, dict[str, torch.Tensor]]:
     """(config, scheme, state dict) of a quantized directory: the header checked against the config
     first (int8_format.read_header), then every tensor read and checked to be finite, and every
     scale positive with 127 x scale finite in float32 (the weights it stands for)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     config, scheme, infos = read_header(path)
     file = path / WEIGHTS
     try:
@@ -90,8 +90,6 @@ def save(model, directory: str | os.PathLike[str], tokenizer=None) -> Path:
     As every directory save (`_io.atomic_directory`): the files are written into a sibling directory
     that replaces `directory` in one step, so an existing model there (float or int8) is replaced
     whole or, on any failure, left as it was; files that are not part of a model are carried over."""
-    from safetensors.torch import save as safetensors_bytes
-
     scheme = quantization(model)
     assert scheme is not None, "save() is for quantized models"
     cfg: GPT2Config = model.config

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import errno
 import os
+import stat
 from pathlib import Path
 
 import gpt2kit.checkpoint.hf as hf
@@ -56,8 +57,6 @@ def resolve_source(name_or_path: str | os.PathLike[str]) -> tuple[str, Path]:
 
 
 def _is_dir(st: os.stat_result) -> bool:
-    import stat
-
     return stat.S_ISDIR(st.st_mode)
 
 

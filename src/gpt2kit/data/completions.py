@@ -29,6 +29,7 @@ import numpy as np
 
 from gpt2kit._io import atomic_write
 from gpt2kit.data import DEFAULT_SHUFFLE_SEED, MAX_SHARD_TOKENS, PrepareSummary, RandomWindowLoader, write_shard
+from gpt2kit.tokenizer import Tokenizer
 
 MASK_SUFFIX = ".mask.npy"
 IGNORE = -100  # the target value the loss skips (gpt2kit.train.loss's ignore_index)
@@ -91,8 +92,6 @@ def prepare_completions(inputs: Sequence[str | os.PathLike[str]], out_dir: str |
 
     Examples are shuffled by shuffle_seed (None: file order) and the first ceil(val_fraction * n)
     go to validation, as `prepare` does with documents."""
-    from gpt2kit.tokenizer import Tokenizer
-
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if not 1 <= shard_size <= MAX_SHARD_TOKENS:

@@ -6,9 +6,11 @@ import collections
 import contextlib
 import multiprocessing as mp
 import pickle
+import queue
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from multiprocessing.connection import wait
 from typing import Any
 
 import numpy as np
@@ -129,8 +131,6 @@ def _sigint_blocked() -> Iterator[None]:
 def _ordered(tasks: Iterable[Task], procs: list, conns: list) -> Iterator[Result]:
     """Every task's result in task order: chunks go to whichever worker is free, at most 2 at a
     worker and 4 per worker in all (results waiting for an earlier chunk included)."""
-    from multiprocessing.connection import wait
-
     tasks = iter(tasks)  # a list too (a shuffled run's): each chunk takes the next tasks
     chunks = enumerate(iter(lambda: [t for _, t in zip(range(_CHUNK), tasks, strict=False)], []))
     pending: list[collections.deque] = [collections.deque() for _ in procs]  # per worker: (chunk, its first path)
@@ -178,9 +178,6 @@ def _serve(conn) -> None:
     """A worker: chunks of tasks in, their results out, until None or the parent's end closes. A
     thread takes the chunks in as they come, so the parent's send never waits on this process
     sending a result (each side would wait on the other with both pipes full)."""
-    import queue
-    import threading
-
     init_worker(ignore_sigint=True)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
 

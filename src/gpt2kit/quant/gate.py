@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from gpt2kit._io import check_input
+from gpt2kit.data.shard import find_shards, read_shard
 from gpt2kit.quant.modules import activations, quality, set_activations
 
 LIMITS = {"ppl_rise": 0.02, "agree": 0.97}
@@ -110,8 +111,6 @@ def read_windows(path: str | Path, tokenizer, n_ctx: int, n_vocab: int) -> torch
     """Held-out windows (N, T) from `path`: a directory of prepared shards (val_*.bin), one .bin shard,
     or a UTF-8 text file; one error naming the path when it is none of them (missing, or a FIFO or a
     device: _io.check_input, which never opens it) or holds ids >= n_vocab."""
-    from gpt2kit.data.shard import find_shards, read_shard
-
     path = check_input(path, "--gate-data", directory=True)
     if path.is_dir():
         tokens = torch.cat([torch.from_numpy(read_shard(f).astype("int64")) for f in find_shards(path, "val")])

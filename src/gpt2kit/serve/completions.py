@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import gpt2kit.serve.schemas as S
 import gpt2kit.serve.search as search
+from gpt2kit.sampling import EOT_ID, SamplingSettings
 from gpt2kit.serve.errors import APIError, error_body
 from gpt2kit.serve.interventions import edits_for
 from gpt2kit.serve.job import Choice, Job
@@ -119,8 +120,6 @@ def plan(server: Server, body: S.CompletionRequest, more_stops: tuple[str, ...] 
 def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int, tokenizer, kind: str | None, n: int,
               best_of: int, more_stops: tuple[str, ...] = ()):
     """The request's SamplingSettings (with kind: its search's); a value they refuse is a 400."""
-    from gpt2kit.sampling import EOT_ID, SamplingSettings
-
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if any(not s for s in stops):
         raise APIError(400, "stop strings must not be empty", param="stop")

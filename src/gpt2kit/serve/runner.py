@@ -32,7 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from gpt2kit.checkpoint import load_model, load_tokenizer
 from gpt2kit.config import check_scheme
 from gpt2kit.quant.gate import gate_activations
-from gpt2kit.quant.modules import quantize_model
+from gpt2kit.quant.modules import quantization, quantize_model
 from gpt2kit.serve.app import create_app
 from gpt2kit.serve.errors import error_body
 from gpt2kit.serve.options import ServeOptions
@@ -131,8 +131,6 @@ class GracefulServer(uvicorn.Server):
         return False
 
     def _describe(self) -> str:
-        from gpt2kit.quant.modules import quantization
-
         model = self.state.model
         w = model.wpe.weight  # never quantized: the compute dtype
         q = quantization(model)

@@ -16,6 +16,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpt2kit.sampling import bad_words_ids
+from gpt2kit.validate import SettingError
+
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -95,9 +98,6 @@ class Extensions(BaseModel):
     def warper_settings(self, tokenizer, n_vocab: int, max_tokens: int) -> dict:
         """The SamplingSettings fields of the warper and constraint extensions; ValueError (a 400)
         naming the field and its limit."""
-        from gpt2kit.sampling import bad_words_ids
-        from gpt2kit.validate import SettingError
-
         if self.min_tokens is not None and self.min_tokens > max_tokens:
             raise SettingError(f"min_tokens must be an integer in [0, max_tokens={max_tokens}], got {self.min_tokens}",
                                "min_tokens")
@@ -163,7 +163,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(Extensions, _SamplingRequest):
-    """POST /v1/chat/completions: the messages rendered by the chat template (serve/chat.py) are
+    """POST /v1/chat/completions: the messages rendered by the chat template (serve/template.py) are
     completed as /v1/completions completes a prompt, with the same extensions and checks."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gpt2kit.sampling import MAX_BEAMS, check_deterministic
 from gpt2kit.serve.errors import APIError
 
 if TYPE_CHECKING:
@@ -73,15 +74,11 @@ def method(body: S.CompletionRequest) -> str | None:
 
 def width_limit(max_batch: int) -> int:
     """The widest search (beams, or contrastive candidates, per prompt) a server of max_batch runs."""
-    from gpt2kit.sampling import MAX_BEAMS
-
     return min(MAX_BEAMS, max(1, max_batch // 2))
 
 
 def check(server: Server, body: S.CompletionRequest, kind: str, n: int, best_of: int) -> int:
     """The checks a search adds (400s naming the field); returns its rows per prompt."""
-    from gpt2kit.sampling import MAX_BEAMS
-
     if body.stream:
         raise APIError(400, f"stream is not defined for {kind}: the result is known only at the end; drop stream",
                        param="stream")
@@ -118,8 +115,6 @@ def settings_fields(body: S.CompletionRequest, kind: str | None, n: int, best_of
 def check_settings(kind: str | None, settings: SamplingSettings) -> None:
     """What a beam width of 1 escapes in SamplingSettings (num_beams 1 is no beam search there):
     the same refusals (ValueError) as any beam search."""
-    from gpt2kit.sampling import check_deterministic
-
     if kind == BEAM:
         check_deterministic(settings, f"beam search (use_beam_search, {settings.num_beams} beams)")
 

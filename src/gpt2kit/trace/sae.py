@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from gpt2kit.trace.points import PER_HEAD, resolve
 
@@ -196,9 +198,6 @@ _SHAPES = {"W_enc": ("d_in", "d_sae"), "b_enc": ("d_sae",), "W_dec": ("d_sae", "
 def _read_weights(w_path: Path, need: list[str]) -> dict[str, torch.Tensor]:
     """The named tensors as float32, each floating, of its rank and finite; ValueError naming the file
     and the tensor otherwise."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
         w = load_file(str(w_path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:

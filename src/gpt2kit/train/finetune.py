@@ -23,6 +23,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from gpt2kit.checkpoint import load_tokenizer, save_adapter, save_model
+from gpt2kit.checkpoint.adapter import ADAPTER_CONFIG
+from gpt2kit.checkpoint.adapter_config import usage
+from gpt2kit.data.shard import find_shards, most_used_tokens
+from gpt2kit.lora import apply_lora, lora_state
 from gpt2kit.train.config import TrainConfig
 
 # float32 weights, gradients and AdamW's two moments: what full training needs per parameter;
@@ -44,8 +49,6 @@ def lora_alpha(cfg: TrainConfig) -> float:
 def prepare(model: nn.Module, cfg: TrainConfig) -> str | None:
     """Apply the run's LoRA / freezing / checkpointing to `model` in place; returns a line saying what
     trains (None when everything does)."""
-    from gpt2kit.lora import apply_lora
-
     line = None
     if cfg.lora_rank is not None:
         g = torch.Generator(device=next(model.parameters()).device).manual_seed(cfg.seed + LORA_SEED_OFFSET)
@@ -68,7 +71,6 @@ def trained_tokens(cfg: TrainConfig, n_vocab: int) -> list[int] | None:
     """--lora-tokens N: the N ids the train split uses most (its shards counted once, at start-up)."""
     if cfg.lora_tokens is None:
         return None
-    from gpt2kit.data.shard import find_shards, most_used_tokens
 
     return most_used_tokens(find_shards(cfg.data, "train"), cfg.lora_tokens, n_vocab)
 
@@ -115,15 +117,12 @@ def checkpoint_state(model: nn.Module, cfg: TrainConfig) -> dict[str, torch.Tens
     """What checkpoint.pt keeps of the model: the adapter alone for LoRA, else the whole state."""
     if cfg.lora_rank is None:
         return model.state_dict()
-    from gpt2kit.lora import lora_state
 
     return lora_state(model, cfg.lora_bias)
 
 
 def load_checkpoint_state(model: nn.Module, cfg: TrainConfig, state: dict[str, torch.Tensor]) -> None:
     """Restore checkpoint_state's dict into a prepared LoRA model (the base came from --model)."""
-    from gpt2kit.lora import lora_state
-
     have = lora_state(model, cfg.lora_bias)
     if set(state) != set(have):
         missing, extra = sorted(set(have) - set(state)), sorted(set(state) - set(have))
@@ -135,8 +134,6 @@ def load_checkpoint_state(model: nn.Module, cfg: TrainConfig, state: dict[str, t
 
 
 def output_written(out: Path, cfg: TrainConfig) -> bool:
-    from gpt2kit.checkpoint.adapter import ADAPTER_CONFIG
-
     return (out / (ADAPTER_CONFIG if cfg.lora_rank is not None else "config.json")).exists()
 
 
@@ -147,8 +144,6 @@ def _base(cfg: TrainConfig) -> str | None:
 
 def save_output(model: nn.Module, cfg: TrainConfig, out: str | os.PathLike[str]) -> Path:
     """The run's result in OUT: the HF model, or for LoRA the peft adapter (with the base's tokenizer)."""
-    from gpt2kit.checkpoint import load_tokenizer, save_adapter, save_model
-
     if cfg.lora_rank is None:
         return save_model(model, out)
     base = _base(cfg)
@@ -159,6 +154,5 @@ def output_said(cfg: TrainConfig, out: str | os.PathLike[str]) -> str:
     """What OUT holds, for the run's last line: the model, or the adapter and how to use it."""
     if cfg.lora_rank is None:
         return f"model in {out}"
-    from gpt2kit.checkpoint.adapter_config import usage
 
     return f"adapter in {out} (use {usage(_base(cfg), out)})"

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpt2kit._io import kill_point
+from gpt2kit.model import GPT2
 from gpt2kit.train.config import TrainConfig
 from gpt2kit.train.distributed import Dist
 
@@ -84,8 +86,6 @@ def _writer(path: Path):
     between the ranks' shards and the coordinator's .metadata: what a kill mid-save leaves."""
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from gpt2kit._io import kill_point
-
     class Writer(FileSystemWriter):
         def finish(self, metadata, results) -> None:
             kill_point("sharded-save")
@@ -118,8 +118,6 @@ def remove_older(out: Path, keep: str) -> None:
 def full_model(loss_model: nn.Module, raw: nn.Module) -> nn.Module | None:
     """The whole model, gathered to rank 0 (a plain GPT2 there, None elsewhere); all ranks call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from gpt2kit.model import GPT2
 
     sd = get_model_state_dict(loss_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if torch.distributed.get_rank() != 0:

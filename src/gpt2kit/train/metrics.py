@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from gpt2kit._io import atomic_write
 from gpt2kit.progress import clock
 
@@ -168,8 +170,6 @@ class Reporter:
         self.eval_times: list[float] = []  # every evaluation of this invocation, for the ETA
         self.bar = None
         if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr,
                             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
                             postfix="ETA ?")
@@ -218,8 +218,6 @@ class Reporter:
         t0 = time.monotonic()
         bar = None
         if self.enabled and self.bar is not None:
-            from tqdm import tqdm
-
             bar = tqdm(total=batches, unit="batch", desc="evaluating", leave=False, dynamic_ncols=True,
                        file=sys.stderr)
         done = 0

@@ -14,6 +14,7 @@ import hashlib
 import os
 import random
 import re
+import socket
 import time
 import warnings
 from collections.abc import Iterator
@@ -187,7 +188,6 @@ def _remove_stale_temporaries(out: Path) -> None:
 def _lock(path: Path) -> tuple[Any, str | None]:
     """(open lock file, None) with an exclusive flock held, or (None, a message naming the holder)."""
     import fcntl
-    import socket
 
     f = open(path, "a+", encoding="utf-8")  # held open while the run lasts
     try:
