@@ -1,0 +1,215 @@
+"""Token-constraint libraries at GPT-2's vocabulary (50,257 tokens), side by side, and the chosen one's
+per-step cost against a batch-1 decode step of GPT-2 124M (random weights).
+
+    python benchmarks/bench_structured.py            # llguidance, xgrammar, outlines-core, then the engine
+    python benchmarks/bench_structured.py --libs llguidance
+
+For each library and schema: the compile time; the per-step mask time (median over the steps of
+seeded random walks that draw uniformly among the allowed tokens, stopping as soon as the end is
+allowed or after --steps); how many walks ended, and how many of those parse and validate against
+the schema (jsonschema_rs). Then, for the library gpt2kit uses, a batch-1 greedy decode of
+GPT-2 124M with and without a JSON-schema constraint (best of --trials), and the ratio.
+Prints the CPU, the core count and the load average first: on a shared machine the figures move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+
+import torch
+
+SCHEMAS = {
+    "flat": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                              "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+             "required": ["name", "age"], "additionalProperties": False},
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"id": {"type": "integer"},
+                                                  "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                           "maxItems": 3}},
+                 "required": ["id", "tags"], "additionalProperties": False},
+        "score": {"type": "number"}}, "required": ["user", "score"], "additionalProperties": False},
+    "pattern": {"type": "object", "properties": {"date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}$"},
+                                                 "ok": {"type": "boolean"}},
+                "required": ["date", "ok"], "additionalProperties": False},
+}
+
+
+def vocab_bytes() -> list[bytes]:
+    from gpt2kit.tokenizer import Tokenizer
+
+    tok = Tokenizer.default()
+    return [tok.decode_bytes([i]) for i in range(tok.n_vocab)]
+
+
+class Llguidance:
+    name = "llguidance"
+
+    def __init__(self, vocab: list[bytes]) -> None:
+        from gpt2kit.sampling.structured import Constraint, matcher_factory
+
+        self.factory = matcher_factory()
+        self.Constraint = Constraint
+
+    def compile(self, schema: dict):
+        return self.factory.matcher(self.Constraint("json_schema", json.dumps(schema)))
+
+    def allowed(self, m) -> list[int]:
+        return m.allowed_ids()
+
+    def advance(self, m, t: int) -> None:
+        m.advance(t)
+
+    def eos_allowed(self, m) -> bool:
+        return m.can_stop()
+
+
+class Xgrammar:
+    name = "xgrammar"
+
+    def __init__(self, vocab: list[bytes]) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW,
+                                 vocab_size=len(vocab), stop_token_ids=[len(vocab) - 1])
+        self.compiler = xgr.GrammarCompiler(info)
+        self.mask = xgr.allocate_token_bitmask(1, len(vocab))
+        self.n = len(vocab)
+
+    def compile(self, schema: dict):
+        return self.xgr.GrammarMatcher(self.compiler.compile_json_schema(json.dumps(schema)))
+
+    def allowed(self, m) -> list[int]:
+        m.fill_next_token_bitmask(self.mask)
+        return _ids_of_bitmask(self.mask[0], self.n)
+
+    def advance(self, m, t: int) -> None:
+        assert m.accept_token(t)
+
+    def eos_allowed(self, m) -> bool:
+        return m.is_terminated() or self.n - 1 in self.allowed(m)
+
+
+class OutlinesCore:
+    name = "outlines-core"
+
+    def __init__(self, vocab: list[bytes]) -> None:
+        import outlines_core as oc
+
+        self.oc, self.n = oc, len(vocab)
+        tokens: dict[bytes, list[int]] = {}
+        for i, b in enumerate(vocab[:-1]):
+            tokens.setdefault(b, []).append(i)
+        self.vocab = oc.Vocabulary(len(vocab) - 1, tokens)
+
+    def compile(self, schema: dict):
+        regex = self.oc.json_schema.build_regex_from_schema(json.dumps(schema))
+        return self.oc.Guide(self.oc.Index(regex, self.vocab))
+
+    def allowed(self, m) -> list[int]:
+        return [t for t in m.get_tokens() if t != self.n - 1]
+
+    def advance(self, m, t: int) -> None:
+        m.advance(t)
+
+    def eos_allowed(self, m) -> bool:
+        return m.is_finished() or self.n - 1 in m.get_tokens()
+
+
+def _ids_of_bitmask(mask: torch.Tensor, n: int) -> list[int]:
+    bits = (mask[:, None] >> torch.arange(32, dtype=torch.int32)) & 1  # (W, 32)
+    return bits.flatten()[:n].nonzero()[:, 0].tolist()
+
+
+def walk(lib, schema: dict, rng: random.Random, steps: int, vocab: list[bytes]) -> tuple[list[float], bytes | None]:
+    """One random walk: the mask times, and the output once the end is allowed (None: it never was)."""
+    m, out, times = lib.compile(schema), b"", []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        ids = lib.allowed(m)
+        times.append(time.perf_counter() - t0)
+        if lib.eos_allowed(m):
+            return times, out
+        t = rng.choice(ids)
+        lib.advance(m, t)
+        out += vocab[t]
+    return times, None
+
+
+def compare(libs: list[str], steps: int, walks: int) -> None:
+    import jsonschema_rs
+
+    vocab = vocab_bytes()
+    print(f"{'library':<14}{'schema':<9}{'compile ms':>11}{'mask us (median)':>18}{'ended':>7}{'valid':>7}")
+    for cls in [c for c in (Llguidance, Xgrammar, OutlinesCore) if c.name in libs]:
+        lib = cls(vocab)
+        for sname, schema in SCHEMAS.items():
+            t0 = time.perf_counter()
+            lib.compile(schema)
+            compile_ms = (time.perf_counter() - t0) * 1e3
+            rng, times, ended, valid = random.Random(0), [], 0, 0
+            for _ in range(walks):
+                ts, out = walk(lib, schema, rng, steps, vocab)
+                times += ts
+                if out is not None:
+                    ended += 1
+                    try:
+                        valid += jsonschema_rs.validator_for(schema).is_valid(json.loads(out))
+                    except ValueError:
+                        pass
+            print(f"{cls.name:<14}{sname:<9}{compile_ms:>11.1f}{statistics.median(times) * 1e6:>18.0f}"
+                  f"{ended:>7}{valid:>7}")
+
+
+def decode_cost(trials: int, new_tokens: int) -> None:
+    from gpt2kit.config import GPT2Config
+    from gpt2kit.generation import generate
+    from gpt2kit.model import GPT2
+    from gpt2kit.sampling import SamplingSettings
+    from gpt2kit.sampling.structured import Constraint
+    from gpt2kit.tokenizer import Tokenizer
+
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config.from_name("gpt2")).eval()
+    tok = Tokenizer.default()
+    # A string that cannot end before max_new_tokens: every step is a constrained step.
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 4 * new_tokens}}}
+    rows = {}
+    for label, c in (("plain", None), ("json_schema", Constraint("json_schema", json.dumps(schema)))):
+        s = SamplingSettings(max_new_tokens=new_tokens, temperature=0, structured=c, stop_token_ids=())
+        generate(model, [tok.eot_token], s, tokenizer=tok)
+        best = float("inf")
+        for _ in range(trials):
+            t0 = time.perf_counter()
+            generate(model, [tok.eot_token], s, tokenizer=tok)
+            best = min(best, time.perf_counter() - t0)
+        rows[label] = best / new_tokens * 1e3
+        print(f"batch-1 greedy decode, {label:<12} {rows[label]:.2f} ms/token")
+    extra = rows["json_schema"] - rows["plain"]
+    print(f"constraint per step: {extra:.2f} ms = {extra / rows['plain']:.1%} of a decode step")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--libs", nargs="*", default=["llguidance", "xgrammar", "outlines-core"])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--walks", type=int, default=6)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--no-decode", action="store_true")
+    a = p.parse_args()
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    compare(a.libs, a.steps, a.walks)
+    if not a.no_decode:
+        decode_cost(a.trials, a.new_tokens)
+
+
+if __name__ == "__main__":
+    main()
