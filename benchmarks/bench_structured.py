@@ -51,22 +51,21 @@ class Llguidance:
     name = "llguidance"
 
     def __init__(self, vocab: list[bytes]) -> None:
-        from gpt2kit.sampling.structured import Constraint, matcher_factory
+        from gpt2kit.sampling.structured import matcher_factory
 
         self.factory = matcher_factory()
-        self.Constraint = Constraint
+        self.n = len(vocab)
 
     def compile(self, schema: dict):
-        return self.factory.matcher(self.Constraint("json_schema", json.dumps(schema)))
+        from gpt2kit.sampling.constraint import Constraint
 
-    def allowed(self, m) -> list[int]:
-        return m.allowed_ids()
+        return self.factory.matcher(Constraint.json_schema(schema)).matcher
+
+    def mask(self, m) -> torch.Tensor:
+        return torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)
 
     def advance(self, m, t: int) -> None:
-        m.advance(t)
-
-    def eos_allowed(self, m) -> bool:
-        return m.can_stop()
+        assert m.consume_token(t)
 
 
 class Xgrammar:
@@ -76,24 +75,19 @@ class Xgrammar:
         import xgrammar as xgr
 
         self.xgr = xgr
-        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW,
-                                 vocab_size=len(vocab), stop_token_ids=[len(vocab) - 1])
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[len(vocab) - 1])
         self.compiler = xgr.GrammarCompiler(info)
-        self.mask = xgr.allocate_token_bitmask(1, len(vocab))
-        self.n = len(vocab)
+        self.bitmask = xgr.allocate_token_bitmask(1, len(vocab))
 
     def compile(self, schema: dict):
-        return self.xgr.GrammarMatcher(self.compiler.compile_json_schema(json.dumps(schema)))
+        return self.xgr.GrammarMatcher(self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
 
-    def allowed(self, m) -> list[int]:
-        m.fill_next_token_bitmask(self.mask)
-        return _ids_of_bitmask(self.mask[0], self.n)
+    def mask(self, m) -> torch.Tensor:
+        m.fill_next_token_bitmask(self.bitmask)
+        return self.bitmask[0]
 
     def advance(self, m, t: int) -> None:
         assert m.accept_token(t)
-
-    def eos_allowed(self, m) -> bool:
-        return m.is_terminated() or self.n - 1 in self.allowed(m)
 
 
 class OutlinesCore:
@@ -102,24 +96,24 @@ class OutlinesCore:
     def __init__(self, vocab: list[bytes]) -> None:
         import outlines_core as oc
 
-        self.oc, self.n = oc, len(vocab)
+        self.oc = oc
         tokens: dict[bytes, list[int]] = {}
         for i, b in enumerate(vocab[:-1]):
             tokens.setdefault(b, []).append(i)
         self.vocab = oc.Vocabulary(len(vocab) - 1, tokens)
+        self.bitmask = torch.zeros((len(vocab) + 31) // 32, dtype=torch.int32)
 
     def compile(self, schema: dict):
-        regex = self.oc.json_schema.build_regex_from_schema(json.dumps(schema))
+        regex = self.oc.json_schema.build_regex_from_schema(json.dumps(schema), whitespace_pattern="")
         return self.oc.Guide(self.oc.Index(regex, self.vocab))
 
-    def allowed(self, m) -> list[int]:
-        return [t for t in m.get_tokens() if t != self.n - 1]
+    def mask(self, m) -> torch.Tensor:
+        self.bitmask.zero_()
+        m.write_mask_into(self.bitmask.data_ptr(), self.bitmask.numel(), 4)
+        return self.bitmask
 
     def advance(self, m, t: int) -> None:
         m.advance(t)
-
-    def eos_allowed(self, m) -> bool:
-        return m.is_finished() or self.n - 1 in m.get_tokens()
 
 
 def _ids_of_bitmask(mask: torch.Tensor, n: int) -> list[int]:
@@ -129,12 +123,13 @@ def _ids_of_bitmask(mask: torch.Tensor, n: int) -> list[int]:
 
 def walk(lib, schema: dict, rng: random.Random, steps: int, vocab: list[bytes]) -> tuple[list[float], bytes | None]:
     """One random walk: the mask times, and the output once the end is allowed (None: it never was)."""
-    m, out, times = lib.compile(schema), b"", []
+    m, out, times, eos = lib.compile(schema), b"", [], len(vocab) - 1
     for _ in range(steps):
         t0 = time.perf_counter()
-        ids = lib.allowed(m)
+        mask = lib.mask(m)  # the library's own bitmask: what a step pays
         times.append(time.perf_counter() - t0)
-        if lib.eos_allowed(m):
+        ids = _ids_of_bitmask(mask, len(vocab))
+        if eos in ids or not ids:
             return times, out
         t = rng.choice(ids)
         lib.advance(m, t)

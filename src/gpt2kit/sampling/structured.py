@@ -95,9 +95,11 @@ class RowMatcher:
             bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
             allowed = np.unpackbits(bits, bitorder="little")[:self.n_tokens]  # (n_tokens,) 0/1
             mask = torch.ones(1, self.n_vocab, dtype=torch.bool)  # ids past the tokenizer's: banned
-            mask[0, :self.n_tokens] = torch.from_numpy(allowed == 0)
+            k = min(self.n_vocab, self.n_tokens)
+            mask[0, :k] = torch.from_numpy(allowed[:k] == 0)
             if allowed[self.eos]:  # the grammar may end here: the row's stop tokens may end it
-                mask[0, self.eos] = self.eos not in self.stops
+                if self.eos < self.n_vocab:
+                    mask[0, self.eos] = self.eos not in self.stops
                 mask[0, [t for t in self.stops if t < self.n_vocab]] = False
             self._mask = mask
         return self._mask

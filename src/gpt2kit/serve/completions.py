@@ -180,6 +180,9 @@ def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int, tokenize
         return settings
     except ValueError as e:
         raise APIError(400, str(e), param=_param(e, body)) from None
+    except ImportError as e:  # the structured extra is not installed
+        raise APIError(400, f"this server cannot constrain outputs: {e}",
+                       param="response_format" if body.response_format else "structured_outputs") from None
 
 
 # SamplingSettings' names of the request's fields where the two differ
@@ -195,6 +198,8 @@ def _param(e: ValueError, body: S.CompletionRequest) -> str | None:
         return None
     if name == "num_beams":
         return "best_of" if body.best_of else "n"
+    if name == "structured":
+        return "response_format" if body.response_format is not None else "structured_outputs"
     name = _FIELDS.get(name, name.split()[0].split("[")[0])
     return name if name in type(body).model_fields else None
 
