@@ -91,17 +91,18 @@ class RowMatcher:
         """(1, V) bool: the tokens the grammar bans at this step; None after a refused token."""
         if self.refused:
             return None
-        if self._mask is None:
+        if self._mask is None:  # numpy until the end: one zero-copy tensor, no torch op per step
             bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-            allowed = np.unpackbits(bits, bitorder="little")[:self.n_tokens]  # (n_tokens,) 0/1
-            mask = torch.ones(1, self.n_vocab, dtype=torch.bool)  # ids past the tokenizer's: banned
             k = min(self.n_vocab, self.n_tokens)
-            mask[0, :k] = torch.from_numpy(allowed[:k] == 0)
-            if allowed[self.eos]:  # the grammar may end here: the row's stop tokens may end it
-                if self.eos < self.n_vocab:
-                    mask[0, self.eos] = self.eos not in self.stops
-                mask[0, [t for t in self.stops if t < self.n_vocab]] = False
-            self._mask = mask
+            banned = np.unpackbits(bits, count=k, bitorder="little") == 0  # (k,)
+            if self.eos < k and not banned[self.eos]:  # the grammar may end here: the row's stops may end it
+                banned[self.eos] = self.eos not in self.stops
+                for t in self.stops:
+                    if t < k:
+                        banned[t] = False
+            if self.n_vocab > k:  # ids past the tokenizer's are never allowed
+                banned = np.concatenate([banned, np.ones(self.n_vocab - k, dtype=bool)])
+            self._mask = torch.from_numpy(banned).view(1, -1)  # (1, V)
         return self._mask
 
     def advance(self, token: int) -> None:
