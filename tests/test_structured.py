@@ -282,3 +282,40 @@ def test_cli_generate_flags(tmp_path, capsys):
     assert main([*base, "--regex", "a(", "hi"]) != 0
     err = capsys.readouterr().err
     assert "unclosed group" in err and "Traceback" not in err
+
+
+def test_without_llguidance_the_error_names_the_extra(monkeypatch, tmp_path, capsys):
+    import sys
+
+    from gpt2kit.checkpoint import save_model
+    from gpt2kit.cli import main
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance now raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'gpt2kit\[structured\]'"):
+        Constraint("regex", "a+")
+    save_model(random_model(CFG, seed=3), tmp_path / "m")
+    assert main(["generate", "--model", str(tmp_path / "m"), "--regex", "a+", "hi"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) >= 1 and "gpt2kit[structured]" in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_the_docs_python_example_runs(model, tok, monkeypatch):
+    from pathlib import Path
+
+    import gpt2kit
+
+    doc = (Path(__file__).parents[1] / "docs" / "structured.md").read_text(encoding="utf-8")
+    code = re.search(r"```python\n(from gpt2kit import generate.*?)```", doc, re.S).group(1)
+    monkeypatch.setattr(gpt2kit, "load_model", lambda name: model)  # the page loads gpt2 from the hub
+    monkeypatch.setattr(gpt2kit, "load_tokenizer", lambda name: tok)
+    printed = []
+    exec(compile(code, "structured.md", "exec"), {"print": lambda *a: printed.append(a)})
+    assert [a[0] for a in printed[:2]] == ["stop", "stop"]
+    assert all(jsonschema_rs.is_valid(json.loads(_person_schema(doc)), json.loads(a[1])) for a in printed[:2])
+    assert printed[2][0] in ("yes", "no")
+
+
+def _person_schema(doc: str) -> str:
+    ns: dict = {}
+    exec(re.search(r"(person = \{.*?\"additionalProperties\": False\})", doc, re.S).group(1), ns)
+    return json.dumps(ns["person"])
