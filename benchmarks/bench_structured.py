@@ -219,7 +219,10 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--no-decode", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     compare(a.libs, a.steps, a.walks)
