@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from gpt2kit.sampling.constraint import Constraint, require_llguidance
+from gpt2kit.validate import SettingError
 
 if TYPE_CHECKING:
     from gpt2kit.tokenizer import Tokenizer
@@ -53,8 +54,12 @@ class MatcherFactory:
     def _compile(self, constraint: Constraint):
         m = self.llg.LLMatcher(self.lltokenizer, constraint.grammar(), log_level=0)
         if m.is_error():
-            raise ValueError(f"invalid {constraint.kind} constraint: {m.get_error()}")
+            raise SettingError(f"invalid {constraint.kind} constraint: {m.get_error()}", "structured")
         return m
+
+    def check(self, constraint: Constraint) -> None:
+        """SettingError unless the constraint compiles against this vocabulary (compiled once, kept)."""
+        self._compiled(constraint)
 
     def matcher(self, constraint: Constraint, n_vocab: int | None = None,
                 stop_token_ids: Sequence[int] = ()) -> RowMatcher:

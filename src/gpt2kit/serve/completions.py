@@ -177,6 +177,10 @@ def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int, tokenize
             stop_strings=tuple(dict.fromkeys([*stops, *more_stops])), strict=True,
             **body.warper_settings(tokenizer, n_vocab, max_tokens), **search.settings_fields(body, kind, n, best_of))
         search.check_settings(kind, settings)
+        if settings.structured is not None:  # compiled here, so a grammar the vocabulary refuses is a 400
+            from gpt2kit.sampling.structured import matcher_factory
+
+            matcher_factory(tokenizer).check(settings.structured)
         return settings
     except ValueError as e:
         raise APIError(400, str(e), param=_param(e, body)) from None
