@@ -33,7 +33,31 @@ def _sampling_settings(args: argparse.Namespace) -> SamplingSettings:
     return SamplingSettings(
         **values, stop_token_ids=() if args.ignore_eot else (EOT_ID,), stop_strings=tuple(args.stop or ()),
         bad_words=tuple(_token_ids("--bad-words-ids", s) for s in args.bad_words_ids or ()),
-        suppress_tokens=_token_ids("--suppress-tokens", args.suppress_tokens) if args.suppress_tokens else ())
+        suppress_tokens=_token_ids("--suppress-tokens", args.suppress_tokens) if args.suppress_tokens else (),
+        structured=_structured(args))
+
+
+def _structured(args: argparse.Namespace):
+    """The constraint of --json-schema FILE, --regex R, --choice A,B,... or --grammar FILE (one of them), or None."""
+    from gpt2kit.sampling import Constraint
+
+    if args.json_schema is not None:
+        return Constraint("json_schema", read_text(args.json_schema))
+    if args.regex is not None:
+        return Constraint("regex", args.regex)
+    if args.choice is not None:
+        return Constraint("choice", tuple(args.choice.split(",")))
+    if args.grammar is not None:
+        return Constraint("grammar", read_text(args.grammar))
+    return None
+
+
+def _add_structured_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("structured outputs (one of; needs the structured extra)").add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", help="output a JSON value valid under the JSON schema in FILE")
+    g.add_argument("--regex", metavar="R", help="output text matching the regular expression R")
+    g.add_argument("--choice", metavar="A,B,...", help="output exactly one of the comma-separated choices")
+    g.add_argument("--grammar", metavar="FILE", help="output text of the Lark or GBNF grammar in FILE")
 
 
 
@@ -258,6 +282,7 @@ def register_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--suppress-tokens", default=None, metavar="IDS",
                    help="token ids never generated, e.g. 13,198 (default: none)")
     p.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    _add_structured_flags(p)
     p.add_argument("--ignore-eot", action="store_true", help="do not stop at <|endoftext|>")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
     p.add_argument("--batch-size", type=int, default=8, help="rows generated together (default 8)")

@@ -61,6 +61,8 @@ def advance(row: Row, t: int) -> tuple[str, str | None]:
     if row.text is not None and reason is None:
         piece, hit = row.text.feed(t)
         reason = "stop" if hit else None
+    if reason is None and row.sampler is not None and row.sampler.done:  # a complete structured output
+        reason = "stop"
     if reason is None and len(row.tokens) >= row.settings.max_new_tokens:
         reason = "length"
     if row.text is not None and reason is not None and not hit:
@@ -71,12 +73,19 @@ def advance(row: Row, t: int) -> tuple[str, str | None]:
 def token_logprobs(logits: torch.Tensor, tok: torch.Tensor, rows: list[Row]
                    ) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
     """Batch row -> (log-prob of its token tok[r], top N (id, log-prob)) for the rows that asked
-    (Row.logprobs = N), under the raw distribution: log_softmax of logits (B, V), before any warper."""
+    (Row.logprobs = N), under the raw distribution: log_softmax of logits (B, V), before any warper;
+    a row with a structured-output constraint, under the constrained one (the raw logits with the
+    tokens its grammar bans at this step removed). Called before the rows observe tok."""
     want = [r for r, row in enumerate(rows) if row.logprobs is not None]
     if not want:
         return {}
     sel = torch.tensor(want, device=logits.device)
-    logp = torch.log_softmax(logits[sel].float(), dim=-1)  # (R, V)
+    picked = logits[sel].float()  # (R, V)
+    for i, r in enumerate(want):
+        banned = rows[r].sampler.structured_disallowed() if rows[r].sampler is not None else None
+        if banned is not None:
+            picked[i:i + 1] = picked[i:i + 1].masked_fill(banned, float("-inf"))
+    logp = torch.log_softmax(picked, dim=-1)  # (R, V)
     chosen = logp.gather(1, tok[sel][:, None])[:, 0].tolist()
     n = max(rows[r].logprobs for r in want)
     ids = vals = [[] for _ in want]

@@ -110,12 +110,13 @@ class Engine:
                 edits: RowEdits | None = None) -> Row:
         """A row for a prompt of valid token ids. seed: the run's seed (resolve_seed(settings) for
         one call); rows with equal (seed, sample_index) draw the same random numbers."""
-        if settings.stop_strings and self.tokenizer is None:
-            raise ValueError("stop_strings need a tokenizer: pass tokenizer=...")
+        if (settings.stop_strings or settings.structured) and self.tokenizer is None:
+            raise ValueError("stop_strings and structured outputs need a tokenizer: pass tokenizer=...")
         if not settings.greedy and seed is None:
             raise ValueError("a sampled row needs a seed (gpt2kit.sampling.sampler.resolve_seed)")
         check_columns(len(prompt), settings.max_new_tokens, self.model.config.n_ctx, self.max_len)
-        sampler = RowSampler(settings, prompt, self.model.config.n_vocab, seed, sample_index, self.device)
+        sampler = RowSampler(settings, prompt, self.model.config.n_vocab, seed, sample_index, self.device,
+                             self.tokenizer)
         text = RowText(self.tokenizer, settings.stop_strings) if self.tokenizer is not None else None
         return Row(list(prompt), settings, sampler, text, logprobs, key or RowKey(0, 0, sample_index), edits=edits)
 

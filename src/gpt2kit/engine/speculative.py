@@ -357,13 +357,12 @@ def _draw_draft(row: Row, logits: torch.Tensor, qs: list[torch.Tensor]) -> torch
 
 def _emit(row: Row, t: int, logits: torch.Tensor) -> RowEvent:
     """Add token t to the row (its raw next-token logits (1, V) give the log-probs it asked for)."""
+    scores = token_logprobs(logits, torch.tensor([t], device=logits.device), [row])  # before observe
     row.tokens.append(t)
     row.sampler.observe(t)
     piece, reason = advance(row, t)
     row.finish_reason = reason
-    if row.logprobs is None:
-        return RowEvent(row, t, piece, reason)
-    lp, top = token_logprobs(logits, torch.tensor([t], device=logits.device), [row])[0]
+    lp, top = scores.get(0, (None, None))
     return RowEvent(row, t, piece, reason, lp, top)
 
 

@@ -23,6 +23,7 @@ from gpt2kit.sampling.warpers import BadWords, NGramIndex, epsilon_filter, eta_f
 
 if TYPE_CHECKING:
     from gpt2kit.sampling import SamplingSettings
+    from gpt2kit.tokenizer import Tokenizer
 
 # --- warpers (logits (B, V), float32) ---------------------------------------------------------
 
@@ -180,7 +181,8 @@ class RowSampler:
     """
 
     def __init__(self, settings: SamplingSettings, prompt: Sequence[int], n_vocab: int,
-                 seed: int | None, sample_index: int = 0, device: torch.device | str = "cpu") -> None:
+                 seed: int | None, sample_index: int = 0, device: torch.device | str = "cpu",
+                 tokenizer: Tokenizer | None = None) -> None:
         self.settings, self.n_vocab, self.device = settings, n_vocab, device
         self.generator = None if settings.greedy else row_generator(seed, sample_index, device, prompt)
         self.seen = self.counts = None
@@ -197,6 +199,11 @@ class RowSampler:
                 raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary [0, {n_vocab})")
         self.n_generated = 0
         self._init_constraints(settings, prompt, n_vocab, device)
+        self.structured = None  # the row's grammar matcher (gpt2kit.sampling.structured)
+        if settings.structured is not None:
+            from gpt2kit.sampling.structured import matcher_factory
+
+            self.structured = matcher_factory(tokenizer).matcher(settings.structured, n_vocab, settings.stop_token_ids)
         # Made once per row, not per token: the settings are frozen.
         self.plain_greedy = settings.plain_greedy  # argmax of the raw logits (the scheduler batches these)
         self._bias = bias_tensors(settings, device)
@@ -223,12 +230,27 @@ class RowSampler:
             ids.extend(self.bad_words.banned(self.sequence))
         if self.n_generated < self.settings.min_new_tokens:
             ids.extend(self.stops)
-        if not ids:
+        grammar = self.structured_disallowed()
+        if not ids and grammar is None:
             return self.always
+        if not ids and self.always is None:
+            return grammar
         mask = self.always.clone() if self.always is not None else torch.zeros(
             1, self.n_vocab, dtype=torch.bool, device=self.device)
         mask[0, ids] = True
-        return mask
+        return mask if grammar is None else mask | grammar
+
+    def structured_disallowed(self) -> torch.Tensor | None:
+        """(1, V) bool: the tokens the row's structured-output constraint bans now, or None."""
+        if self.structured is None:
+            return None
+        mask = self.structured.disallowed()
+        return None if mask is None else mask.to(self.device)
+
+    @property
+    def done(self) -> bool:
+        """The row's structured output is complete: nothing but its end can follow."""
+        return self.structured is not None and self.structured.done
 
     def fork(self) -> RowSampler:
         """A copy whose observe() leaves this one alone (what the row would see after tokens it may
@@ -238,6 +260,7 @@ class RowSampler:
         other.counts = None if self.counts is None else self.counts.clone()
         other.sequence = None if self.sequence is None else list(self.sequence)
         other.ngrams = copy.deepcopy(self.ngrams)
+        other.structured = None if self.structured is None else self.structured.fork()
         return other
 
     def warped(self, logits: torch.Tensor) -> torch.Tensor:
@@ -256,6 +279,8 @@ class RowSampler:
 
     def observe(self, token: int) -> None:
         self.n_generated += 1
+        if self.structured is not None:
+            self.structured.advance(token)
         if self.seen is not None:
             self.seen[0, token] = True
         if self.counts is not None:

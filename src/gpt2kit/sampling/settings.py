@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpt2kit.config import EOT_ID  # <|endoftext|>: the default stop token and the start of unconditional samples
+from gpt2kit.sampling.constraint import Constraint
 from gpt2kit.validate import SettingError, check_int, check_number
 
 TOP_P_MODES = ("openai", "hf")
@@ -87,6 +88,10 @@ class SamplingSettings:
     bad_words: tuple[tuple[int, ...], ...] = _setting((), "token-id sequences never generated")
     min_new_tokens: int = _setting(0, "no stop token before this many new tokens")
     suppress_tokens: tuple[int, ...] = _setting((), "token ids never generated")
+    # Structured outputs (gpt2kit.sampling.constraint): a JSON schema, a regex, choices or a grammar the
+    # output must match; its mask bans tokens as the constraints above do. The CLI's flags are
+    # --json-schema, --regex, --choice and --grammar.
+    structured: Constraint | None = _setting(None, "what the output must match (structured outputs)")
     # None: drawn from torch's global RNG (so torch.manual_seed applies)
     seed: int | None = _setting(None, "random seed (same seed, same text; default: none, a different sample each run)")
     stop_token_ids: tuple[int, ...] = _setting((EOT_ID,), "token ids that end a sample")
@@ -179,11 +184,16 @@ class SamplingSettings:
                   lambda v: 0 <= v <= self.max_new_tokens)
         object.__setattr__(self, "bad_words", _check_bad_words(self.bad_words))
         object.__setattr__(self, "suppress_tokens", _check_ids("suppress_tokens", self.suppress_tokens))
+        if self.structured is not None and not isinstance(self.structured, Constraint):
+            raise SettingError(f"structured must be a gpt2kit.sampling.Constraint or None, got {self.structured!r}",
+                               "structured")
 
     @property
     def constrained(self) -> bool:
-        """Whether a constraint can ban tokens (no_repeat_ngram_size, bad_words, min_new_tokens, suppress_tokens)."""
-        return bool(self.no_repeat_ngram_size or self.bad_words or self.min_new_tokens or self.suppress_tokens)
+        """Whether a constraint can ban tokens (no_repeat_ngram_size, bad_words, min_new_tokens, suppress_tokens,
+        structured)."""
+        return bool(self.no_repeat_ngram_size or self.bad_words or self.min_new_tokens or self.suppress_tokens
+                    or self.structured)
 
     @property
     def greedy(self) -> bool:
@@ -274,6 +284,9 @@ def check_deterministic(s: SamplingSettings, method: str) -> None:
                                    ("no_repeat_ngram_size", s.no_repeat_ngram_size), ("bad_words", s.bad_words),
                                    ("min_new_tokens", s.min_new_tokens), ("suppress_tokens", s.suppress_tokens),
                                    ("prompt_lookup", s.prompt_lookup)) if on]
+    if s.structured is not None:
+        raise SettingError(f"{method} does not support structured outputs (structured={s.structured.kind}): "
+                           f"use sampling or greedy decoding with a constraint", "structured")
     if unsupported:
         raise SettingError(f"{method} takes no {unsupported[0]}", unsupported[0])
 

@@ -30,7 +30,7 @@ def completion_request(body: S.ChatRequest, prompt: str) -> S.CompletionRequest:
         temperature=body.temperature, top_p=body.top_p, n=body.n, stop=body.stop, stream=body.stream,
         stream_options=body.stream_options, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias, seed=body.seed, user=body.user,
-        **body.model_dump(include=EXTENSIONS, exclude_unset=True))
+        **body.model_dump(include=EXTENSIONS, exclude_unset=True, by_alias=True))
 
 
 def response(out: dict) -> dict:

@@ -137,9 +137,16 @@ def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int, tokenize
             stop_strings=tuple(dict.fromkeys([*stops, *more_stops])), strict=True,
             **body.warper_settings(tokenizer, n_vocab, max_tokens), **search.settings_fields(body, kind, n, best_of))
         search.check_settings(kind, settings)
+        if settings.structured is not None:  # compiled here, so a grammar the vocabulary refuses is a 400
+            from gpt2kit.sampling.structured import matcher_factory
+
+            matcher_factory(tokenizer).check(settings.structured)
         return settings
     except ValueError as e:
         raise APIError(400, str(e), param=_param(e, body)) from None
+    except ImportError as e:  # the structured extra is not installed
+        raise APIError(400, f"this server cannot constrain outputs: {e}",
+                       param="response_format" if body.response_format else "structured_outputs") from None
 
 
 # SamplingSettings' names of the request's fields where the two differ
@@ -155,6 +162,8 @@ def _param(e: ValueError, body: S.CompletionRequest) -> str | None:
         return None
     if name == "num_beams":
         return "best_of" if body.best_of else "n"
+    if name == "structured":
+        return "response_format" if body.response_format is not None else "structured_outputs"
     name = _FIELDS.get(name, name.split()[0].split("[")[0])
     return name if name in type(body).model_fields else None
 

@@ -12,7 +12,7 @@ length_penalty, early_stopping; a choice's score) and contrastive search under t
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,6 +48,33 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     user: str | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema (default: any JSON)")
+    strict: bool | None = Field(None, description="the output always follows the schema, strict or not")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object or json_schema."""
+
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+
+    model_config = _STRICT
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (object or text)")
+    regex: str | None = Field(None, min_length=1)
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: str | None = Field(None, min_length=1, description="a Lark or GBNF grammar")
+    json_object: bool | None = None
 
 
 class Extensions(BaseModel):
@@ -95,6 +122,40 @@ class Extensions(BaseModel):
                           "the server was given with --steer-vector), 'clamp:SAE:FEATURE=VALUE' (an SAE given with "
                           "--sae); only on a server started with --allow-interventions")
 
+    # structured outputs (gpt2kit.sampling.constraint; docs/structured.md)
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI's (an extension on completions): json_object or json_schema constrain the output")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="extension (vLLM's): json, regex, choice, grammar or json_object constrains the output")
+
+    def constraint(self):
+        """The request's structured-output Constraint, or None; SettingError (a 400) naming the field."""
+        from gpt2kit.sampling.constraint import Constraint
+        from gpt2kit.validate import SettingError
+
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type != "text" and so is not None:
+            raise SettingError("response_format and structured_outputs each constrain the output: send one",
+                               "structured_outputs")
+        if rf is not None and rf.type == "json_object":
+            return Constraint("json_object")
+        if rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise SettingError("response_format of type json_schema needs its json_schema", "response_format")
+            schema = rf.json_schema.schema_
+            return Constraint("json_object") if schema is None else Constraint.json_schema(schema)
+        if so is None:
+            return None
+        given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                     ("grammar", so.grammar), ("json_object", so.json_object or None)) if v is not None]
+        if len(given) != 1:
+            raise SettingError(f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object; "
+                               f"got {len(given)}", "structured_outputs")
+        kind, value = given[0]
+        if kind == "json":
+            return Constraint.json_schema(value)
+        return Constraint("json_object") if kind == "json_object" else Constraint(kind, value)
+
     def warper_settings(self, tokenizer, n_vocab: int, max_tokens: int) -> dict:
         """The SamplingSettings fields of the warper and constraint extensions; ValueError (a 400)
         naming the field and its limit."""
@@ -109,7 +170,7 @@ class Extensions(BaseModel):
                     epsilon_cutoff=self.epsilon_cutoff or 0.0, eta_cutoff=self.eta_cutoff or 0.0,
                     no_repeat_ngram_size=self.no_repeat_ngram_size or 0, min_new_tokens=self.min_tokens or 0,
                     bad_words=bad_words_ids(tokenizer, self.bad_words or ()),
-                    suppress_tokens=tuple(self.suppress_tokens or ()))
+                    suppress_tokens=tuple(self.suppress_tokens or ()), structured=self.constraint())
 
 
 class CompletionRequest(Extensions, _SamplingRequest):

@@ -82,6 +82,7 @@ class Server:
             self.library = Library.load(o, model)  # a bad vector or SAE fails the start-up, naming its flag
             self.chat_template, self.chat_stops, source = resolve_template(o.chat_template, tokenizer)
             log.info("chat template: %s", source)
+            _index_for_structured_outputs(tokenizer)
             self.model, self.tokenizer = model, tokenizer
             self.ready = True
         except Exception as e:  # reported by /health and to the CLI
@@ -132,3 +133,14 @@ class Server:
 
     async def run_in_worker(self, fn, *args):
         return await asyncio.wrap_future(self.engine_loop.call(fn, *args))
+
+
+def _index_for_structured_outputs(tokenizer) -> None:
+    """With the structured extra installed, llguidance's index of the vocabulary (about a second) is
+    built while the model loads, not by the first constrained request on the event loop."""
+    try:
+        from gpt2kit.sampling.structured import matcher_factory
+
+        matcher_factory(tokenizer)
+    except ImportError:
+        pass
