@@ -99,15 +99,20 @@ def test_a_kept_kernel_set_sees_every_change_to_the_model(change, packed):
 def test_the_binding_is_kept_until_the_model_changes(packed):
     model = random_model(CFG)
     kernels = _kept(model, packed)
-    first = kernels.bind(model)
-    assert kernels.bind(model) is first  # resolved once, not per step
+    kv = torch.empty(0)  # a float32 CPU cache's dtype and device
+
+    def bound(m):
+        return kernels.bound(m, 2, kv)  # the step's one check
+
+    first = bound(model)
+    assert bound(model) is first  # resolved once, not per step
     with torch.no_grad():
         model.h[0].mlp.c_proj.weight.mul_(0.5)
-    assert (kernels.bind(model) is first) is not packed  # a packed copy is stale after an in-place edit
+    assert (bound(model) is first) is not packed  # a packed copy is stale after an in-place edit
     model.h[0].mlp.c_proj = _new_linear(model.h[0].mlp.c_proj, 9)
-    assert kernels.bind(model) is not first
+    assert bound(model) is not first
     other = random_model(CFG, seed=4)
-    assert kernels.bind(other) is not kernels.bind(model)  # another model's tensors are never used
+    assert bound(other) is not bound(model)  # another model's tensors are never used
 
 
 # --- Python-level calls per decoded token (cProfile counts: deterministic, no timing) ---------------

@@ -236,7 +236,7 @@ def test_a_batching_engines_flat_prefill_gives_each_row_its_own_tokens(pack, mon
 
     model = varied_model(SMALL, seed=0).eval()  # no hooks: the flat network runs the prompts
     engine = Engine(model, max_batch=4, prefill_chunk=8, pack_weights=pack)
-    assert isinstance(engine.kernels.prefill(), PackedWeights if pack is None else PlainKernels)
+    assert isinstance(engine.kernels.prefill().kernel_set, PackedWeights if pack is None else PlainKernels)
     flat = []
     monkeypatch.setattr(step, "decode_tokens", lambda m, ids, *a, **k: flat.append(tuple(ids.shape))
                         or decode_tokens(m, ids, *a, **k))

@@ -47,6 +47,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -432,3 +433,13 @@ def forget() -> None:
     _CHOICE.clear()
     _DECIDED.clear()
     _UNAVAILABLE.clear()
+
+
+@runtime_checkable
+class Int8Weights(Protocol):
+    """A module whose product is int8_linear(x, weight, scale, bias) (the tied head's of an int8
+    embedding: bias None): gpt2kit.quant.modules's QuantLinear and QuantEmbedding. int8_weights()
+    gives those tensors, or None while the module runs another product (int8 activations): what
+    decode.native_step may hand to C in the module's place."""
+
+    def int8_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None: ...

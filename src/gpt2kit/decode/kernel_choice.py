@@ -2,7 +2,7 @@
 overrides it on clear evidence, and the result kept per machine so a process does not re-measure under
 whatever load it starts in.
 
-gpt2kit.decode.int8 (the int8 products) and gpt2kit.decode.kernels (the half-precision few-row
+gpt2kit.decode.int8 (the int8 products) and gpt2kit.decode.plain (the half-precision few-row
 products) decide between kernels by timing them. A single best-of-3 timing at start-up flipped under
 load (one process on a busy machine chose a kernel far slower for single rows, and int8 decoding fell
 below float32; docs/benchmarks.md), so a choice here is made by `decide` on samples taken in interleaved rounds:

@@ -8,11 +8,9 @@ decode.layout puts it in. Which is faster differs between CPUs (docs/benchmarks.
 half-precision types the choice is made on the model's own matrices (choose_half_kernels: "mv" by
 default, another only on clear evidence, stored per machine by decode/kernel_choice.py) rather than assumed.
 
-Every kernel set (these, decode.packed's) has the same methods: bind(model) (the model's tensors
-in the set's form, resolved once: decode.bind), for_step(rows, dtype, cpu) (the set a step of that
-shape runs on), covers(rows, dtype), and the products linear, linear_gelu, linear_add and lm_head,
-which take a bound product (decode.bind.Mat) and never look a module's attributes up. A layer that
-is not a plain nn.Linear (a quantized or adapted module swapped in) is called as the module it is.
+PlainKernels is the KernelSet (decode.bind) on these products: the model's own parameters, no copies;
+decode.packed's set runs on prepacked copies. A layer that is not a plain nn.Linear (a quantized or
+adapted module swapped in) is called as the module it is.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from torch import nn
 
 import gpt2kit.decode.f32 as f32
 import gpt2kit.decode.kernel_choice as kernel_choice
-from gpt2kit.decode.bind import Binding, Mat
+from gpt2kit.decode.bind import Binding, Mat, Op, Product
 
 FEW_ROWS = 16  # up to this many rows a decode product is weight streaming, not compute
 
@@ -159,54 +157,29 @@ def half_decisions() -> dict[str, kernel_choice.Choice]:
             for (d, one), c in _HALF_DECIDED.items()}
 
 
-class _Slot:
-    """Where a plain kernel set keeps its binding (shared with its F.linear sibling)."""
-
-    def __init__(self, keep: bool) -> None:
-        self.keep, self.binding = keep, None
-
-    def bind(self, model: nn.Module) -> Binding:
-        b = self.binding
-        if b is None or not b.current(model):
-            b = Binding(model)
-            if self.keep:
-                self.binding = b
-        return b
-
-
 class PlainKernels:
-    """The decode step's products on the model's own parameters (no copies).
+    """The flat loop's products on the model's own parameters (no copies): a KernelSet (decode.bind).
 
-    keep=True holds the model's binding between steps (kernels_for makes one such set per
-    generation, so the binding lives as long as the generation); PLAIN, shared by every model,
-    keeps none and binds on every call."""
+    The product is matmul_t (a few half-precision rows), F.linear outright where a step's shape makes
+    it matmul_t's choice (a sibling set, for_rows), or, for single float32 rows, the kernel use_f32
+    named (decode.f32)."""
 
-    def __init__(self, keep: bool = True, *, _product: Callable = matmul_t, _slot: _Slot | None = None) -> None:
+    watches_versions = False  # the parameters themselves: edits are seen as they happen
+
+    def __init__(self, *, _product: Callable = matmul_t) -> None:
         self.product = _product  # matmul_t, or F.linear where a step's shape makes it matmul_t's choice
-        self._slot = _Slot(keep) if _slot is None else _slot
-        self._linear = self if _product is F.linear else PlainKernels(_product=F.linear, _slot=self._slot)
+        self._linear = self if _product is F.linear else PlainKernels(_product=F.linear)
         self._f32: PlainKernels | None = None  # single float32 rows on gpt2kit's kernel (use_f32)
         self.f32_kernel = "torch"  # what this set's single float32 rows run on (decode.f32.KERNELS)
 
     def use_f32(self, kernel: str) -> None:
         """Run single float32 rows on `kernel` (one of decode.f32.KERNELS; "torch": F.linear)."""
-        self._f32 = None if kernel == "torch" else PlainKernels(_product=f32.product(kernel), _slot=self._slot)
+        self._f32 = None if kernel == "torch" else PlainKernels(_product=f32.product(kernel))
+        self.f32_kernel = self._linear.f32_kernel = kernel
         if self._f32 is not None:
             self._f32.f32_kernel = kernel
 
-    @property
-    def keeps_binding(self) -> bool:
-        """Whether the binding lives between steps (a generation's set; not PLAIN): what a native step
-        built for the binding needs (decode.native_step)."""
-        return self._slot.keep
-
-    def bind(self, model: nn.Module) -> Binding:
-        return self._slot.bind(model)
-
-    def covers(self, rows: int, dtype: torch.dtype) -> bool:
-        return True
-
-    def for_step(self, rows: int, dtype: torch.dtype, cpu: bool) -> PlainKernels:
+    def for_rows(self, rows: int, dtype: torch.dtype, cpu: bool) -> PlainKernels:
         """The set for a step of `rows` rows: F.linear outright where matmul_t would choose it for
         every matrix (float32, off the CPU, many rows, or half precision measured faster that way),
         so the products carry no per-call checks; a single float32 row on the kernel use_f32 named."""
@@ -217,24 +190,14 @@ class PlainKernels:
             return self._linear
         return self
 
-    def linear(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
-        if m.__class__ is not Mat:
-            return m(x)
-        return self.product(x, m.weight, m.bias)
+    def bind(self, model: nn.Module) -> Binding:
+        return Binding(model, self)
 
-    def linear_gelu(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
-        """tanh-GELU(x @ W^T + b), GPT-2's activation."""
-        y = m(x) if m.__class__ is not Mat else self.product(x, m.weight, m.bias)
-        return F.gelu(y, approximate="tanh")
+    def matrix(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
 
-    def linear_add(self, x: torch.Tensor, m: Mat | nn.Module, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x @ W^T + b."""
-        return residual + (m(x) if m.__class__ is not Mat else self.product(x, m.weight, m.bias))
-
-    def lm_head(self, x: torch.Tensor, head: Mat, n_vocab: int) -> torch.Tensor:
-        """x (R, C) @ wte^T -> logits (R, n_vocab)."""
-        y = self.product(x, head.weight)
-        return y if y.shape[-1] == n_vocab else y[:, :n_vocab]
-
-
-PLAIN = PlainKernels(keep=False)
+    def op(self, product: Product, role: str) -> Op:
+        """The product on this set's function; the loop applies the GELU and adds the residual."""
+        if product.__class__ is not Mat:
+            return Op(product, ())
+        return Op(self.product, (product.weight,) if role == "head" else (product.weight, product.bias))
