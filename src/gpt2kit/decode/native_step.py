@@ -61,18 +61,22 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
+_DATA_PTR = torch.Tensor.data_ptr
+
+
 class NativeStep:
     """csrc/step.c's step for one binding's tensors (made by `build`); call(x (1, C), cache) -> logits
     (1, V rows of the head), or None where this call does not fit (the flat loop runs it)."""
 
     def __init__(self, fn, net: _Net, blocks, held: list[tuple[torch.Tensor, int]], n_head_rows: int) -> None:
         self._fn, self._net, self._blocks = fn, net, blocks  # blocks: the array net points into, kept alive
-        self._held = held  # (tensor, the address C was given)
+        self._tensors = tuple(t for t, _ in held)  # what C was given, and the addresses it was given
+        self._ptrs = tuple(ptr for _, ptr in held)
         self._n_head_rows = n_head_rows
 
     def current(self) -> bool:
-        """Whether every tensor C was given is still where it was."""
-        return all(t.data_ptr() == ptr for t, ptr in self._held)
+        """Whether every tensor C was given is still where it was (one pass in C over them all)."""
+        return tuple(map(_DATA_PTR, self._tensors)) == self._ptrs
 
     def __call__(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
         """Logits (1, V rows of the head) for the embedded token x (1, C) at position cache.length, the
