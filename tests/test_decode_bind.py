@@ -152,3 +152,20 @@ def test_a_batch_1_int8_token_in_c_checks_its_addresses_without_python_calls(mon
     bench = _bench_calls()
     model = bench.build(layers=12, small=True, int8=True)
     assert bench.calls_per_token(model, batch=1, tokens=8) <= 150
+
+
+def test_the_decode_path_imports_nothing_above_its_floor():
+    """decode/ sits below gpt2kit.quant (whose modules call decode.int8) and the engine: the native step
+    knows an int8 module by the product it declares (decode.int8.Int8Weights), not by its class."""
+    import ast
+
+    import gpt2kit.decode as decode
+
+    allowed = ("gpt2kit.decode", "gpt2kit.model", "gpt2kit.config", "gpt2kit.kv_cache", "gpt2kit.machine",
+               "gpt2kit._io")
+    for path in Path(decode.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        above = {n for n in names if n.startswith("gpt2kit") and not n.startswith(allowed)}
+        assert not above, f"{path.name} imports {sorted(above)}"

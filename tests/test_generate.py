@@ -13,13 +13,12 @@ import torch
 from helpers import SMALL, cached_real_gpt2, error_lines, hf_from_ours, needs_real_gpt2, random_model, varied_model
 
 from gpt2kit import generate as gen
-from gpt2kit import sampler
 from gpt2kit.checkpoint import save_model
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import decode_step, prefill
 from gpt2kit.generation import generate, generate_stream, stream_text
 from gpt2kit.kv_cache import KVCache
-from gpt2kit.sampling import SamplingSettings
+from gpt2kit.sampling import SamplingSettings, sampler
 from gpt2kit.sampling.sampler import top_k_filter, top_p_filter, warp
 from gpt2kit.tokenizer import Tokenizer
 

@@ -31,8 +31,7 @@ FEW_ROWS = 16  # up to this many rows a decode product is weight streaming, not 
 
 # How half-precision few-row products run on this machine: "linear" (F.linear) or "mv" (W @ x^T),
 # for one row and for 2..FEW_ROWS rows; measured on first use (choose_half_kernels).
-_HALF_CHOICE: dict[tuple[torch.dtype, bool], str] = {}
-_HALF_DECIDED: dict[tuple[torch.dtype, bool], kernel_choice.Choice] = {}
+_CHOSEN = kernel_choice.REGISTRY.chosen  # ("half", (dtype, a single row)) -> kernel
 HALF_KERNELS = ("mv", "linear")
 
 
@@ -42,7 +41,7 @@ def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     rows = x.numel() // x.shape[-1]
     if (rows > FEW_ROWS or x.device.type != "cpu" or weight.dtype == torch.float32
             or not weight.is_contiguous()
-            or _HALF_CHOICE.get((weight.dtype, rows == 1), "mv") == "linear"):
+            or _CHOSEN.get(("half", (weight.dtype, rows == 1)), "mv") == "linear"):
         return F.linear(x, weight, bias)
     return _w_times_xt(x, weight, bias, rows)
 
@@ -65,28 +64,24 @@ def choose_half_kernels(weight: torch.Tensor, trials: int = kernel_choice.ROUNDS
     is stored (decode/kernel_choice.py). `remeasure`: measure again, stored or not."""
     if weight.device.type != "cpu" or weight.dtype == torch.float32 or not weight.is_contiguous():
         return
-    store = kernel_choice.Store()
     for single in (True, False):
         key = (weight.dtype, single)
-        if key in _HALF_CHOICE and not remeasure:
+        if ("half", key) in _CHOSEN and not remeasure:
             continue
         rows = 1 if single else 8
         bucket = (f"half {str(weight.dtype).removeprefix('torch.')} {'1 row' if single else f'2-{FEW_ROWS} rows'} "
                   f"{weight.shape[0]}x{weight.shape[1]} threads={torch.get_num_threads()}")
-        choice = None if remeasure else store.get(bucket)
-        if choice is None or choice.kernel not in HALF_KERNELS:
-            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-            bias = torch.zeros(weight.shape[0], dtype=weight.dtype)
-            cands = {"linear": lambda x=x, b=bias: F.linear(x, weight, b),
-                     "mv": lambda x=x, b=bias, r=rows: _w_times_xt(x, weight, b, r)}
-            def take(cands=cands):
-                with torch.inference_mode():
-                    got = kernel_choice.forced_timings() or _interleaved(cands, trials)
-                return {k: v for k, v in got.items() if k in cands}
-            choice = kernel_choice.measured(take, "mv")
-            if choice.source == "measured":
-                store.put(bucket, choice)
-        _HALF_CHOICE[key], _HALF_DECIDED[key] = choice.kernel, choice
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        bias = torch.zeros(weight.shape[0], dtype=weight.dtype)
+        cands = {"linear": lambda x=x, b=bias: F.linear(x, weight, b),
+                 "mv": lambda x=x, b=bias, r=rows: _w_times_xt(x, weight, b, r)}
+
+        def take(cands=cands):
+            with torch.inference_mode():
+                got = kernel_choice.forced_timings() or _interleaved(cands, trials)
+            return {k: v for k, v in got.items() if k in cands}
+        kernel_choice.REGISTRY.settle("half", key, bucket, HALF_KERNELS.__contains__,
+                                      lambda take=take: kernel_choice.measured(take, "mv"), fresh=remeasure)
 
 
 def _interleaved(cands: dict, rounds: int) -> dict[str, list[float]]:
@@ -147,14 +142,13 @@ def bfloat16_decodes_faster(trials: int = 7) -> bool:
 
 def half_kernel_choice() -> dict[str, str]:
     """What choose_half_kernels picked, e.g. {"bfloat16/1 row": "mv", "bfloat16/2-16 rows": "linear"}."""
-    return {f"{str(d).removeprefix('torch.')}/{'1 row' if one else f'2-{FEW_ROWS} rows'}": how
-            for (d, one), how in _HALF_CHOICE.items()}
+    return {name: c.kernel for name, c in half_decisions().items()}
 
 
 def half_decisions() -> dict[str, kernel_choice.Choice]:
     """How each of half_kernel_choice()'s kernels was chosen (default / stored / measured, the medians)."""
     return {f"{str(d).removeprefix('torch.')}/{'1 row' if one else f'2-{FEW_ROWS} rows'}": c
-            for (d, one), c in _HALF_DECIDED.items()}
+            for (d, one), c in kernel_choice.REGISTRY.decisions("half").items()}
 
 
 class PlainKernels:
@@ -186,7 +180,7 @@ class PlainKernels:
         if rows == 1 and dtype == torch.float32 and cpu and self._f32 is not None:
             return self._f32
         if (rows > FEW_ROWS or not cpu or dtype == torch.float32
-                or _HALF_CHOICE.get((dtype, rows == 1), "mv") == "linear"):
+                or _CHOSEN.get(("half", (dtype, rows == 1)), "mv") == "linear"):
             return self._linear
         return self
 
