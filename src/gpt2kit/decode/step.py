@@ -45,22 +45,27 @@ def prefill_ragged(model: GPT2, idx: torch.Tensor, last: list[int], cache: KVCac
     each row's keys, values and logits are the ones it gets alone; the padding's own keys and values
     land in the cache past the row's length (columns a row never reads before they are rewritten:
     the engine's slots track that). kernels: a flat path runs the flat loop, the final norm and LM
-    head at each row's last token only; None: the same modules as the model's forward (hooks on them
-    fire), only the logits taken at each row's own last position instead of the last column; rows of
-    one length go through the model's forward itself (prefill)."""
+    head at each row's last token only; None (or the forward path): the model's forward (its hooks
+    fire, once each), the final norm and head taken at each row's own last position instead of the
+    last column."""
     B, T = idx.shape
     if kernels is not None and not kernels.forward:
         return decode_tokens(model, idx, cache, None, kernels, last=last)
     if all(n == T - 1 for n in last):
         return prefill(model, idx, None, cache)
-    P = cache.length
-    x = model.drop(model.wte(idx) + model.wpe(torch.arange(P, P + T, device=idx.device)))  # (B, T, C)
-    mask = attention_mask_for(None, P, T, idx.device)
-    for i, block in enumerate(model.h):
-        x = block(x, mask, cache, i)
-    cache.length = P + T
-    x = x[torch.arange(B, device=idx.device), torch.tensor(last, device=idx.device)]  # (B, C)
-    return model.lm_head(model.ln_f(x))  # (B, V)
+    # The model's own forward, the final norm and head on each row's own last position: the last block's
+    # output is caught and handed to ln_f in place of the last column, by hooks that live for this call
+    # (ln_f's runs first among its pre-hooks), so every module runs once and its hooks with it.
+    rows, cols = torch.arange(B, device=idx.device), torch.tensor(last, device=idx.device)
+    caught: list[torch.Tensor] = []
+    catch = model.h[-1].register_forward_hook(lambda module, args, out: caught.append(out))
+    pick = model.ln_f.register_forward_pre_hook(lambda module, args: (caught[-1][rows, cols][:, None],),
+                                                prepend=True)  # (B, 1, C): each row's last position
+    try:
+        return model(idx, cache=cache, last_logits_only=True).logits[:, -1]  # (B, V)
+    finally:
+        catch.remove()
+        pick.remove()
 
 
 def decode_step(model: GPT2, idx: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None,
