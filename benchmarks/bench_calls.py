@@ -8,19 +8,21 @@ gpt2kit.generate_stream, and counts with cProfile every function call (Python fu
 C functions they call, as cProfile sees them) made by the decode steps after the first one: each
 of those samples a token and feeds it through decode_step. Prints the calls per token, then the
 functions called most. Call counts are deterministic (no timing), so this runs anywhere, loaded or
-not; tests/test_decode_bind.py asserts a bound on the same count.
+not; tests/test_decode_bind.py asserts a bound on the same count. --marginal counts the way the
+decode step's target is stated: batch 1 through gpt2kit.generate, a 150-token run less a 50-token run.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 
 import torch
 
 from gpt2kit.config import GPT2Config
-from gpt2kit.generation import generate_stream
+from gpt2kit.generation import generate, generate_stream
 from gpt2kit.model import GPT2
 from gpt2kit.sampling import SamplingSettings
 
@@ -28,7 +30,7 @@ from gpt2kit.sampling import SamplingSettings
 def build(layers: int = 12, small: bool = False, int8: bool = False, seed: int = 0) -> GPT2:
     """A random-weight GPT-2 of 124M's shape (or 32 wide with small), in eval mode."""
     if small:
-        cfg = GPT2Config(n_vocab=1000, n_ctx=128, n_embd=32, n_head=4, n_layer=layers)
+        cfg = GPT2Config(n_vocab=1000, n_ctx=256, n_embd=32, n_head=4, n_layer=layers)
     else:
         cfg = GPT2Config.from_name("gpt2", n_layer=layers)
     torch.manual_seed(seed)
@@ -70,6 +72,22 @@ def calls_per_token(model: GPT2, batch: int = 1, tokens: int = 16, settings: Sam
     return profile_decode(model, batch, tokens, settings).total_calls / tokens
 
 
+def marginal_calls_per_token(model: GPT2, long: int = 150, short: int = 50,
+                             settings: SamplingSettings | None = None) -> float:
+    """Calls per decoded token through gpt2kit.generate at batch 1, marginal: a run of `long` tokens
+    less one of `short` (each after an uncounted run that makes the one-off choices), over the
+    difference, so the prompt's prefill and the set-up cancel."""
+    def counted(n: int) -> int:
+        s = dataclasses.replace(settings or SamplingSettings(temperature=0, stop_token_ids=()), max_new_tokens=n)
+        generate(model, [[5, 6, 7, 8, 9, 10, 11, 12]], s)
+        prof = cProfile.Profile()
+        prof.enable()
+        generate(model, [[5, 6, 7, 8, 9, 10, 11, 12]], s)
+        prof.disable()
+        return pstats.Stats(prof).total_calls
+    return (counted(long) - counted(short)) / (long - short)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -80,8 +98,16 @@ def main() -> None:
     ap.add_argument("--sample", action="store_true",
                     help="sample (temperature 0.9, top-k 40, a logit bias, seed 0) instead of greedy")
     ap.add_argument("--top", type=int, default=15, help="functions to list, by calls")
+    ap.add_argument("--marginal", action="store_true",
+                    help="at batch 1 through gpt2kit.generate: a 150-token run less a 50-token run")
     args = ap.parse_args()
     model = build(args.layers, args.small, args.int8)
+    if args.marginal:
+        settings = sampled_settings(1) if args.sample else None
+        print(f"{args.layers} layers, batch 1, {'int8' if args.int8 else 'float32'}: "
+              f"{marginal_calls_per_token(model, settings=settings):.1f} Python-level calls per decoded token "
+              "(marginal: 150 tokens less 50, through gpt2kit.generate)")
+        return
     settings = sampled_settings(args.tokens + 3) if args.sample else None
     stats = profile_decode(model, args.batch, args.tokens, settings)
     kind = ("int8" if args.int8 else "float32") + (", sampled" if args.sample else ", greedy")

@@ -9,7 +9,7 @@ rows, in float32 and bfloat16, written as
   W@x^T    torch.mv(W, x) for one row, torch.mm(W, x.T).T for several (W row-major),
   packed   oneDNN on a prepacked copy of W (torch.ops.mkldnn._reorder_linear_weight, then
            _linear_pointwise), what gpt2kit.decode.packed gives generation.
-This is the evidence behind decode.kernels.matmul_t, decode.use_decode_layout and gpt2kit.decode.packed
+This is the evidence behind decode.plain.matmul_t, decode.use_decode_layout and gpt2kit.decode.packed
 (docs/benchmarks.md). The matrices are distinct, but a CPU with a large L3 may keep part of them
 between trials, so in-step rates (decode_step) are lower; compare the columns, not the totals.
 Best of a few trials; a trial during which other processes used the CPU is retried when possible.

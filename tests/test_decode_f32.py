@@ -66,7 +66,7 @@ def test_a_decode_on_the_kernel_gives_the_same_greedy_tokens(kernel, monkeypatch
     def greedy(env: str) -> tuple[list[int], list[torch.Tensor]]:
         monkeypatch.setenv(f32.ENV, env)
         ks = kernels_for(model, 1)
-        assert (ks.for_step(1, torch.float32, True).product is F.linear) == (env == "torch")
+        assert (ks.kernel_set.for_rows(1, torch.float32, True).product is F.linear) == (env == "torch")
         cache = KVCache.for_model(model, 1, 32)
         logits = prefill(model, idx, None, cache)
         out, seen = [], []

@@ -38,7 +38,7 @@ def test_devices_that_are_not_there(monkeypatch):
 def test_auto_dtype_is_the_measured_faster_one_on_cpu(tmp_path):
     import torch
 
-    from gpt2kit.decode.kernels import bfloat16_decodes_faster, half_kernel_choice
+    from gpt2kit.decode.plain import bfloat16_decodes_faster, half_kernel_choice
     from gpt2kit.devices import resolve_dtype
 
     want = torch.bfloat16 if bfloat16_decodes_faster() else torch.float32

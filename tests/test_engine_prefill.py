@@ -236,7 +236,7 @@ def test_a_batching_engines_flat_prefill_gives_each_row_its_own_tokens(pack, mon
 
     model = varied_model(SMALL, seed=0).eval()  # no hooks: the flat network runs the prompts
     engine = Engine(model, max_batch=4, prefill_chunk=8, pack_weights=pack)
-    assert isinstance(engine.kernels.prefill(), PackedWeights if pack is None else PlainKernels)
+    assert isinstance(engine.kernels.prefill().kernel_set, PackedWeights if pack is None else PlainKernels)
     flat = []
     monkeypatch.setattr(step, "decode_tokens", lambda m, ids, *a, **k: flat.append(tuple(ids.shape))
                         or decode_tokens(m, ids, *a, **k))
@@ -288,3 +288,35 @@ def test_a_one_row_engine_keeps_the_models_forward_and_the_server_warms_up():
     assert not is_packed(model)
     serve_engine(model, None, max_batch=4, pack_weights=None)  # the server's: kernels chosen at start-up
     assert is_packed(model)
+
+
+def test_ragged_rows_on_the_models_forward_fire_each_hook_once_and_equal_each_row_alone():
+    """prefill_ragged without a kernel set (a model with hooks, or training) runs the model's own forward,
+    the final norm and head at each row's own last token: every module once, its hooks with it."""
+    import torch
+
+    from gpt2kit.decode.step import prefill_ragged
+    from gpt2kit.kv_cache import KVCache
+
+    model = varied_model(SMALL, seed=3).eval()
+    idx = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0], [13, 0, 0, 0, 0]])
+    last = [4, 2, 0]
+    fired: dict[str, list[tuple]] = {}
+    names = ["h.0", f"h.{len(model.h) - 1}", "ln_f", "wte", ""]
+    def hook(name):
+        def record(module, args, out):
+            fired.setdefault(name, []).append(tuple((out if torch.is_tensor(out) else out.logits).shape))
+        return record
+
+    handles = [dict(model.named_modules())[n].register_forward_hook(hook(n)) for n in names]
+    try:
+        got = prefill_ragged(model, idx, last, KVCache.for_model(model, 3, 8))
+    finally:
+        for h in handles:
+            h.remove()
+    assert {n: len(v) for n, v in fired.items()} == dict.fromkeys(names, 1)
+    assert fired["ln_f"] == [(3, 1, model.config.n_embd)]  # the rows' own last positions, not the last column
+    with torch.inference_mode():
+        for b, n in enumerate(last):
+            alone = model(idx[b:b + 1, :n + 1]).logits[0, -1]
+            assert torch.allclose(got[b], alone, atol=1e-4, rtol=1e-5)  # other GEMM shapes: float32 rounding

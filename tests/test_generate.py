@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import SMALL, cached_real_gpt2, error_lines, hf_from_ours, needs_real_gpt2, random_model, varied_model
 
-from gpt2kit import generate as gen
+import gpt2kit.generation as gen
 from gpt2kit.checkpoint import save_model
 from gpt2kit.config import GPT2Config
 from gpt2kit.decode import decode_step, prefill

@@ -1,5 +1,5 @@
 """The kernel choice that cannot collapse (gpt2kit.decode.kernel_choice and its users int8.decide_for,
-kernels.choose_half_kernels, `gpt2kit bench --kernels`): decided on given samples (no timing
+plain.choose_half_kernels, `gpt2kit bench --kernels`): decided on given samples (no timing
 assertions), stored per machine in a directory the test makes (GPT2KIT_KERNEL_STORE), timings forced
 through GPT2KIT_KERNEL_TIMINGS in fresh processes, so nothing here depends on the machine's load."""
 
@@ -192,3 +192,33 @@ def test_a_bad_kernel_or_thread_count_is_one_line(tmp_path, argv, env, said):
     done = _run(code, tmp_path, None, **env)
     lines = done.stderr.strip().splitlines()
     assert done.returncode != 0 and len(lines) == 1 and said in lines[0], done.stderr
+
+
+def test_every_family_chooses_into_one_registry(tmp_path, monkeypatch):
+    """The float32, half-precision, int8 and int8-activation choices are one table's rows (kernel_choice.REGISTRY):
+    each family's settle stores what a measurement decided and reads it back the same way; forget clears
+    one family's rows alone."""
+    import torch
+
+    from gpt2kit.decode import f32, int8, int8act, plain
+
+    monkeypatch.setenv(kernel_choice.STORE_ENV, str(tmp_path))
+    monkeypatch.setenv(kernel_choice.TIMINGS_ENV, json.dumps({"torch": [1e-3] * 7, "linear": [1e-3] * 7,
+                                                              "mv": [1e-3] * 7}))
+    reg = kernel_choice.REGISTRY
+    for fam in ("f32", "half"):
+        reg.forget(fam)
+    w = torch.randn(64, 32)
+    f32.decide_for("32x1x64", [(w.t().contiguous().t(), None)], fresh=True)
+    plain.choose_half_kernels(w.to(torch.bfloat16), remeasure=True)
+    assert set(reg.decisions("f32")) == {"32x1x64"} and reg.chosen[("f32", "32x1x64")] == "torch"
+    assert set(reg.decisions("half")) == {(torch.bfloat16, True), (torch.bfloat16, False)}
+    assert plain.half_kernel_choice() == {"bfloat16/1 row": "mv", "bfloat16/2-16 rows": "mv"}
+    stored = json.loads((tmp_path / kernel_choice.STORE_NAME).read_text())["machines"]
+    assert {b.split()[0] for b in next(iter(stored.values()))} == {"f32", "half"}
+    reg.forget("f32")
+    assert not reg.decisions("f32") and reg.decisions("half") and ("f32", "32x1x64") not in reg.chosen
+    for family_module in (int8, int8act):  # their choices are the registry's rows too
+        assert family_module.decisions() == {} or all(isinstance(c, Choice) for c in family_module.decisions().values())
+    int8.forget()
+    assert not reg.decisions("int8")

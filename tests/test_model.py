@@ -196,7 +196,7 @@ def test_decode_step_equals_forward(dtype, padded):
     if dtype == torch.float32:
         assert torch.equal(got, want.logits[:, -1])  # the same kernels on the same values
         assert torch.equal(caches[0].kv, caches[1].kv)
-    else:  # half-precision few-row products may take W @ x^T (decode.kernels): equal to bf16 rounding
+    else:  # half-precision few-row products may take W @ x^T (decode.plain): equal to bf16 rounding
         torch.testing.assert_close(got.float(), want.logits[:, -1].float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(caches[0].kv.float(), caches[1].kv.float(), atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="eval"):

@@ -13,7 +13,7 @@ import torch
 from helpers import SMALL, varied_model
 
 from gpt2kit.config import GPT2Config
-from gpt2kit.decode import PLAIN, decode_step, is_packed
+from gpt2kit.decode import PLAIN, Kernels, decode_step, is_packed
 from gpt2kit.decode import packed as pk
 from gpt2kit.generation import generate
 from gpt2kit.kv_cache import KVCache
@@ -36,7 +36,7 @@ def _steps(model, B, packed, n=4, mask=None):
         model(idx, cache=cache, attention_mask=None if mask is None else mask[:, :5])
         for i, tok in enumerate(torch.randint(0, V, (n, B, 1))):  # the same tokens for both paths
             m = None if mask is None else mask[:, : 6 + i]
-            out.append(decode_step(model, tok, cache, m, packed or PLAIN).float())
+            out.append(decode_step(model, tok, cache, m, Kernels(packed) if packed else PLAIN).float())
     return torch.stack(out)
 
 
@@ -172,10 +172,14 @@ def test_row_buckets_bound_onednns_shapes_and_keep_each_rows_product():
         assert r < b.shape[0] <= 1.125 * r and torch.equal(b[:r], x) and not b[r:].any()
     model = varied_model()
     packed = pk.packed_weights(model, 8)
-    layer = model.h[0].mlp.c_fc
-    m = packed.bind(model).blocks[0][6]  # block 0's c_fc, as the decode step runs it (packed)
-    x = torch.randn(100, layer.weight.shape[1])
-    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    for got in (packed.linear(x, m), packed.linear_add(x, m, torch.zeros_like(want))):
-        assert got.shape == want.shape
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    block = packed.for_rows(100, torch.float32, True).bind(model).blocks[0]  # as a step of 100 rows runs them
+    attn, proj = model.h[0].attn.c_attn, model.h[0].attn.c_proj
+    x = torch.randn(100, attn.weight.shape[1])
+    want = torch.nn.functional.linear(x, attn.weight, attn.bias)
+    got = block.c_attn.fn(x, *block.c_attn.args)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    want = torch.nn.functional.linear(x, proj.weight, proj.bias) + 1  # the residual add, fused
+    got = block.attn_c_proj.fn(x, torch.ones_like(want), *block.attn_c_proj.args)
+    assert block.attn_c_proj.fused and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from gpt2kit.config import DTYPE_NAMES
-from gpt2kit.decode.kernels import bfloat16_decodes_faster
+from gpt2kit.decode.plain import bfloat16_decodes_faster
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, canonical) for name, canonical in DTYPE_NAMES.items()}
 
@@ -20,7 +20,7 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str | 
     "auto" is the fastest dtype for decoding on `device` within bfloat16's accuracy: bfloat16 on a GPU
     that supports it, else float32; on CPU bfloat16 where a measurement of decode-sized products on
     this machine finds it faster than float32 for one row and for 8 rows alike
-    (decode.kernels.bfloat16_decodes_faster), else float32."""
+    (decode.plain.bfloat16_decodes_faster), else float32."""
     if isinstance(dtype, str) and dtype.lower() == "auto":
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type == "cuda":

@@ -23,7 +23,7 @@ hs head size, L layers, V vocab, Vp padded vocab (embedding rows).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,15 @@ from gpt2kit.kv_cache import KVCache
 # Passed as the attention mask when the plain causal mask applies (no cache, no padding), so
 # SDPA can use its is_causal fast path instead of a materialised (T, S) mask.
 CAUSAL = "causal"
+
+
+@runtime_checkable
+class HeadEmbedding(Protocol):
+    """A token embedding that runs the tied LM head's product itself: lm_head(x (..., C)) -> (..., Vp).
+    int8 rows (gpt2kit.quant.modules.QuantEmbedding) and trained rows (gpt2kit.lora.TrainableTokens)
+    are; GPT2.lm_head asks a wte of this shape (checked structurally) for the product."""
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class GPT2Output(NamedTuple):
@@ -181,9 +190,10 @@ class GPT2(nn.Module):
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """The tied head: x (..., C) @ wte^T -> logits (..., V). With a padded vocabulary the product
         runs on all Vp rows (the faster shape) and the padding columns are cut from its result. A
-        swapped-in wte that computes the product itself (int8 rows, gpt2kit.quant.modules) is asked for it."""
-        own = getattr(self.wte, "lm_head", None)
-        logits = own(x) if own is not None else F.linear(x, self.wte.weight)  # (..., Vp)
+        swapped-in wte that computes the product itself (a HeadEmbedding) is asked for it."""
+        wte = self.wte
+        own = type(wte) is not nn.Embedding and isinstance(wte, HeadEmbedding)
+        logits = wte.lm_head(x) if own else F.linear(x, wte.weight)  # (..., Vp)
         V = self.config.n_vocab
         return logits if logits.shape[-1] == V else logits[..., :V]
 

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from gpt2kit.decode import f32, int8, int8act, kernel_choice, kernels
+from gpt2kit.decode import f32, int8, int8act, kernel_choice, plain
 from gpt2kit.machine import describe_cpu
 
 ROWS = {"1": 1, "few": 8, "many": 64, "prefill": 256, "long": 1024}
@@ -44,8 +44,8 @@ def kernel_choices(remeasure: bool = False, dtypes: tuple[torch.dtype, ...] = (t
             rows.append({"what": f"int8, {str(dtype).removeprefix('torch.')} activations", "bucket": bucket,
                          **c.as_json()})
     w = torch.randn(3072, 768).to(torch.bfloat16)  # c_fc's size, row-major as bfloat16 models keep it
-    kernels.choose_half_kernels(w, remeasure=remeasure)
-    for name, c in kernels.half_decisions().items():
+    plain.choose_half_kernels(w, remeasure=remeasure)
+    for name, c in plain.half_decisions().items():
         dtype, bucket = name.split("/")
         rows.append({"what": f"{dtype} few-row products", "bucket": bucket, **c.as_json()})
     c = f32.decide_for(F32_SHAPE, _f32_mats(), fresh=remeasure)

@@ -1,27 +1,27 @@
-"""A model's decode tensors resolved once per kernel set, as llm.c resolves its weight pointers once.
+"""What a kernel set is (KernelSet) and a model's decode tensors resolved once for one (Binding), as
+llm.c resolves its weight pointers once.
 
-Reading ``model.h[i].attn.c_attn.weight`` walks four nn.Module.__getattr__ calls; a decode step of a
-12-layer model did that 276 times per token for the same tensors. A Binding reads them once, into
-one tuple per block, and on each step tells whether they are still the model's: every module and
-parameter it read is looked up again in the dict nn.Module keeps it in (``_modules``,
-``_parameters``: plain dict reads, no attribute machinery), so a module swap, a replaced parameter
-(``load_state_dict(assign=True)``, ``layer.weight = ...``) or a changed block count makes it stale.
-A kernel set that computes from copies of the weights (decode.packed) also has the binding watch
-each copied parameter's version counter, so an in-place edit (a training step, load_state_dict's
-copy) makes it stale too (a ``.data`` assignment moves no version: packed_weights, which generation
-calls for each kernel set, compares the storage too); the plain kernels hold the parameters
-themselves, so they see in-place edits and ``.data`` assignments (model.to, use_decode_layout) as
-they happen. A binding is kept by the kernel set that made it: kernels_for makes a plain set per
-generation, so what a binding holds is let go with the generation (PLAIN, shared, keeps none).
+Reading ``model.h[i].attn.c_attn.weight`` walks four nn.Module.__getattr__ calls; a Binding reads every
+tensor a step needs once, into one tuple per block whose products are Ops: the function the kernel set
+runs the product on and its arguments (the matrix, or the set's copy of it, and the bias), so the flat
+loop (decode.step) calls the kernel itself. A swapped-in module (a quantized or adapted linear) is an
+Op of its own, called as the module it is. Whether a binding is still the model's is asked once per
+step by the path that holds it (decode.path.Kernels): every module and parameter it read is looked up
+again in the dict nn.Module keeps it in (``_modules``, ``_parameters``: plain dict reads, no attribute
+machinery), so a module swap, a replaced parameter (``load_state_dict(assign=True)``,
+``layer.weight = ...``) or a changed block count makes it stale. A kernel set that computes from copies
+of the weights (decode.packed) also has the binding watch each copied parameter's version counter, so
+an in-place edit (a training step, load_state_dict's copy) makes it stale too; the plain kernels hold
+the parameters themselves, so they see in-place edits and ``.data`` assignments as they happen.
 
-Legend: B rows, C n_embd.
+Legend: R rows, C n_embd.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -37,65 +37,110 @@ class Mat(NamedTuple):
 # A bound product: a Mat, or a swapped-in module (a quantized or adapted linear), called as itself.
 Product = Mat | nn.Module
 
+ROLES = ("linear", "gelu", "add", "head")  # what the flat loop does with a product's result
+
+
+class Op(NamedTuple):
+    """One product of the flat loop: ``fn(x, *args)`` is x (R, in) @ W^T + b. fused: fn takes in what the
+    loop would do after it, the tanh-GELU (role "gelu") or the residual add (role "add", called as
+    ``fn(x, residual, *args)``), as oneDNN's post-ops do (decode.packed)."""
+
+    fn: Callable[..., torch.Tensor]
+    args: tuple
+    fused: bool = False
+
+
+class KernelSet(Protocol):
+    """How the flat loop's products run: decode.plain's on the model's own matrices, decode.packed's on
+    prepacked copies. A set for one shape of step is picked by for_rows; bind resolves the model's tensors
+    in the set's form (Binding(model, set)), which calls matrix and op."""
+
+    watches_versions: bool  # the set computes from copies: in-place edits of their parameters make a binding stale
+    f32_kernel: str  # what single float32 rows run on (decode.f32.KERNELS)
+
+    def for_rows(self, rows: int, dtype: torch.dtype, cpu: bool) -> KernelSet:
+        """The set a step of `rows` rows of `dtype` runs on (this one, or a sibling)."""
+        ...
+
+    def bind(self, model: nn.Module) -> Binding:
+        """The model's tensors in this set's form, resolved now."""
+        ...
+
+    def matrix(self, weight: torch.Tensor) -> torch.Tensor:
+        """The set's form of a plain matrix (the weight itself, or a packed copy)."""
+        ...
+
+    def op(self, product: Product, role: str) -> Op:
+        """The Op the flat loop calls for `product` in `role` (one of ROLES)."""
+        ...
+
+    def use_f32(self, kernel: str) -> None:
+        """Run single float32 rows on `kernel` (decode.f32.KERNELS)."""
+        ...
+
 
 class Block(NamedTuple):
     ln_1_weight: torch.Tensor
     ln_1_bias: torch.Tensor
-    c_attn: Product
-    attn_c_proj: Product
+    c_attn: Op
+    attn_c_proj: Op
     ln_2_weight: torch.Tensor
     ln_2_bias: torch.Tensor
-    c_fc: Product
-    mlp_c_proj: Product
-
-
-def _same(p: torch.Tensor) -> torch.Tensor:
-    return p
+    c_fc: Op
+    mlp_c_proj: Op
 
 
 class Binding:
-    """What a decode step reads from `model`, resolved once. mat(weight) gives the kernel set's form
-    of a plain nn.Linear's matrix (or of the tied wte, for the head); versions=True when those are
-    copies, so in-place edits of their parameters make the binding stale."""
+    """What a decode step reads from `model`, resolved once for the kernel set `kernels`: per block the
+    layer norms' tensors and the four products as Ops (`blocks`), and as the products they are
+    (`products`: Mat or module, what decode.native_step hands to C); the embeddings, the final norm and
+    the head (an Op, and `head_mat`, the tied table's Mat, None where wte is swapped). `model`, `reads`,
+    `versions`, `blocks_dict` and `next_block` are what the path holding it checks once per step
+    (decode.path.Kernels.bound)."""
 
-    def __init__(self, model: nn.Module, mat: Callable[[torch.Tensor], torch.Tensor] = _same,
-                 versions: bool = False) -> None:
-        self._model = weakref.ref(model)
-        self._reads: list[tuple[dict, str, object]] = []  # (the dict, the key, what it held)
-        self._versions: list[tuple[torch.Tensor, int]] = []
-        self._mat, self._watch_versions = mat, versions
+    def __init__(self, model: nn.Module, kernels: KernelSet) -> None:
+        self.model = weakref.ref(model)
+        self.reads: list[tuple[dict, str, object]] = []  # (the dict, the key, what it held)
+        self.versions: list[tuple[torch.Tensor, int]] = []  # (a copied parameter, its version then)
+        self._kernels = kernels
         wte = self._module(model, "wte")
-        # The tied head and the lookups run on wte's table where it is a plain nn.Embedding; a
-        # swapped-in embedding (int8 rows, gpt2kit.quant.modules) looks its rows up and runs the head itself.
+        # The tied head and the lookups run on wte's table where it is a plain nn.Embedding; a swapped-in
+        # embedding (int8 rows, trained rows) looks its rows up and the model's lm_head runs its head.
         self.wte: torch.Tensor | None = self._param(wte, "weight") if type(wte) is nn.Embedding else None
-        self.head: Mat | None = None if self.wte is None else Mat(self._matrix(self.wte), None)
         self.wte_module = wte
+        self.head_mat: Mat | None = None if self.wte is None else Mat(self._matrix(self.wte), None)
+        self.head = kernels.op(self.head_mat, "head") if self.head_mat is not None else Op(model.lm_head, ())
         self.wpe = self._param(self._module(model, "wpe"), "weight")
         ln_f = self._module(model, "ln_f")
         self.ln_f_weight, self.ln_f_bias = self._param(ln_f, "weight"), self._param(ln_f, "bias")
         h = self._module(model, "h")
-        self._blocks_dict, self._n_blocks = h._modules, len(h._modules)
+        self.blocks_dict, self.next_block = h._modules, str(len(h._modules))  # a block appended: stale
+        self.products: list[tuple[Product, Product, Product, Product]] = []
         self.blocks = [self._block(self._module(h, name)) for name in h._modules]
-        self._mat = None  # only needed while binding (a kernel set's lookup: no cycle through it)
+        self._kernels = None  # only needed while binding (a packed set's lookup: no cycle through it)
 
     def _block(self, block: nn.Module) -> Block:
         attn, mlp = self._module(block, "attn"), self._module(block, "mlp")
         ln_1, ln_2 = self._module(block, "ln_1"), self._module(block, "ln_2")
+        products = (self._product(attn, "c_attn"), self._product(attn, "c_proj"),
+                    self._product(mlp, "c_fc"), self._product(mlp, "c_proj"))
+        self.products.append(products)
+        op = self._kernels.op
         return Block(self._param(ln_1, "weight"), self._param(ln_1, "bias"),
-                     self._product(attn, "c_attn"), self._product(attn, "c_proj"),
+                     op(products[0], "linear"), op(products[1], "add"),
                      self._param(ln_2, "weight"), self._param(ln_2, "bias"),
-                     self._product(mlp, "c_fc"), self._product(mlp, "c_proj"))
+                     op(products[2], "gelu"), op(products[3], "add"))
 
     def _module(self, owner: nn.Module, name: str) -> nn.Module:
         d = owner._modules
-        self._reads.append((d, name, d[name]))
+        self.reads.append((d, name, d[name]))
         return d[name]
 
     def _param(self, owner: nn.Module, name: str) -> torch.Tensor:
         d = owner._parameters
         if name not in d:  # not a parameter here (a buffer of a swapped-in module): read it as it is
             return getattr(owner, name)
-        self._reads.append((d, name, d[name]))
+        self.reads.append((d, name, d[name]))
         return d[name]
 
     def _product(self, owner: nn.Module, name: str) -> Product:
@@ -105,22 +150,6 @@ class Binding:
         return Mat(self._matrix(self._param(layer, "weight")), self._param(layer, "bias"))
 
     def _matrix(self, weight: torch.Tensor) -> torch.Tensor:
-        if self._watch_versions:
-            self._versions.append((weight, weight._version))
-        return self._mat(weight)
-
-    def current(self, model: nn.Module) -> bool:
-        """Whether this is `model`'s binding and every module and parameter it read is still the
-        model's (and, for copies, unchanged)."""
-        if self._model() is not model or len(self._blocks_dict) != self._n_blocks:
-            return False
-        try:
-            for d, name, held in self._reads:
-                if d[name] is not held:
-                    return False
-        except KeyError:  # deleted, or moved elsewhere (torch.nn.utils.parametrize)
-            return False
-        for weight, version in self._versions:
-            if weight._version != version:
-                return False
-        return True
+        if self._kernels.watches_versions:
+            self.versions.append((weight, weight._version))
+        return self._kernels.matrix(weight)

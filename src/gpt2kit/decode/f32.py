@@ -37,8 +37,7 @@ MAX_ROWS = 8  # the C kernel's few rows; more run on F.linear
 # The known-good kernel per CPU family (kernel_choice.family()); the measurement may replace it only by
 # being MARGIN faster. Only what was measured on such a CPU is named here (docs/benchmarks.md).
 DEFAULTS = {"amx": "torch", "avx512": "torch", "avx2": "torch", "other": "torch"}
-_CHOICE: dict[str, str] = {}  # model shape's bucket -> kernel
-_DECIDED: dict[str, kernel_choice.Choice] = {}
+_CHOSEN = kernel_choice.REGISTRY.chosen  # ("f32", model shape) -> kernel
 
 
 def check_kernel(name: str, given_as: str | None = None) -> str:
@@ -93,7 +92,7 @@ def forced() -> str | None:
 
 def chosen_kernel(shape: str) -> str | None:
     """The kernel decided for `shape` in this process (None: not decided yet), or the forced one."""
-    return forced() or _CHOICE.get(shape)
+    return forced() or _CHOSEN.get(("f32", shape))
 
 
 def decide_for(shape: str, mats: Sequence[tuple[torch.Tensor, torch.Tensor | None]], *,
@@ -104,18 +103,16 @@ def decide_for(shape: str, mats: Sequence[tuple[torch.Tensor, torch.Tensor | Non
     family default; a measured choice is stored. `fresh`: measure even where one is stored."""
     if forced():
         choice = kernel_choice.Choice(forced(), "forced", f"{ENV} is set")
-    else:
-        store, name = kernel_choice.Store(), bucket(shape)
-        choice = None if fresh else store.get(name)
-        if choice is not None and (choice.kernel not in KERNELS or _why_not(choice.kernel, torch.device("cpu"))
-                                   or disagreement(choice.kernel, mats[:1]) is not None):
-            choice = None
-        if choice is None:
-            choice = kernel_choice.measured(lambda: sample(mats, rounds), DEFAULTS[kernel_choice.family()])
-            if choice.source == "measured":
-                store.put(name, choice)
-    _CHOICE[shape], _DECIDED[shape] = choice.kernel, choice
-    return choice
+        kernel_choice.REGISTRY.set("f32", shape, choice)
+        return choice
+
+    def still_right(kernel: str) -> bool:
+        return (kernel in KERNELS and not _why_not(kernel, torch.device("cpu"))
+                and disagreement(kernel, mats[:1]) is None)
+
+    return kernel_choice.REGISTRY.settle(
+        "f32", shape, bucket(shape), still_right,
+        lambda: kernel_choice.measured(lambda: sample(mats, rounds), DEFAULTS[kernel_choice.family()]), fresh=fresh)
 
 
 def disagreement(kernel: str, mats: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> str | None:
@@ -160,10 +157,9 @@ def sample(mats: Sequence[tuple[torch.Tensor, torch.Tensor | None]], rounds: int
 
 def decisions() -> dict[str, kernel_choice.Choice]:
     """How each model shape's single-row float32 kernel was chosen in this process."""
-    return dict(_DECIDED)
+    return kernel_choice.REGISTRY.decisions("f32")
 
 
 def forget() -> None:
     """Forget this process's choices (the next decode decides again)."""
-    _CHOICE.clear()
-    _DECIDED.clear()
+    kernel_choice.REGISTRY.forget("f32")

@@ -47,6 +47,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +57,7 @@ import gpt2kit.decode.native as native
 
 KERNELS = ("native-avx2", "i8pack-bf16", "i8pack", "dequant")
 ENV = "GPT2KIT_INT8_KERNEL"
-_CHOICE: dict[tuple[str, torch.dtype, str], str] = {}  # (device type, activation dtype, rows bucket) -> kernel
-_DECIDED: dict[tuple[str, torch.dtype, str], kernel_choice.Choice] = {}  # the same keys -> how it was chosen
+_CHOSEN = kernel_choice.REGISTRY.chosen  # ("int8", (device type, activation dtype, rows bucket)) -> kernel
 _UNAVAILABLE: dict[str, str] = {}  # where a kernel failed -> the error (measurement or first use)
 
 
@@ -332,7 +332,7 @@ def choose(device: torch.device, dtype: torch.dtype, rows: int) -> str:
     if forced:
         return check_kernel(forced, device)
     key = (device.type, dtype, _bucket(rows))
-    kernel = _CHOICE.get(key)
+    kernel = _CHOSEN.get(("int8", key))
     if kernel is None:
         kernel = decide_for(device, dtype, rows).kernel
     return kernel
@@ -347,18 +347,15 @@ def decide_for(device: torch.device, dtype: torch.dtype, rows: int, *, fresh: bo
     device = torch.device(device)
     key = (device.type, dtype, _bucket(rows))
     name = f"int8 {device.type} {str(dtype).removeprefix('torch.')} {key[2]} threads={torch.get_num_threads()}"
-    store = kernel_choice.Store()
-    choice = None if fresh else store.get(name)
-    if choice is not None and (choice.kernel not in KERNELS or _why_not(choice.kernel, device)
-                               or not _still_right(choice.kernel, device, dtype, _BUCKET_ROWS[key[2]])):
-        choice = None
-    if choice is None:
-        choice = kernel_choice.measured(lambda: sample(device, dtype, _BUCKET_ROWS[key[2]], float32=key[2] in _BOUNDED),
-                                        "dequant", lambda m: _default(dtype, key[2], m), "float32")
-        if choice.source == "measured":
-            store.put(name, choice)
-    _CHOICE[key], _DECIDED[key] = choice.kernel, choice
-    return choice
+    rows = _BUCKET_ROWS[key[2]]
+
+    def still_right(kernel: str) -> bool:
+        return kernel in KERNELS and not _why_not(kernel, device) and _still_right(kernel, device, dtype, rows)
+
+    return kernel_choice.REGISTRY.settle(
+        "int8", key, name, still_right,
+        lambda: kernel_choice.measured(lambda: sample(device, dtype, rows, float32=key[2] in _BOUNDED),
+                                       "dequant", lambda m: _default(dtype, key[2], m), "float32"), fresh=fresh)
 
 
 @torch.inference_mode()
@@ -413,12 +410,14 @@ def _first_line(e: BaseException) -> str:
 
 def chosen() -> dict[str, str]:
     """The kernels chosen so far in this process, e.g. {'cpu float32 1': 'i8pack-bf16'} (for bench)."""
-    return {f"{d} {str(t).removeprefix('torch.')} {b}": k for (d, t, b), k in _CHOICE.items()}
+    return {f"{d} {str(t).removeprefix('torch.')} {b}": c.kernel
+            for (d, t, b), c in kernel_choice.REGISTRY.decisions("int8").items()}
 
 
 def decisions() -> dict[str, kernel_choice.Choice]:
     """How each of chosen()'s kernels was chosen (source default / stored / measured, the medians)."""
-    return {f"{d} {str(t).removeprefix('torch.')} {b}": c for (d, t, b), c in _DECIDED.items()}
+    return {f"{d} {str(t).removeprefix('torch.')} {b}": c
+            for (d, t, b), c in kernel_choice.REGISTRY.decisions("int8").items()}
 
 
 def unavailable() -> dict[str, str]:
@@ -429,6 +428,15 @@ def unavailable() -> dict[str, str]:
 def forget() -> None:
     """Forget this process's choices and failures: the next product decides again (after the store,
     GPT2KIT_INT8_KERNEL's absence, or the native kernel changed; `bench --kernels --remeasure` measures anew)."""
-    _CHOICE.clear()
-    _DECIDED.clear()
+    kernel_choice.REGISTRY.forget("int8")
     _UNAVAILABLE.clear()
+
+
+@runtime_checkable
+class Int8Weights(Protocol):
+    """A module whose product is int8_linear(x, weight, scale, bias) (the tied head's of an int8
+    embedding: bias None): gpt2kit.quant.modules's QuantLinear and QuantEmbedding. int8_weights()
+    gives those tensors, or None while the module runs another product (int8 activations): what
+    decode.native_step may hand to C in the module's place."""
+
+    def int8_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None: ...

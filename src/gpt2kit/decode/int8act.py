@@ -56,8 +56,7 @@ ENV = "GPT2KIT_INT8ACT_KERNEL"
 MAX_IN_FEATURES = 1 << 17  # in * 127 * 128 < 2^31: the int32 sums cannot overflow
 _FLT_MIN = torch.finfo(torch.float32).tiny
 _ISA = {"w8a8-vnni": "avx512-vnni", "w8a8-avx2": "avx2"}
-_CHOICE: dict[tuple[str, str], str] = {}  # (device type, rows bucket) -> kernel
-_DECIDED: dict[tuple[str, str], kernel_choice.Choice] = {}
+_CHOSEN = kernel_choice.REGISTRY.chosen  # ("int8act", (device type, rows bucket)) -> kernel
 _UNAVAILABLE: dict[str, str] = {}
 
 
@@ -197,7 +196,7 @@ def choose(device: torch.device, rows: int) -> str:
     forced = os.environ.get(ENV)
     if forced:
         return check_kernel(forced, device)
-    kernel = _CHOICE.get((device.type, int8._bucket(rows)))
+    kernel = _CHOSEN.get(("int8act", (device.type, int8._bucket(rows))))
     return kernel if kernel is not None else decide_for(device, rows).kernel
 
 
@@ -215,27 +214,24 @@ def decide_for(device: torch.device | str, rows: int, *, fresh: bool = False) ->
     device = torch.device(device)
     bucket = int8._bucket(rows)
     name = f"int8act {device.type} {bucket} threads={torch.get_num_threads()}"
-    store = kernel_choice.Store()
-    choice = None if fresh else store.get(name)
-    if choice is not None and (choice.kernel not in KERNELS or _why_not(choice.kernel, device)
-                               or not _still_right(choice.kernel, device)):
-        choice = None
-    if choice is None:
+
+    def still_right(kernel: str) -> bool:
+        return kernel in KERNELS and not _why_not(kernel, device) and _still_right(kernel, device)
+
+    def measure() -> kernel_choice.Choice:
         cands = _candidates(device)
         if not cands:
-            choice = kernel_choice.Choice("w8a8-emulated", "default", "no other kernel runs here")
-        else:
-            def take():
-                got = int8.sample(device, torch.float32, int8._BUCKET_ROWS[bucket], candidates=cands,
-                                  float32=bucket in int8._BOUNDED)
-                for k in [k for k in cands if k not in got]:  # left out by the measurement's checks
-                    _UNAVAILABLE[f"{device.type} {k}"] = "failed the measurement's check (int8.unavailable())"
-                return got
-            choice = kernel_choice.measured(take, "w8a8-emulated", lambda m: _default(bucket, m), "float32")
-            if choice.source == "measured":
-                store.put(name, choice)
-    _CHOICE[(device.type, bucket)], _DECIDED[(device.type, bucket)] = choice.kernel, choice
-    return choice
+            return kernel_choice.Choice("w8a8-emulated", "default", "no other kernel runs here")
+
+        def take():
+            got = int8.sample(device, torch.float32, int8._BUCKET_ROWS[bucket], candidates=cands,
+                              float32=bucket in int8._BOUNDED)
+            for k in [k for k in cands if k not in got]:  # left out by the measurement's checks
+                _UNAVAILABLE[f"{device.type} {k}"] = "failed the measurement's check (int8.unavailable())"
+            return got
+        return kernel_choice.measured(take, "w8a8-emulated", lambda m: _default(bucket, m), "float32")
+
+    return kernel_choice.REGISTRY.settle("int8act", (device.type, bucket), name, still_right, measure, fresh=fresh)
 
 
 @torch.inference_mode()
@@ -256,12 +252,12 @@ def _still_right(kernel: str, device: torch.device) -> bool:
 
 def chosen() -> dict[str, str]:
     """The kernels chosen so far in this process, e.g. {'cpu 1': 'w8a8-vnni'} (for bench)."""
-    return {f"{d} {b}": k for (d, b), k in _CHOICE.items()}
+    return {f"{d} {b}": c.kernel for (d, b), c in kernel_choice.REGISTRY.decisions("int8act").items()}
 
 
 def decisions() -> dict[str, kernel_choice.Choice]:
     """How each of chosen()'s kernels was chosen (source default / stored / measured, the medians)."""
-    return {f"{d} {b}": c for (d, b), c in _DECIDED.items()}
+    return {f"{d} {b}": c for (d, b), c in kernel_choice.REGISTRY.decisions("int8act").items()}
 
 
 def unavailable() -> dict[str, str]:
@@ -271,6 +267,5 @@ def unavailable() -> dict[str, str]:
 
 def forget() -> None:
     """Forget this process's choices and failures: the next product decides again."""
-    _CHOICE.clear()
-    _DECIDED.clear()
+    kernel_choice.REGISTRY.forget("int8act")
     _UNAVAILABLE.clear()

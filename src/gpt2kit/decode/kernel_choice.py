@@ -2,7 +2,7 @@
 overrides it on clear evidence, and the result kept per machine so a process does not re-measure under
 whatever load it starts in.
 
-gpt2kit.decode.int8 (the int8 products) and gpt2kit.decode.kernels (the half-precision few-row
+gpt2kit.decode.int8 (the int8 products) and gpt2kit.decode.plain (the half-precision few-row
 products) decide between kernels by timing them. A single best-of-3 timing at start-up flipped under
 load (one process on a busy machine chose a kernel far slower for single rows, and int8 decoding fell
 below float32; docs/benchmarks.md), so a choice here is made by `decide` on samples taken in interleaved rounds:
@@ -23,6 +23,11 @@ rows, threads). The directory and the file follow kernel_cache's rules (this use
 file that is another user's, writable by others, or not valid JSON of this format is ignored (with a
 RuntimeWarning) and rewritten whole on the next store, atomically. Entries of other machines in the file are kept.
 
+Every family's choices in this process live in one Registry, REGISTRY (family "f32", "half", "int8",
+"int8act", and the family's own key for the bucket): `settle` takes the stored choice where it is
+still right, else measures (storing what the measurement decided); `chosen` is what the products
+read on every call; `decisions` what `gpt2kit bench --kernels` lists.
+
 GPT2KIT_KERNEL_TIMINGS (JSON: {candidate: seconds or [seconds, ...]}, "float32" for the bound) replaces
 the timings of a measurement, never its correctness checks: the tests' seam, and a way to replay a
 decision.
@@ -35,7 +40,7 @@ import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -234,3 +239,43 @@ class Store:
                           RuntimeWarning, stacklevel=3)
             return {"format": FORMAT, "machines": {}}
         return data
+
+
+class Registry:
+    """The kernel chosen for each product bucket in this process, every kernel family's in one table
+    (module doc). `chosen` maps (family, key) to the kernel: a plain dict, read by the products."""
+
+    def __init__(self) -> None:
+        self.chosen: dict[tuple[str, Hashable], str] = {}
+        self._why: dict[tuple[str, Hashable], Choice] = {}
+
+    def settle(self, family: str, key: Hashable, bucket: str, still_right: Callable[[str], bool],
+               measure: Callable[[], Choice], *, fresh: bool = False) -> Choice:
+        """The choice for (family, key): the one stored for this machine under `bucket` where
+        still_right(kernel) (never with `fresh`), else measure()'s, stored when the measurement
+        decided it; this process's choice for the bucket from then on."""
+        store = Store()
+        choice = None if fresh else store.get(bucket)
+        if choice is not None and not still_right(choice.kernel):
+            choice = None
+        if choice is None:
+            choice = measure()
+            if choice.source == "measured":
+                store.put(bucket, choice)
+        self.set(family, key, choice)
+        return choice
+
+    def set(self, family: str, key: Hashable, choice: Choice) -> None:
+        self.chosen[(family, key)], self._why[(family, key)] = choice.kernel, choice
+
+    def decisions(self, family: str) -> dict[Hashable, Choice]:
+        """How each of the family's buckets was chosen, by its key."""
+        return {k: c for (f, k), c in self._why.items() if f == family}
+
+    def forget(self, family: str) -> None:
+        """Forget the family's choices: its next product decides again."""
+        for k in [k for k in self._why if k[0] == family]:
+            del self.chosen[k], self._why[k]
+
+
+REGISTRY = Registry()

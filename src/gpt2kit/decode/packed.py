@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gpt2kit.decode.bind import Binding, Mat
-from gpt2kit.decode.kernels import PlainKernels, cpu_has_native_bfloat16
+from gpt2kit.decode.bind import Binding, KernelSet, Mat, Op, Product
+from gpt2kit.decode.plain import PlainKernels, cpu_has_native_bfloat16
 from gpt2kit.machine import mem_available
 
 _PACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model -> PackedWeights
@@ -36,16 +36,20 @@ def _reorder(weight: torch.Tensor, hint: int) -> torch.Tensor:
 
 
 class PackedWeights:
-    """Packed copies of a model's matrices, looked up by the Parameter they copy. The same methods as
-    decode.kernels.PlainKernels; a layer that is not a plain nn.Linear is called as its module."""
+    """Packed copies of a model's matrices, looked up by the Parameter they copy: a KernelSet
+    (decode.bind) whose products run on oneDNN with the GELU and the residual add fused in. A layer
+    that is not a plain nn.Linear is called as its module; steps the packing does not cover (a float32
+    single row) run on decode.plain's set."""
+
+    watches_versions = True  # copies: an in-place edit of a parameter makes a binding stale
 
     def __init__(self, hint: int) -> None:
         self.hint = hint  # the row count the packing was tuned for (1, or 8 for "a few")
         # id(param) -> (weakref to param, data_ptr, version, packed copy)
         self._mats: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
-        self._binding: Binding | None = None  # the model's tensors with the packed copies in (bind)
-        self._plain = PlainKernels()  # what a step the packing does not cover runs on (for_step)
+        self._plain = PlainKernels()  # what a step the packing does not cover runs on (for_rows)
         self._unary = self._binary = None  # the oneDNN ops, resolved with the first copies
+        self._wide = _Bucketed(self)  # steps of more than EXACT_ROWS rows
 
     def refresh(self, params: list[torch.Tensor]) -> None:
         """Keep exactly `params` packed: repack those whose storage or contents changed since they
@@ -60,67 +64,49 @@ class PackedWeights:
                     # The LM head uses the first n_vocab rows; padding rows are packed too (harmless).
                     packed = _reorder(p.detach().contiguous(), self.hint)
                     mats[id(p)] = (weakref.ref(p), p.data_ptr(), p._version, packed)
-        if mats.keys() != self._mats.keys() or any(mats[k] is not self._mats[k] for k in mats):
-            self._binding = self._plain._slot.binding = None  # they hold the old copies (or modules)
         self._mats = mats
         if self._unary is None:
             op = torch.ops.mkldnn._linear_pointwise
             self._unary, self._binary = op.default, op.binary
 
-    def bind(self, model: nn.Module) -> Binding:
-        """The model's decode tensors with the packed copies in place of its plain matrices, repacked
-        first where a matrix was replaced or edited in place since (its version counter moved)."""
-        b = self._binding
-        if b is None or not b.current(model):
-            self.refresh(_matrices(model))
-            b = self._binding = Binding(model, lambda p: self._mats[id(p)][3], versions=True)
-        return b
+    @property
+    def f32_kernel(self) -> str:
+        return self._plain.f32_kernel
+
+    def use_f32(self, kernel: str) -> None:
+        """The kernel single float32 rows (which the packing does not cover) run on (decode.f32)."""
+        self._plain.use_f32(kernel)
 
     def covers(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether a step of `rows` rows should use the packed matrices (a float32 single row
         is faster on MKL's mat-vec, e.g. when a batch has finished down to one row)."""
         return bool(self._mats) and not (rows == 1 and dtype == torch.float32)
 
-    def use_f32(self, kernel: str) -> None:
-        """The kernel single float32 rows (which the packing does not cover) run on (decode.f32)."""
-        self._plain.use_f32(kernel)
+    def for_rows(self, rows: int, dtype: torch.dtype, cpu: bool) -> KernelSet:
+        if not self.covers(rows, dtype):
+            return self._plain.for_rows(rows, dtype, cpu)
+        return self if rows <= EXACT_ROWS else self._wide
 
-    def for_step(self, rows: int, dtype: torch.dtype, cpu: bool) -> PackedWeights | PlainKernels:
-        return self if self.covers(rows, dtype) else self._plain.for_step(rows, dtype, cpu)
+    def bind(self, model: nn.Module) -> Binding:
+        """The model's decode tensors with the packed copies in place of its plain matrices, repacked
+        first where a matrix was replaced or edited in place since (its version counter moved)."""
+        self.refresh(_matrices(model))
+        return Binding(model, self)
 
-    # x (R, in) @ W^T + b for the packed W of a bound product (an nn.Linear's), with the GELU or the
-    # residual add fused in (oneDNN post-ops: one kernel instead of two, the same math).
-    def linear(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
-        if m.__class__ is not Mat:
-            return m(x)
-        if x.shape[0] > EXACT_ROWS:
-            return _in_bucket(self._unary, x, m.weight, m.bias, "none", [], "")
-        return self._unary(x, m.weight, m.bias, "none", [], "")
+    def matrix(self, weight: torch.Tensor) -> torch.Tensor:
+        return self._mats[id(weight)][3]
 
-    def linear_gelu(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
-        """tanh-GELU(x @ W^T + b)."""
-        if m.__class__ is not Mat:
-            return torch.nn.functional.gelu(m(x), approximate="tanh")
-        if x.shape[0] > EXACT_ROWS:
-            return _in_bucket(self._unary, x, m.weight, m.bias, "gelu", [], "tanh")
-        return self._unary(x, m.weight, m.bias, "gelu", [], "tanh")
-
-    def linear_add(self, x: torch.Tensor, m: Mat | nn.Module, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x @ W^T + b."""
-        if m.__class__ is not Mat:
-            return residual + m(x)
-        if x.shape[0] > EXACT_ROWS:
-            R = x.shape[0]
-            return self._binary(rows_bucket(x), rows_bucket(residual), m.weight, m.bias, "add")[:R]
-        return self._binary(x, residual, m.weight, m.bias, "add")
-
-    def lm_head(self, x: torch.Tensor, head: Mat, n_vocab: int) -> torch.Tensor:
-        """x (R, C) @ wte[:n_vocab]^T: the logits (R, n_vocab) (padding rows computed, then cut)."""
-        if x.shape[0] > EXACT_ROWS:
-            y = _in_bucket(self._unary, x, head.weight, None, "none", [], "")
-        else:
-            y = self._unary(x, head.weight, None, "none", [], "")
-        return y if y.shape[-1] == n_vocab else y[:, :n_vocab]
+    def op(self, product: Product, role: str) -> Op:
+        """x (R, in) @ W^T + b on the packed W, with the GELU or the residual add fused in (oneDNN
+        post-ops: one kernel instead of two, the same math); the head's rows are cut by the loop."""
+        if product.__class__ is not Mat:
+            return Op(product, ())
+        w, b = product
+        if role == "gelu":
+            return Op(self._unary, (w, b, "gelu", [], "tanh"), True)
+        if role == "add":
+            return Op(self._binary, (w, b, "add"), True)  # fn(x, residual, w, b, "add")
+        return Op(self._unary, (w, b, "none", [], ""))
 
     def holds(self, param: torch.Tensor) -> bool:
         """Whether a packed copy of this very parameter is held."""
@@ -129,6 +115,43 @@ class PackedWeights:
 
     def nbytes(self) -> int:
         return sum(t.shape.numel() * t.element_size() for *_, t in self._mats.values())
+
+
+class _Bucketed:
+    """A PackedWeights' products for steps of more than EXACT_ROWS rows: run on the rows padded to
+    their bucket (rows_bucket), the result cut back."""
+
+    watches_versions = True
+
+    def __init__(self, packed: PackedWeights) -> None:
+        self._packed = packed
+        self.f32_kernel = "torch"  # never single rows
+
+    def for_rows(self, rows: int, dtype: torch.dtype, cpu: bool) -> KernelSet:
+        return self._packed.for_rows(rows, dtype, cpu)
+
+    def use_f32(self, kernel: str) -> None:
+        self._packed.use_f32(kernel)
+
+    def bind(self, model: nn.Module) -> Binding:
+        self._packed.refresh(_matrices(model))
+        return Binding(model, self)
+
+    def matrix(self, weight: torch.Tensor) -> torch.Tensor:
+        return self._packed.matrix(weight)
+
+    def op(self, product: Product, role: str) -> Op:
+        op = self._packed.op(product, role)
+        if product.__class__ is not Mat:
+            return op
+        fn = op.fn
+        if role == "add":
+            def run(x, residual, *args):
+                return fn(rows_bucket(x), rows_bucket(residual), *args)[:x.shape[0]]
+        else:
+            def run(x, *args):
+                return fn(rows_bucket(x), *args)[:x.shape[0]]
+        return Op(run, op.args, op.fused)
 
 
 EXACT_ROWS = 64  # row counts up to this many get oneDNN kernels of their own (a decode step's batch)
@@ -181,11 +204,6 @@ def bound_caches(entries: int) -> dict[str, str]:
     for name in CACHE_VARIABLES:
         os.environ.setdefault(name, str(entries))
     return {name: os.environ[name] for name in CACHE_VARIABLES}
-
-
-def _in_bucket(op, x: torch.Tensor, *args) -> torch.Tensor:
-    """op(x, *args) on x's rows padded to their bucket (rows_bucket), cut back to x's rows."""
-    return op(rows_bucket(x), *args)[:x.shape[0]]
 
 
 def _matrices(model: torch.nn.Module) -> list[torch.Tensor]:

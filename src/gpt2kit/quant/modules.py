@@ -100,6 +100,11 @@ class QuantLinear(nn.Module):
             return int8act_linear(x, self.weight, self.scale, self.bias)  # (..., out)
         return int8_linear(x, self.weight, self.scale, self.bias)  # (..., out)
 
+    def int8_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """(weight, scale, bias) while the product is int8_linear's (float activations), else None
+        (gpt2kit.decode.int8.Int8Weights)."""
+        return (self.weight, self.scale, self.bias) if self.activations == "float" else None
+
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix (out, in) these int8 values and scales stand for."""
         return self.weight.float() * self.scale.float()[:, None]
@@ -150,6 +155,11 @@ class QuantEmbedding(nn.Module):
         if self.activations == "int8":
             return int8act_linear(x, self.weight, self.scale)
         return int8_linear(x, self.weight, self.scale)
+
+    def int8_weights(self) -> tuple[torch.Tensor, torch.Tensor, None] | None:
+        """The head's (weight, scale, None) while it is int8_linear's (float activations), else None
+        (gpt2kit.decode.int8.Int8Weights)."""
+        return (self.weight, self.scale, None) if self.activations == "float" else None
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float() * self.scale.float()[:, None]

@@ -15,7 +15,7 @@ import torch
 
 from gpt2kit.checkpoint import load_model
 from gpt2kit.config import GPT2Config
-from gpt2kit.decode.kernels import cpu_has_native_bfloat16
+from gpt2kit.decode.plain import cpu_has_native_bfloat16
 from gpt2kit.model import GPT2
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpt2kit.decode.kernels import cpu_has_native_bfloat16
+from gpt2kit.decode.plain import cpu_has_native_bfloat16
 from gpt2kit.devices import resolve_dtype
 from gpt2kit.train.config import OPTIMIZERS, SCHEDULES, require_muon
 from gpt2kit.validate import check_choice
@@ -49,7 +49,7 @@ def newton_schulz_dtype(run_dtype: torch.dtype | str, device: torch.device | str
     all-reduced gradient and one process's sum, equal but for the last bit, round to different
     updates). For a bfloat16 run, bfloat16 (torch.optim.Muon's own choice) where the device multiplies
     it natively: CUDA, and CPUs where oneDNN has bfloat16 kernels (AVX512-BF16 / AMX:
-    decode.kernels.cpu_has_native_bfloat16); float32 elsewhere, which an AVX2 CPU multiplies many
+    decode.plain.cpu_has_native_bfloat16); float32 elsewhere, which an AVX2 CPU multiplies many
     times faster than the bfloat16 it emulates. A property of the machine, not a timing."""
     if resolve_dtype(run_dtype) != torch.bfloat16:
         return torch.float32

@@ -8,11 +8,9 @@ decode.layout puts it in. Which is faster differs between CPUs (docs/benchmarks.
 half-precision types the choice is made on the model's own matrices (choose_half_kernels: "mv" by
 default, another only on clear evidence, stored per machine by decode/kernel_choice.py) rather than assumed.
 
-Every kernel set (these, decode.packed's) has the same methods: bind(model) (the model's tensors
-in the set's form, resolved once: decode.bind), for_step(rows, dtype, cpu) (the set a step of that
-shape runs on), covers(rows, dtype), and the products linear, linear_gelu, linear_add and lm_head,
-which take a bound product (decode.bind.Mat) and never look a module's attributes up. A layer that
-is not a plain nn.Linear (a quantized or adapted module swapped in) is called as the module it is.
+PlainKernels is the KernelSet (decode.bind) on these products: the model's own parameters, no copies;
+decode.packed's set runs on prepacked copies. A layer that is not a plain nn.Linear (a quantized or
+adapted module swapped in) is called as the module it is.
 """
 
 from __future__ import annotations
@@ -27,14 +25,13 @@ from torch import nn
 
 import gpt2kit.decode.f32 as f32
 import gpt2kit.decode.kernel_choice as kernel_choice
-from gpt2kit.decode.bind import Binding, Mat
+from gpt2kit.decode.bind import Binding, Mat, Op, Product
 
 FEW_ROWS = 16  # up to this many rows a decode product is weight streaming, not compute
 
 # How half-precision few-row products run on this machine: "linear" (F.linear) or "mv" (W @ x^T),
 # for one row and for 2..FEW_ROWS rows; measured on first use (choose_half_kernels).
-_HALF_CHOICE: dict[tuple[torch.dtype, bool], str] = {}
-_HALF_DECIDED: dict[tuple[torch.dtype, bool], kernel_choice.Choice] = {}
+_CHOSEN = kernel_choice.REGISTRY.chosen  # ("half", (dtype, a single row)) -> kernel
 HALF_KERNELS = ("mv", "linear")
 
 
@@ -44,7 +41,7 @@ def matmul_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     rows = x.numel() // x.shape[-1]
     if (rows > FEW_ROWS or x.device.type != "cpu" or weight.dtype == torch.float32
             or not weight.is_contiguous()
-            or _HALF_CHOICE.get((weight.dtype, rows == 1), "mv") == "linear"):
+            or _CHOSEN.get(("half", (weight.dtype, rows == 1)), "mv") == "linear"):
         return F.linear(x, weight, bias)
     return _w_times_xt(x, weight, bias, rows)
 
@@ -67,28 +64,24 @@ def choose_half_kernels(weight: torch.Tensor, trials: int = kernel_choice.ROUNDS
     is stored (decode/kernel_choice.py). `remeasure`: measure again, stored or not."""
     if weight.device.type != "cpu" or weight.dtype == torch.float32 or not weight.is_contiguous():
         return
-    store = kernel_choice.Store()
     for single in (True, False):
         key = (weight.dtype, single)
-        if key in _HALF_CHOICE and not remeasure:
+        if ("half", key) in _CHOSEN and not remeasure:
             continue
         rows = 1 if single else 8
         bucket = (f"half {str(weight.dtype).removeprefix('torch.')} {'1 row' if single else f'2-{FEW_ROWS} rows'} "
                   f"{weight.shape[0]}x{weight.shape[1]} threads={torch.get_num_threads()}")
-        choice = None if remeasure else store.get(bucket)
-        if choice is None or choice.kernel not in HALF_KERNELS:
-            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-            bias = torch.zeros(weight.shape[0], dtype=weight.dtype)
-            cands = {"linear": lambda x=x, b=bias: F.linear(x, weight, b),
-                     "mv": lambda x=x, b=bias, r=rows: _w_times_xt(x, weight, b, r)}
-            def take(cands=cands):
-                with torch.inference_mode():
-                    got = kernel_choice.forced_timings() or _interleaved(cands, trials)
-                return {k: v for k, v in got.items() if k in cands}
-            choice = kernel_choice.measured(take, "mv")
-            if choice.source == "measured":
-                store.put(bucket, choice)
-        _HALF_CHOICE[key], _HALF_DECIDED[key] = choice.kernel, choice
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        bias = torch.zeros(weight.shape[0], dtype=weight.dtype)
+        cands = {"linear": lambda x=x, b=bias: F.linear(x, weight, b),
+                 "mv": lambda x=x, b=bias, r=rows: _w_times_xt(x, weight, b, r)}
+
+        def take(cands=cands):
+            with torch.inference_mode():
+                got = kernel_choice.forced_timings() or _interleaved(cands, trials)
+            return {k: v for k, v in got.items() if k in cands}
+        kernel_choice.REGISTRY.settle("half", key, bucket, HALF_KERNELS.__contains__,
+                                      lambda take=take: kernel_choice.measured(take, "mv"), fresh=remeasure)
 
 
 def _interleaved(cands: dict, rounds: int) -> dict[str, list[float]]:
@@ -149,92 +142,56 @@ def bfloat16_decodes_faster(trials: int = 7) -> bool:
 
 def half_kernel_choice() -> dict[str, str]:
     """What choose_half_kernels picked, e.g. {"bfloat16/1 row": "mv", "bfloat16/2-16 rows": "linear"}."""
-    return {f"{str(d).removeprefix('torch.')}/{'1 row' if one else f'2-{FEW_ROWS} rows'}": how
-            for (d, one), how in _HALF_CHOICE.items()}
+    return {name: c.kernel for name, c in half_decisions().items()}
 
 
 def half_decisions() -> dict[str, kernel_choice.Choice]:
     """How each of half_kernel_choice()'s kernels was chosen (default / stored / measured, the medians)."""
     return {f"{str(d).removeprefix('torch.')}/{'1 row' if one else f'2-{FEW_ROWS} rows'}": c
-            for (d, one), c in _HALF_DECIDED.items()}
-
-
-class _Slot:
-    """Where a plain kernel set keeps its binding (shared with its F.linear sibling)."""
-
-    def __init__(self, keep: bool) -> None:
-        self.keep, self.binding = keep, None
-
-    def bind(self, model: nn.Module) -> Binding:
-        b = self.binding
-        if b is None or not b.current(model):
-            b = Binding(model)
-            if self.keep:
-                self.binding = b
-        return b
+            for (d, one), c in kernel_choice.REGISTRY.decisions("half").items()}
 
 
 class PlainKernels:
-    """The decode step's products on the model's own parameters (no copies).
+    """The flat loop's products on the model's own parameters (no copies): a KernelSet (decode.bind).
 
-    keep=True holds the model's binding between steps (kernels_for makes one such set per
-    generation, so the binding lives as long as the generation); PLAIN, shared by every model,
-    keeps none and binds on every call."""
+    The product is matmul_t (a few half-precision rows), F.linear outright where a step's shape makes
+    it matmul_t's choice (a sibling set, for_rows), or, for single float32 rows, the kernel use_f32
+    named (decode.f32)."""
 
-    def __init__(self, keep: bool = True, *, _product: Callable = matmul_t, _slot: _Slot | None = None) -> None:
+    watches_versions = False  # the parameters themselves: edits are seen as they happen
+
+    def __init__(self, *, _product: Callable = matmul_t) -> None:
         self.product = _product  # matmul_t, or F.linear where a step's shape makes it matmul_t's choice
-        self._slot = _Slot(keep) if _slot is None else _slot
-        self._linear = self if _product is F.linear else PlainKernels(_product=F.linear, _slot=self._slot)
+        self._linear = self if _product is F.linear else PlainKernels(_product=F.linear)
         self._f32: PlainKernels | None = None  # single float32 rows on gpt2kit's kernel (use_f32)
         self.f32_kernel = "torch"  # what this set's single float32 rows run on (decode.f32.KERNELS)
 
     def use_f32(self, kernel: str) -> None:
         """Run single float32 rows on `kernel` (one of decode.f32.KERNELS; "torch": F.linear)."""
-        self._f32 = None if kernel == "torch" else PlainKernels(_product=f32.product(kernel), _slot=self._slot)
+        self._f32 = None if kernel == "torch" else PlainKernels(_product=f32.product(kernel))
+        self.f32_kernel = self._linear.f32_kernel = kernel
         if self._f32 is not None:
             self._f32.f32_kernel = kernel
 
-    @property
-    def keeps_binding(self) -> bool:
-        """Whether the binding lives between steps (a generation's set; not PLAIN): what a native step
-        built for the binding needs (decode.native_step)."""
-        return self._slot.keep
-
-    def bind(self, model: nn.Module) -> Binding:
-        return self._slot.bind(model)
-
-    def covers(self, rows: int, dtype: torch.dtype) -> bool:
-        return True
-
-    def for_step(self, rows: int, dtype: torch.dtype, cpu: bool) -> PlainKernels:
+    def for_rows(self, rows: int, dtype: torch.dtype, cpu: bool) -> PlainKernels:
         """The set for a step of `rows` rows: F.linear outright where matmul_t would choose it for
         every matrix (float32, off the CPU, many rows, or half precision measured faster that way),
         so the products carry no per-call checks; a single float32 row on the kernel use_f32 named."""
         if rows == 1 and dtype == torch.float32 and cpu and self._f32 is not None:
             return self._f32
         if (rows > FEW_ROWS or not cpu or dtype == torch.float32
-                or _HALF_CHOICE.get((dtype, rows == 1), "mv") == "linear"):
+                or _CHOSEN.get(("half", (dtype, rows == 1)), "mv") == "linear"):
             return self._linear
         return self
 
-    def linear(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
-        if m.__class__ is not Mat:
-            return m(x)
-        return self.product(x, m.weight, m.bias)
+    def bind(self, model: nn.Module) -> Binding:
+        return Binding(model, self)
 
-    def linear_gelu(self, x: torch.Tensor, m: Mat | nn.Module) -> torch.Tensor:
-        """tanh-GELU(x @ W^T + b), GPT-2's activation."""
-        y = m(x) if m.__class__ is not Mat else self.product(x, m.weight, m.bias)
-        return F.gelu(y, approximate="tanh")
+    def matrix(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
 
-    def linear_add(self, x: torch.Tensor, m: Mat | nn.Module, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x @ W^T + b."""
-        return residual + (m(x) if m.__class__ is not Mat else self.product(x, m.weight, m.bias))
-
-    def lm_head(self, x: torch.Tensor, head: Mat, n_vocab: int) -> torch.Tensor:
-        """x (R, C) @ wte^T -> logits (R, n_vocab)."""
-        y = self.product(x, head.weight)
-        return y if y.shape[-1] == n_vocab else y[:, :n_vocab]
-
-
-PLAIN = PlainKernels(keep=False)
+    def op(self, product: Product, role: str) -> Op:
+        """The product on this set's function; the loop applies the GELU and adds the residual."""
+        if product.__class__ is not Mat:
+            return Op(product, ())
+        return Op(self.product, (product.weight,) if role == "head" else (product.weight, product.bias))
