@@ -266,3 +266,36 @@ def test_no_benchmark_figures_in_the_code():
              for path in sorted([*SRC.rglob("*.py"), *SRC.rglob("*.c")])
              for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if _FIGURE.search(line)]
     assert not found, "move these figures to docs/benchmarks.md:\n" + "\n".join(found)
+
+
+def _engine_graph() -> dict[str, set[str]]:
+    """gpt2kit.engine's modules and the engine modules each imports, annotation-only imports (under
+    `if TYPE_CHECKING:`) included: an arrow a reader follows is an arrow, checked or not."""
+    engine = SRC / "engine"
+    names = {p.stem for p in engine.glob("*.py") if p.stem != "__init__"}
+    graph = {}
+    for name in names:
+        deps = set()
+        for node in ast.walk(ast.parse((engine / f"{name}.py").read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpt2kit.engine."):
+                deps.add(node.module.split(".")[2])
+            elif isinstance(node, ast.ImportFrom) and node.module == "gpt2kit.engine":
+                deps.update(a.name for a in node.names if a.name in names)
+        graph[name] = deps & names - {name}
+    return graph
+
+
+def test_the_engine_has_no_import_circle_even_through_annotations():
+    graph = _engine_graph()
+    assert graph["rows"] <= {"batch_cache", "beam", "text"}, graph["rows"]  # the row needs none that handles rows
+    done: set[str] = set()
+
+    def visit(m: str, path: list[str]) -> None:
+        for d in sorted(graph[m]):
+            assert d not in path, "import circle: " + " -> ".join([*path[path.index(d):], d])
+            if d not in done:
+                visit(d, [*path, d])
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m, [m])

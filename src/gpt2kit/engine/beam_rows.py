@@ -32,11 +32,8 @@ class BeamGroup:
     """One prompt's beam search: its rows (slots, in batch order), its search state, its result."""
 
     def __init__(self, prompt: Sequence[int], settings: SamplingSettings, device: torch.device, key: RowKey,
-                 n_ctx: int, max_batch: int | None) -> None:
+                 max_batch: int | None) -> None:
         nb = settings.num_beams
-        if len(prompt) + settings.max_new_tokens > n_ctx:
-            raise ValueError(f"beam search keeps the whole sequence in the context: prompt ({len(prompt)} tokens) + "
-                             f"max_new_tokens={settings.max_new_tokens} must be at most n_ctx={n_ctx}")
         if max_batch is not None and nb > max_batch:
             raise ValueError(f"num_beams={nb} rows run at once: at most max_batch={max_batch}")
         self.rows = [Row(list(prompt), settings, None, key=key if k == 0 else RowKey(key.index, key.prompt_index, k,
