@@ -19,6 +19,7 @@ import torch
 
 from gpt2kit.config import EOT_ID
 from gpt2kit.engine import Engine, EngineInterface, RowKey
+from gpt2kit.engine.beam import Beam
 from gpt2kit.engine.checks import check_request
 from gpt2kit.engine.scheduler import columns_needed
 from gpt2kit.sampling import SamplingSettings
@@ -217,34 +218,50 @@ def generate(model: GPT2, prompts: str | Sequence[str] | Sequence[Sequence[int]]
 
 def _beam_completions(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSettings,
                       tokenizer: Tokenizer | None, batch_size: int | None) -> list[Completion]:
-    """Beam search (gpt2kit.engine.beam): num_return_sequences Completions per prompt, best first,
-    prompts batched so that at most batch_size rows (prompts x beams) run at once (one prompt at least);
-    or contrastive search (gpt2kit.engine.contrastive): one Completion per prompt, one row each."""
-    from gpt2kit.engine.beam import Beam, beam_search
-    from gpt2kit.engine.contrastive import contrastive_search
-
+    """Beam search (each prompt's beams a BeamGroup of engine rows, gpt2kit.engine.beam_rows, as
+    the server runs them): num_return_sequences Completions per prompt, best first, at most
+    batch_size rows (prompts x beams) at once (one prompt's beams at least); or contrastive search
+    (gpt2kit.engine.contrastive): one Completion per prompt, one row each, prompts batched alike."""
     prompts = _check_call(prompts, settings, model, tokenizer, batch_size)
     width = 1 if settings.contrastive else settings.num_beams  # cache rows per prompt
-    n, step = settings.num_return_sequences, max(1, (batch_size or len(prompts) * width) // width)
-    out = []
+    n, per_batch = settings.num_return_sequences, max(1, (batch_size or len(prompts) * width) // width)
     was_training = model.training
     model.eval()
     try:
-        for start in range(0, len(prompts), step):
-            chunk = prompts[start:start + step]
-            if settings.contrastive:
-                found = [[Beam(t, None, "stop" if t and t[-1] in settings.stop_token_ids else "length")]
-                         for t in contrastive_search(model, chunk, settings)]
-            else:
-                found = beam_search(model, chunk, settings)
-            for i, beams in enumerate(found, start=start):
-                for j, b in enumerate(beams):
-                    text = b.text(tokenizer) if tokenizer is not None else None
-                    out.append(Completion(i * n + j, i, j, list(prompts[i]), list(b.tokens), text, b.finish_reason,
-                                          score=b.score))
+        found = (_contrastive(model, prompts, settings, per_batch) if settings.contrastive
+                 else _engine_beams(model, prompts, settings, per_batch * width))
     finally:
         model.train(was_training)
-    return out
+    return [Completion(i * n + j, i, j, list(prompts[i]), list(b.tokens),
+                       b.text(tokenizer) if tokenizer is not None else None, b.finish_reason, score=b.score)
+            for i, beams in enumerate(found) for j, b in enumerate(beams)]
+
+
+def _engine_beams(model: GPT2, prompts: list[list[int]], settings: SamplingSettings, max_batch: int
+                  ) -> list[list[Beam]]:
+    """Each prompt's returned beams, best first: its beam group on one engine of max_batch rows."""
+    max_len = max(columns_needed(len(p), settings.max_new_tokens, model.config.n_ctx) for p in prompts)
+    engine = Engine(model, max_batch=max_batch, pack_weights=settings.pack_weights, max_len=max_len)
+    for i, p in enumerate(prompts):
+        engine.submit(engine.new_beam_rows(p, settings, key=RowKey(i, i, 0)))
+    found: dict[int, list[Beam]] = {}
+    while engine.has_work:
+        for ev in engine.step():
+            if ev.error is not None:  # the caller asked for every prompt: no silent gaps
+                raise ev.error
+            found[ev.row.key.prompt_index] = list(ev.beams)
+    return [found[i] for i in range(len(prompts))]
+
+
+def _contrastive(model: GPT2, prompts: list[list[int]], settings: SamplingSettings, per_batch: int
+                 ) -> list[list[Beam]]:
+    """Each prompt's contrastive search as one Beam (score None), per_batch prompts at a time."""
+    from gpt2kit.engine.contrastive import contrastive_search
+
+    stops = settings.stop_token_ids
+    return [[Beam(t, None, "stop" if t and t[-1] in stops else "length")]
+            for start in range(0, len(prompts), per_batch)
+            for t in contrastive_search(model, prompts[start:start + per_batch], settings)]
 
 
 def stream_text(model: GPT2, tokenizer: Tokenizer, prompt: str,

@@ -110,7 +110,7 @@ class Engine:
                 sample_index: int = 0, logprobs: int | None = None, key: RowKey | None = None) -> Row:
         """A row for a prompt of valid token ids. seed: the run's seed (resolve_seed(settings) for
         one call); rows with equal (seed, sample_index) draw the same random numbers."""
-        self._check(prompt, settings)
+        _check_row(self, prompt, settings)
         if not settings.greedy and seed is None:
             raise ValueError("a sampled row needs a seed (gpt2kit.sampling.sampler.resolve_seed)")
         sampler = RowSampler(settings, prompt, self.model.config.n_vocab, seed, sample_index, self.device)
@@ -121,7 +121,7 @@ class Engine:
                       ) -> list[Row]:
         """One prompt's beam search (settings.num_beams rows, gpt2kit.engine.beam_rows), to submit
         together; the first row (key) gets the group's one event."""
-        self._check(prompt, settings, "beam search" if settings.num_beams == 1 else None)
+        _check_row(self, prompt, settings, "beam search" if settings.num_beams == 1 else None)
         return BeamGroup(prompt, settings, self.device, key or RowKey(), self.max_batch).rows
 
     def new_lease(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None) -> Row:
@@ -129,15 +129,8 @@ class Engine:
         for a search's own forwards (gpt2kit.engine.contrastive); cancelling it frees the slot."""
         if self.max_batch is None:
             raise ValueError("a slot lease needs an engine with max_batch (slots that never move)")
-        self._check(prompt, settings)
+        _check_row(self, prompt, settings)
         return Row(list(prompt), settings, None, key=key or RowKey(), lease=SlotLease())
-
-    def _check(self, prompt: Sequence[int], settings: SamplingSettings, method: str | None = None) -> None:
-        """The request's check (gpt2kit.engine.checks), then whether a row of it fits this engine's slots."""
-        cfg = self.model.config
-        check_request([len(prompt)], settings, n_ctx=cfg.n_ctx, n_vocab=cfg.n_vocab,
-                      tokenizer=self.tokenizer is not None, method=method)
-        check_columns(len(prompt), settings.max_new_tokens, cfg.n_ctx, self.max_len)
 
     def submit(self, rows: Sequence[Row]) -> None:
         """Queue rows; they join the batch, in order, as slots allow."""
@@ -356,6 +349,14 @@ def joinings(rows: list[Row], slots: list[int], contexts: list[list[int]]) -> li
     first, of = prefill_index(rows)
     return [Joining(rows[r], slots[r], contexts[r], [(rows[b], slots[b]) for b in range(len(rows)) if of[b] == i
                                                       and b != r]) for i, r in enumerate(first)]
+
+
+def _check_row(engine: Engine, prompt: Sequence[int], settings: SamplingSettings, method: str | None = None) -> None:
+    """The request's check (gpt2kit.engine.checks), then whether a row of it fits the engine's slots."""
+    cfg = engine.model.config
+    check_request([len(prompt)], settings, n_ctx=cfg.n_ctx, n_vocab=cfg.n_vocab,
+                  tokenizer=engine.tokenizer is not None, method=method)
+    check_columns(len(prompt), settings.max_new_tokens, cfg.n_ctx, engine.max_len)
 
 
 def check_columns(n_prompt: int, max_new_tokens: int, n_ctx: int, max_len: int) -> None:
