@@ -6,7 +6,8 @@ processing (outputs.py: finish reasons, log-probs; text.py: text with stop strin
 rows.py holds the row, its typed routing key, its one event shape and two declared protocols: a row
 group's (rows that run together: a beam search, beam_rows.py) and the engine's (EngineInterface, what
 EngineLoop, the server and gpt2kit.generation type against; Engine, speculative.SpeculativeEngine and
-routing.RoutedEngine satisfy it). The generator API over it is gpt2kit.generation.
+routing.RoutedEngine satisfy it). checks.py is the one check of a request's decoding settings (for
+gpt2kit.generation, the server and the row makers). The generator API over it is gpt2kit.generation.
 """
 
 from gpt2kit.engine.batch_cache import SlotPool
