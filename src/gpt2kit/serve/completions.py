@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from fastapi import Request
 
+    from gpt2kit.config import GPT2Config
     from gpt2kit.engine import Row, RowEvent
     from gpt2kit.engine.beam import Beam
     from gpt2kit.serve.server import Server
@@ -156,7 +157,7 @@ def plan(server: Server, body: S.CompletionRequest, more_stops: tuple[str, ...] 
     return job
 
 
-def _settings(body: S.CompletionRequest, max_tokens: int, cfg, tokenizer, kind: str | None, n: int,
+def _settings(body: S.CompletionRequest, max_tokens: int, cfg: GPT2Config, tokenizer, kind: str | None, n: int,
               best_of: int, more_stops: tuple[str, ...], prompt_lens: list[int]):
     """The request's SamplingSettings (with kind: its search's), checked as the library checks them
     (gpt2kit.engine.checks); a value refused is a 400."""
@@ -164,7 +165,6 @@ def _settings(body: S.CompletionRequest, max_tokens: int, cfg, tokenizer, kind: 
     from gpt2kit.sampling import EOT_ID, SamplingSettings
 
     n_vocab = cfg.n_vocab
-
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if any(not s for s in stops):
         raise APIError(400, "stop strings must not be empty", param="stop")
