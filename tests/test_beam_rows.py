@@ -9,6 +9,7 @@ import pytest
 from helpers import SMALL, varied_model
 
 from gpt2kit.engine import Engine, RowKey
+from gpt2kit.engine.rows import RowGroup
 from gpt2kit.generation import generate
 from gpt2kit.sampling import SamplingSettings
 
@@ -53,6 +54,12 @@ def test_beam_groups_beside_other_rows_equal_the_python_api(model, stop):
     _same(done[1], _beams(model, PROMPTS[2], s))
     assert greedy.tokens == generate(model, [PROMPTS[1]], GREEDY)[0].tokens
     assert sampled.tokens == generate(model, [PROMPTS[1]], SAMPLED)[0].tokens
+
+
+def test_a_beam_group_is_the_row_group_the_rows_declare(model):
+    rows = Engine(model).new_beam_rows(PROMPTS[0], SamplingSettings(max_new_tokens=4, num_beams=2))
+    group = rows[0].beam
+    assert isinstance(group, RowGroup) and group.rows == rows and group.lead is rows[0] and not group.cancelled
 
 
 def test_cancelling_one_row_of_a_group_drops_the_group(model):

@@ -430,6 +430,25 @@ def test_strict_mode_raises_instead(model):
         generate(model, [[1]], SamplingSettings(window=n_ctx))
 
 
+@pytest.mark.parametrize("settings, needle", [
+    (SamplingSettings(window=64), "window must be below the context n_ctx=64, got 64"),
+    (SamplingSettings(stop_token_ids=(50257,)), "stop token id 50257 is outside the vocabulary [0, 50257)"),
+    (SamplingSettings(temperature=0, stop_strings=("x",)), "stop_strings need a tokenizer"),
+    (SamplingSettings(max_new_tokens=61, num_beams=2), "(4 tokens) + max_new_tokens=61 must be at most n_ctx=64"),
+    (SamplingSettings(max_new_tokens=58, prompt_lookup=3), "max_new_tokens=58 + 3 draft tokens must be at most n_ctx"),
+])
+def test_the_library_and_the_engine_refuse_a_request_in_one_words(model, settings, needle):
+    # one check (gpt2kit.engine.checks) for generate, the CLI through it, the server and the engine's rows
+    from gpt2kit.engine import Engine
+
+    with pytest.raises(ValueError) as lib:
+        generate(model, [[1, 2, 3, 4]], settings)
+    make = Engine(model).new_beam_rows if settings.num_beams > 1 else Engine(model).new_row
+    with pytest.raises(ValueError) as row:
+        make([1, 2, 3, 4], settings, **({} if settings.num_beams > 1 else {"seed": 0}))
+    assert needle in str(lib.value) and str(row.value) == str(lib.value)
+
+
 def test_bfloat16_model_generates(model):
     m16 = varied_model(SMALL, seed=0).to(torch.bfloat16)
     out = generate(m16, PROMPTS, SamplingSettings(max_new_tokens=8, seed=0, stop_token_ids=()))

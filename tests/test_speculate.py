@@ -231,6 +231,19 @@ def test_a_draft_with_a_shorter_context_is_refused_naming_both_contexts(target):
     check_draft_model(short, target)  # a draft with a longer context than its target drafts
 
 
+def test_every_engine_is_the_declared_engine_interface(target, monkeypatch):
+    from gpt2kit.engine import EngineInterface
+    from gpt2kit.engine.speculative import SpeculativeEngine
+
+    routed = _engines(target, varied_model(CTX, seed=1), monkeypatch)
+    assert all(isinstance(e, EngineInterface) for e in (routed, routed.plain, routed.spec))
+    s = SamplingSettings(max_new_tokens=4, num_beams=2)
+    assert len(routed.new_beam_rows([1, 2], s)) == 2  # beams and leases are the plain engine's
+    for make in (SpeculativeEngine(target).new_beam_rows, SpeculativeEngine(target).new_lease):
+        with pytest.raises(ValueError, match="plain engine"):
+            make([1, 2], s)
+
+
 def _engines(target, draft, monkeypatch):
     """A RoutedEngine of a plain and a speculative engine on target with draft, its start-up check
     bypassed (what the engines do when drafting itself fails)."""

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpt2kit.config import EOT_ID
-from gpt2kit.engine import Engine, RowKey
+from gpt2kit.engine import Engine, EngineInterface, RowKey
+from gpt2kit.engine.beam import Beam
+from gpt2kit.engine.checks import check_request
 from gpt2kit.engine.scheduler import columns_needed
 from gpt2kit.sampling import SamplingSettings
 from gpt2kit.sampling.sampler import resolve_seed
@@ -92,23 +94,20 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
 
 def _start(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSettings, tokenizer: Tokenizer | None,
            batch_size: int | None, draft_model: GPT2 | None = None, interventions=None
-           ) -> tuple[Engine, list[list[int]]]:
-    """Check every argument, then an Engine holding all the rows; also the prompts as id lists."""
+           ) -> tuple[EngineInterface, list[list[int]]]:
+    """Check every argument, then an engine holding all the rows; also the prompts as id lists."""
     cfg = model.config
-    prompts = _check_call(prompts, settings, cfg.n_vocab, batch_size)
+    prompts = _check_call(prompts, settings, model, tokenizer, batch_size, draft_model)
     edits = _edits(model, interventions, speculative=draft_model is not None or bool(settings.prompt_lookup))
-    window = settings.window_for(cfg.n_ctx)
-    if window >= cfg.n_ctx:
-        raise ValueError(f"window must be below the context n_ctx={cfg.n_ctx}, got {window}")
-    if settings.strict:
-        _check_fits(prompts, settings.max_new_tokens, cfg.n_ctx)
-
     n = settings.num_samples
     if len(prompts) * n > MAX_ROWS:
         raise ValueError(f"{len(prompts)} prompt(s) x num_samples={n} = {len(prompts) * n} rows; at most "
                          f"{MAX_ROWS} per call (each row's state is made up front): call again for more")
     if draft_model is not None or settings.prompt_lookup:
-        engine = _speculative_engine(model, prompts, settings, tokenizer, batch_size, draft_model)
+        from gpt2kit.engine.speculative import SpeculativeEngine
+
+        engine = SpeculativeEngine(model, tokenizer, draft=draft_model, max_batch=batch_size,
+                                   pack_weights=settings.pack_weights)
     else:
         # slots: as many as run at once, each as long as the longest row gets (engine.batch_cache)
         rows = len(prompts) * n
@@ -133,19 +132,19 @@ def _edits(model: GPT2, interventions, *, speculative: bool):
     return prepare(model, interventions)
 
 
-def _check_call(prompts: Sequence[Sequence[int]], settings: SamplingSettings, n_vocab: int,
-                batch_size: int | None) -> list[list[int]]:
-    """What every generate call checks first: the prompts (returned as id lists), the stop ids, batch_size."""
-    prompts = _check_prompts(prompts, n_vocab)
-    bad_stop = [t for t in settings.stop_token_ids if t >= n_vocab]
-    if bad_stop:
-        raise ValueError(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {n_vocab})")
+def _check_call(prompts: Sequence[Sequence[int]], settings: SamplingSettings, model: GPT2, tokenizer: Tokenizer | None,
+                batch_size: int | None, draft_model: GPT2 | None = None) -> list[list[int]]:
+    """What every generate call checks first: the prompts (returned as id lists), batch_size, and
+    the settings against the model (gpt2kit.engine.checks, the one check the server makes too)."""
+    prompts = _check_prompts(prompts, model.config.n_vocab)
     if batch_size is not None:
         check_int("batch_size", batch_size, ">= 1", lambda v: v >= 1)
+    check_request([len(p) for p in prompts], settings, n_ctx=model.config.n_ctx, n_vocab=model.config.n_vocab,
+                  tokenizer=tokenizer is not None, draft_model=draft_model is not None)
     return prompts
 
 
-def _stream(model: GPT2, engine: Engine) -> Iterator[Step]:
+def _stream(model: GPT2, engine: EngineInterface) -> Iterator[Step]:
     was_training = model.training
     model.eval()  # dropout off while generating; restored when the iterator ends or is closed
     try:
@@ -176,24 +175,6 @@ def _rounds(events: list) -> list[list]:
     return rounds
 
 
-def _speculative_engine(model: GPT2, prompts: list[list[int]], settings: SamplingSettings,
-                        tokenizer: Tokenizer | None, batch_size: int | None, draft_model: GPT2 | None):
-    from gpt2kit.engine.speculative import SpeculativeEngine
-
-    if draft_model is not None and settings.prompt_lookup:
-        raise ValueError(f"draft from a draft model or by prompt lookup (prompt_lookup={settings.prompt_lookup}), "
-                         f"not both")
-    k = settings.draft_tokens if draft_model is not None else settings.prompt_lookup
-    n_ctx = model.config.n_ctx
-    for i, p in enumerate(prompts):
-        if len(p) + settings.max_new_tokens + k > n_ctx:
-            raise ValueError(
-                f"prompt {i} has {len(p)} tokens; speculative decoding keeps the whole sequence in the context, so "
-                f"prompt + max_new_tokens={settings.max_new_tokens} + {k} draft tokens must be at most n_ctx={n_ctx}")
-    return SpeculativeEngine(model, tokenizer, draft=draft_model, max_batch=batch_size,
-                             pack_weights=settings.pack_weights)
-
-
 def _check_prompts(prompts: Sequence[Sequence[int]], n_vocab: int) -> list[list[int]]:
     if isinstance(prompts, torch.Tensor) and prompts.dim() == 2:
         prompts = prompts.tolist()  # (B, T) of ids
@@ -209,15 +190,6 @@ def _check_prompts(prompts: Sequence[Sequence[int]], n_vocab: int) -> list[list[
                 raise ValueError(f"prompt {i} has token id {t!r}, outside the vocabulary [0, {n_vocab})")
         out.append(ids)
     return out
-
-
-def _check_fits(prompts: list[list[int]], max_new_tokens: int, n_ctx: int) -> None:
-    for i, p in enumerate(prompts):
-        # The last new token is sampled, never fed, so it needs no position.
-        if len(p) + max_new_tokens - 1 > n_ctx:
-            raise ValueError(
-                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
-                f"{len(p) + max_new_tokens - 1} positions, more than the context n_ctx={n_ctx} (strict mode)")
 
 
 def encode_prompts(tokenizer: Tokenizer, texts: str | Sequence[str]) -> list[list[int]]:
@@ -265,40 +237,50 @@ def generate(model: GPT2, prompts: str | Sequence[str] | Sequence[Sequence[int]]
 
 def _beam_completions(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSettings,
                       tokenizer: Tokenizer | None, batch_size: int | None) -> list[Completion]:
-    """Beam search (gpt2kit.engine.beam): num_return_sequences Completions per prompt, best first,
-    prompts batched so that at most batch_size rows (prompts x beams) run at once (one prompt at least);
-    or contrastive search (gpt2kit.engine.contrastive): one Completion per prompt, one row each."""
-    from gpt2kit.engine.beam import Beam, beam_search
-    from gpt2kit.engine.contrastive import contrastive_search
-
-    cfg = model.config
-    method = "contrastive search" if settings.contrastive else "beam search"
-    prompts = _check_call(prompts, settings, cfg.n_vocab, batch_size)
-    for i, p in enumerate(prompts):
-        if len(p) + settings.max_new_tokens > cfg.n_ctx:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; {method} keeps the whole sequence in the context, "
-                             f"so prompt + max_new_tokens={settings.max_new_tokens} must be at most n_ctx={cfg.n_ctx}")
+    """Beam search (each prompt's beams a BeamGroup of engine rows, gpt2kit.engine.beam_rows, as
+    the server runs them): num_return_sequences Completions per prompt, best first, at most
+    batch_size rows (prompts x beams) at once (one prompt's beams at least); or contrastive search
+    (gpt2kit.engine.contrastive): one Completion per prompt, one row each, prompts batched alike."""
+    prompts = _check_call(prompts, settings, model, tokenizer, batch_size)
     width = 1 if settings.contrastive else settings.num_beams  # cache rows per prompt
-    n, step = settings.num_return_sequences, max(1, (batch_size or len(prompts) * width) // width)
-    out = []
+    n, per_batch = settings.num_return_sequences, max(1, (batch_size or len(prompts) * width) // width)
     was_training = model.training
     model.eval()
     try:
-        for start in range(0, len(prompts), step):
-            chunk = prompts[start:start + step]
-            if settings.contrastive:
-                found = [[Beam(t, None, "stop" if t and t[-1] in settings.stop_token_ids else "length")]
-                         for t in contrastive_search(model, chunk, settings)]
-            else:
-                found = beam_search(model, chunk, settings)
-            for i, beams in enumerate(found, start=start):
-                for j, b in enumerate(beams):
-                    text = b.text(tokenizer) if tokenizer is not None else None
-                    out.append(Completion(i * n + j, i, j, list(prompts[i]), list(b.tokens), text, b.finish_reason,
-                                          score=b.score))
+        found = (_contrastive(model, prompts, settings, per_batch) if settings.contrastive
+                 else _engine_beams(model, prompts, settings, per_batch * width))
     finally:
         model.train(was_training)
-    return out
+    return [Completion(i * n + j, i, j, list(prompts[i]), list(b.tokens),
+                       b.text(tokenizer) if tokenizer is not None else None, b.finish_reason, score=b.score)
+            for i, beams in enumerate(found) for j, b in enumerate(beams)]
+
+
+def _engine_beams(model: GPT2, prompts: list[list[int]], settings: SamplingSettings, max_batch: int
+                  ) -> list[list[Beam]]:
+    """Each prompt's returned beams, best first: its beam group on one engine of max_batch rows."""
+    max_len = max(columns_needed(len(p), settings.max_new_tokens, model.config.n_ctx) for p in prompts)
+    engine = Engine(model, max_batch=max_batch, pack_weights=settings.pack_weights, max_len=max_len)
+    for i, p in enumerate(prompts):
+        engine.submit(engine.new_beam_rows(p, settings, key=RowKey(i, i, 0)))
+    found: dict[int, list[Beam]] = {}
+    while engine.has_work:
+        for ev in engine.step():
+            if ev.error is not None:  # the caller asked for every prompt: no silent gaps
+                raise ev.error
+            found[ev.row.key.prompt_index] = list(ev.beams)
+    return [found[i] for i in range(len(prompts))]
+
+
+def _contrastive(model: GPT2, prompts: list[list[int]], settings: SamplingSettings, per_batch: int
+                 ) -> list[list[Beam]]:
+    """Each prompt's contrastive search as one Beam (score None), per_batch prompts at a time."""
+    from gpt2kit.engine.contrastive import contrastive_search
+
+    stops = settings.stop_token_ids
+    return [[Beam(t, None, "stop" if t and t[-1] in stops else "length")]
+            for start in range(0, len(prompts), per_batch)
+            for t in contrastive_search(model, prompts[start:start + per_batch], settings)]
 
 
 def stream_text(model: GPT2, tokenizer: Tokenizer, prompt: str,

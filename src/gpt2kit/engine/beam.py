@@ -4,13 +4,9 @@ length penalty and early-stopping rules, so the returned sequences, their order 
 are transformers'.
 
 :class:`BeamState` is the search itself (no model): given the beams' next-token log-probs it picks
-each beam's next token and the beam it continues. Two callers feed it: :func:`beam_search` (the
-Python API, a batch of prompts with their own KVCache) and the engine (gpt2kit.engine.beam_rows:
-one prompt's beams as rows of the shared batch, beside other requests' rows).
-
-Beams are rows: B prompts with nb beams each are B * nb cache rows (positions from the mask, as
-everywhere in the engine); each step the rows are reordered to the surviving beams by one
-index_select of the cache, then fed their new tokens in one decode step.
+each beam's next token and the beam it continues. The engine feeds it (gpt2kit.engine.beam_rows:
+one prompt's beams as rows of the shared batch, each beam a slot, beside other rows), for
+gpt2kit.generation.generate and the server alike.
 
 Per step, with the running beams' summed log-probs s (B, nb) and the new log-probs (B, nb, V):
 the best K = max(2, 1 + n_stop) * nb continuations over all beams; those ending in a stop token
@@ -26,7 +22,7 @@ early_stopping: True stops a prompt once nb beams have finished; False stops onc
 beam, at its current length, cannot beat the worst finished one; "never" (with length_penalty > 0)
 assumes the running beams reach max_new_tokens, else as False.
 
-Legend: B prompts, nb beams, K candidates, N max new tokens, T prompt width, V vocab.
+Legend: B prompts, nb beams, K candidates, N max new tokens, V vocab.
 """
 
 from __future__ import annotations
@@ -36,12 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gpt2kit.config import EOT_ID
-from gpt2kit.decode import decode_step, kernels_for, prefill
-from gpt2kit.kv_cache import KVCache
-
 if TYPE_CHECKING:
-    from gpt2kit.model import GPT2
     from gpt2kit.sampling import SamplingSettings
     from gpt2kit.tokenizer import Tokenizer
 
@@ -152,31 +143,3 @@ class BeamState:
                 beams.append(Beam(toks, scores[b][k], reason))
             out.append(beams)
         return out
-
-
-@torch.inference_mode()
-def beam_search(model: GPT2, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Beam]]:
-    """For each prompt (valid token ids), its settings.num_return_sequences best beams, best first."""
-    s, nb, N = settings, settings.num_beams, settings.max_new_tokens
-    B, T = len(prompts), max(map(len, prompts))
-    device = model.wpe.weight.device
-    idx = torch.full((B, T), EOT_ID % model.config.n_vocab, dtype=torch.long)  # (B, T)
-    mask = torch.zeros(B, T + N, dtype=torch.long)  # (B, T + N): new columns preset to 1 below
-    for b, p in enumerate(prompts):
-        idx[b, T - len(p):] = torch.tensor(p)
-        mask[b, T - len(p):] = 1
-    padded = any(len(p) < T for p in prompts)
-    idx, mask = idx.to(device), mask.to(device)
-    cache = KVCache.for_model(model, B, T + N)
-    kernels = kernels_for(model, B * nb, s.pack_weights)  # the beams' steps' set, the prompts' prefill's too
-    logits = prefill(model, idx, mask[:, :T] if padded else None, cache, kernels)  # (B, V)
-    rows = torch.arange(B, device=device).repeat_interleave(nb)  # (B * nb,): every beam starts from its prompt
-    cache.select(rows)
-    mask, logits = mask[rows], logits[rows]  # (B * nb, T + N), (B * nb, V)
-    state = BeamState(B, s, device)
-    while (moves := state.step(logits)) is not None:
-        tok, beam_rows = moves  # (B * nb,) each
-        cache.select(beam_rows)  # the one reorder of the step; a prompt's beams share its mask
-        P = cache.length
-        logits = decode_step(model, tok[:, None], cache, mask[:, :P + 1] if padded else None, kernels)
-    return state.results()

@@ -2,9 +2,9 @@
 
 One prompt's beam search is a :class:`BeamGroup`: num_beams rows (slots) that join the running
 batch together (admitted whole, one prefill of the prompt in the group's first slot, copied to its
-others), are stepped by the group's :class:`~gpt2kit.engine.beam.BeamState` (the same search as
-the Python API's beam_search) instead of a sampler, and leave together. Each step the slots take
-the surviving beams' keys and values: one gather among the groups' own slots, for every group of
+others), are stepped by the group's :class:`~gpt2kit.engine.beam.BeamState` instead of a sampler,
+and leave together (gpt2kit.generation.generate and the server both run beam search so). Each
+step the slots take the surviving beams' keys and values: one gather among the groups' own slots, for every group of
 the batch at once (SlotPool.copy, counted in its beam_bytes); other rows' slots are not read or
 written, so their tokens are what they are alone. The group gives one event at the end, on its
 lead row, with its returned beams (RowEvent.beams).
@@ -32,11 +32,8 @@ class BeamGroup:
     """One prompt's beam search: its rows (slots, in batch order), its search state, its result."""
 
     def __init__(self, prompt: Sequence[int], settings: SamplingSettings, device: torch.device, key: RowKey,
-                 n_ctx: int, max_batch: int | None) -> None:
+                 max_batch: int | None) -> None:
         nb = settings.num_beams
-        if len(prompt) + settings.max_new_tokens > n_ctx:
-            raise ValueError(f"beam search keeps the whole sequence in the context: prompt ({len(prompt)} tokens) + "
-                             f"max_new_tokens={settings.max_new_tokens} must be at most n_ctx={n_ctx}")
         if max_batch is not None and nb > max_batch:
             raise ValueError(f"num_beams={nb} rows run at once: at most max_batch={max_batch}")
         self.rows = [Row(list(prompt), settings, None, key=key if k == 0 else RowKey(key.index, key.prompt_index, k,

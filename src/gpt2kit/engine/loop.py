@@ -10,14 +10,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gpt2kit.engine.rows import Row, RowEdits, RowEvent, RowKey
-    from gpt2kit.engine.scheduler import Engine
+    from gpt2kit.engine.rows import EngineInterface, Row, RowEdits, RowEvent, RowKey
     from gpt2kit.sampling import SamplingSettings
 
 
 class EngineLoop:
-    """Runs an Engine in a worker thread; the one object a server talks to. on_events(events) is
-    called from the worker after every step; on_error(rows, exc) when a step raises (every row is
+    """Runs an engine (any EngineInterface: Engine, or the server's RoutedEngine) in a worker
+    thread; the one object a server talks to. on_events(events) is called from the worker after
+    every step; on_error(rows, exc) when a step raises (every row is
     dropped, the loop goes on) and, with just that row, for a row whose own sampling raised (its
     neighbours go on). :meth:`call` runs a function in the worker between steps (e.g. scoring a
     prompt) and returns a concurrent Future; :meth:`call_steps` runs a generator there one step
@@ -30,7 +30,7 @@ class EngineLoop:
     True once the worker has had no work for tidy_after seconds (once per quiet spell), with False
     after every step (a server gives free memory back then, gpt2kit.serve.memory)."""
 
-    def __init__(self, engine: Engine, on_events: Callable[[list[RowEvent]], None],
+    def __init__(self, engine: EngineInterface, on_events: Callable[[list[RowEvent]], None],
                  on_error: Callable[[list[Row], BaseException], None], *, admission_window: float = 0.0,
                  tidy: Callable[[bool], None] | None = None, tidy_after: float = 0.5) -> None:
         self.engine, self.on_events, self.on_error = engine, on_events, on_error
@@ -57,17 +57,17 @@ class EngineLoop:
     def new_row(self, prompt: Sequence[int], settings: SamplingSettings, *, seed: int | None = None,
                 sample_index: int = 0, logprobs: int | None = None, key: RowKey | None = None,
                 edits: RowEdits | None = None) -> Row:
-        """Engine.new_row (any thread: it only reads the model's config and device)."""
+        """The engine's new_row (any thread: it only reads the model's config and device)."""
         return self.engine.new_row(prompt, settings, seed=seed, sample_index=sample_index, logprobs=logprobs,
                                    key=key, edits=edits)
 
     def new_beam_rows(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None
                       ) -> list[Row]:
-        """Engine.new_beam_rows (any thread, as new_row)."""
+        """The engine's new_beam_rows (any thread, as new_row)."""
         return self.engine.new_beam_rows(prompt, settings, key=key)
 
     def new_lease(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None) -> Row:
-        """Engine.new_lease (any thread, as new_row)."""
+        """The engine's new_lease (any thread, as new_row)."""
         return self.engine.new_lease(prompt, settings, key=key)
 
     def submit(self, rows: Sequence[Row]) -> None:
@@ -160,7 +160,7 @@ class EngineLoop:
     def _gather(self) -> None:
         """Woken from idle by an arrival: wait out the admission window (or until the queue holds a full
         batch, or a stop) so that requests arriving together start in one step. Holds the condition."""
-        deadline, full = time.monotonic() + self.admission_window, getattr(self.engine, "max_batch", None)
+        deadline, full = time.monotonic() + self.admission_window, self.engine.max_batch
         while not self._stop and (full is None or self.engine.n_waiting < full):
             left = deadline - time.monotonic()
             if left <= 0:

@@ -1,6 +1,7 @@
-"""Output processing: what a row's new token makes of its text (whole characters, stop strings held
-back until they are known not to be one), whether it finishes the row, and the log-probs reported
-for it. Scheduling (gpt2kit.engine.scheduler) calls these; it computes none of it itself.
+"""Output processing: what a row's new token makes of its text (gpt2kit.engine.text: whole
+characters, stop strings held back until they are known not to be one), whether it finishes the
+row, and the log-probs reported for it. Scheduling (gpt2kit.engine.scheduler) calls these; it
+computes none of it itself.
 
 Legend: B rows in the batch, R rows that asked for log-probs, V vocab.
 """
@@ -13,44 +14,6 @@ import torch
 
 if TYPE_CHECKING:
     from gpt2kit.engine.rows import Row
-    from gpt2kit.tokenizer import Tokenizer
-
-
-class RowText:
-    """A row's text: whole UTF-8 characters only, with any tail that could begin a stop string
-    held back until it is known not to be one (so no streamed text ever has to be taken back)."""
-
-    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
-        self.decoder = tokenizer.decoder()
-        self.stops = stops
-        self.pending = ""
-
-    def feed(self, token: int) -> tuple[str, bool]:
-        """(text now safe to emit, whether a stop string was completed)."""
-        return self._emit(self.pending + self.decoder.feed([token]), final=False)
-
-    def finish(self) -> str:
-        return self._emit(self.pending + self.decoder.flush(), final=True)[0]
-
-    def _emit(self, s: str, *, final: bool) -> tuple[str, bool]:
-        cut = min((i for i in (s.find(stop) for stop in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.pending = ""
-            return s[:cut], True
-        hold = 0 if final else _prefix_overlap(s, self.stops)
-        self.pending = s[len(s) - hold:]
-        return s[: len(s) - hold], False
-
-
-def _prefix_overlap(s: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of s that is a proper prefix of some stop string."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(s)), best, -1):
-            if s.endswith(stop[:n]):
-                best = n
-                break
-    return best
 
 
 def advance(row: Row, t: int) -> tuple[str, str | None]:

@@ -1,5 +1,6 @@
 """A server's engine with speculative decoding: the plain engine (gpt2kit.engine.scheduler) and a
-speculative one (gpt2kit.engine.speculative) behind Engine's interface, each row sent to one.
+speculative one (gpt2kit.engine.speculative) behind the engine's interface
+(gpt2kit.engine.rows.EngineInterface), each row sent to one.
 
 Eligible rows — greedy ones, not beams, leased slots nor rows with interventions (so every response
 is exactly what the plain engine gives; sampled rows keep their seeded tokens there) whose prompt + max_new_tokens +
@@ -15,16 +16,17 @@ from typing import TYPE_CHECKING
 from gpt2kit.engine.rows import fail
 
 if TYPE_CHECKING:
-    from gpt2kit.engine.rows import Row, RowEvent
+    from gpt2kit.engine.rows import EngineInterface, Row, RowEvent
     from gpt2kit.engine.scheduler import Engine
     from gpt2kit.engine.speculative import SpeculativeEngine
 
 
 class RoutedEngine:
-    """Engine's interface over a plain and a speculative engine; k: the draft tokens per step."""
+    """The engine's interface over a plain and a speculative engine; k: the draft tokens per step."""
 
     def __init__(self, plain: Engine, spec: SpeculativeEngine, k: int) -> None:
         self.plain, self.spec, self.k = plain, spec, k
+        self.max_batch = plain.max_batch  # each engine's own; the loop gathers arrivals up to one full batch
         self.n_ctx = plain.model.config.n_ctx
 
     def eligible(self, row: Row) -> bool:
@@ -69,7 +71,7 @@ class RoutedEngine:
         return self.plain.reset() + self.spec.reset()
 
 
-def _step_alone(engine) -> list[RowEvent]:
+def _step_alone(engine: EngineInterface) -> list[RowEvent]:
     """engine's step, or when it raises every row it held, failed (engine.reset())."""
     if not engine.has_work:
         return []
@@ -81,7 +83,7 @@ def _step_alone(engine) -> list[RowEvent]:
 
 def serve_engine(model, tokenizer, *, max_batch: int | None, pack_weights: bool | None,
                  draft_model: str | None = None, draft_tokens: int = 4, prompt_lookup: int = 0,
-                 prefill_chunk: int | None = None, prefill_idle_budget: int | None = None):
+                 prefill_chunk: int | None = None, prefill_idle_budget: int | None = None) -> EngineInterface:
     """The server's engine: the plain Engine (its prefill_chunk, default the engine's, and
     prefill_idle_budget), or with
     draft_model (a checkpoint name, loaded like the model, refused unless it shares the model's

@@ -1,23 +1,23 @@
-"""A row (one sample of one prompt being generated), its routing key and its per-step event; how an
-engine gives rows up when it cannot run them (failed with an event each, or back on its queue)."""
+"""A row (one sample of one prompt being generated), its routing key and its per-step event; the
+declared interfaces of a row group (:class:`RowGroup`) and of an engine (:class:`EngineInterface`);
+how an engine gives rows up when it cannot run them (failed with an event each, or back on its queue)."""
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import threading
     from collections import deque
-    from collections.abc import Iterator
+    from collections.abc import Iterator, Sequence
 
     import torch
 
     from gpt2kit.engine.batch_cache import SlotPool
     from gpt2kit.engine.beam import Beam
-    from gpt2kit.engine.beam_rows import BeamGroup
-    from gpt2kit.engine.outputs import RowText
+    from gpt2kit.engine.text import RowText
     from gpt2kit.kv_cache import KVCache
     from gpt2kit.sampling import SamplingSettings
     from gpt2kit.sampling.sampler import RowSampler
@@ -42,6 +42,22 @@ class RowKey:
     prompt_index: int = 0
     sample_index: int = 0
     owner: object | None = None
+
+
+@runtime_checkable
+class RowGroup(Protocol):
+    """Rows that join the batch together, are stepped together and leave together, with one event
+    at the end on the lead row (a beam search: gpt2kit.engine.beam_rows.BeamGroup)."""
+
+    rows: list[Row]  # in slot order, submitted together
+
+    @property
+    def lead(self) -> Row: ...
+
+    @property
+    def cancelled(self) -> bool: ...
+
+    def event(self) -> RowEvent: ...
 
 
 @dataclass(eq=False)
@@ -112,7 +128,7 @@ class Row:
     start: int = 0  # the context is (prompt + tokens)[start:]
     drafted: int = 0  # speculative decoding: draft tokens proposed for this row, and those kept
     accepted: int = 0
-    beam: BeamGroup | None = None  # beam search: the group this slot belongs to
+    beam: RowGroup | None = None  # beam search: the group this slot belongs to
     lease: SlotLease | None = None  # a slot held for a search's own forwards (Engine.new_lease): never fed
     edits: RowEdits | None = None  # interventions applied to its forwards
 
@@ -153,6 +169,45 @@ class RowEvent:
     @classmethod
     def failed(cls, row: Row, error: BaseException) -> RowEvent:
         return cls(row, -1, "", "error", error=error)
+
+
+@runtime_checkable
+class EngineInterface(Protocol):
+    """What a caller of an engine types against (gpt2kit.engine.EngineLoop, the server,
+    gpt2kit.generation): rows are made by the engine that runs them, queued with submit, and stepped;
+    step returns one RowEvent per token a row gained (several for one row in a speculative step), a
+    row that fails alone an event of its own. Only the new_* methods, submit and cancel may be called
+    from another thread than the one stepping. Engine (scheduler.py) is the engine; SpeculativeEngine
+    (speculative.py) and RoutedEngine (routing.py) are the speculative ones."""
+
+    max_batch: int | None  # rows holding a slot at once (None: as many as wait)
+
+    def new_row(self, prompt: Sequence[int], settings: SamplingSettings, *, seed: int | None = None,
+                sample_index: int = 0, logprobs: int | None = None, key: RowKey | None = None) -> Row: ...
+
+    def new_beam_rows(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None
+                      ) -> list[Row]: ...
+
+    def new_lease(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None) -> Row: ...
+
+    def submit(self, rows: Sequence[Row]) -> None: ...
+
+    def cancel(self, row: Row) -> None: ...
+
+    @property
+    def has_work(self) -> bool: ...
+
+    @property
+    def n_running(self) -> int: ...
+
+    @property
+    def n_waiting(self) -> int: ...
+
+    def step(self) -> list[RowEvent]: ...
+
+    def reset(self) -> list[Row]:
+        """Drop every row, running and waiting; returns them (after an error, to fail them)."""
+        ...
 
 
 def fail(rows: list[Row], error: BaseException) -> list[RowEvent]:

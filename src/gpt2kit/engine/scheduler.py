@@ -11,8 +11,8 @@ joins, and up to ``prefill_idle_budget`` while none decodes (nothing to protect:
 idle engine gets its first tokens after one step; a row's chunk boundaries depend only on its own
 prompt, so its prefill is the same alone or beside others); it samples with its own
 gpt2kit.sampling.sampler.RowSampler (its settings, its generator seeded from (seed, sample index), its
-penalties' token sets), so what it draws does not depend on its neighbours; its text, finish and
-log-probs come from gpt2kit.engine.outputs.
+penalties' token sets), so what it draws does not depend on its neighbours; its text
+(gpt2kit.engine.text), finish and log-probs come from gpt2kit.engine.outputs.
 
 Slots: max_batch of them (an engine without max_batch starts with as many as rows are waiting at
 its first step and adds slots as rows join: the one case that copies, SlotPool.grow), each of
@@ -41,9 +41,11 @@ from gpt2kit.config import EOT_ID
 from gpt2kit.decode import Kernels, decode_step, kernels_for
 from gpt2kit.engine.batch_cache import SlotPool
 from gpt2kit.engine.beam_rows import BeamGroup, admit, choose_tokens, prefill_index
-from gpt2kit.engine.outputs import RowText, advance, token_logprobs
+from gpt2kit.engine.checks import check_request
+from gpt2kit.engine.outputs import advance, token_logprobs
 from gpt2kit.engine.prefill import ChunkedPrefill, Joining
 from gpt2kit.engine.rows import Leases, Row, RowEdits, RowEvent, RowKey, SlotLease, edited, requeued_on_error
+from gpt2kit.engine.text import RowText
 from gpt2kit.sampling import SamplingSettings
 from gpt2kit.sampling.sampler import RowSampler
 from gpt2kit.validate import check_int
@@ -110,11 +112,9 @@ class Engine:
                 edits: RowEdits | None = None) -> Row:
         """A row for a prompt of valid token ids. seed: the run's seed (resolve_seed(settings) for
         one call); rows with equal (seed, sample_index) draw the same random numbers."""
-        if (settings.stop_strings or settings.structured) and self.tokenizer is None:
-            raise ValueError("stop_strings and structured outputs need a tokenizer: pass tokenizer=...")
+        _check_row(self, prompt, settings)
         if not settings.greedy and seed is None:
             raise ValueError("a sampled row needs a seed (gpt2kit.sampling.sampler.resolve_seed)")
-        check_columns(len(prompt), settings.max_new_tokens, self.model.config.n_ctx, self.max_len)
         sampler = RowSampler(settings, prompt, self.model.config.n_vocab, seed, sample_index, self.device,
                              self.tokenizer)
         text = RowText(self.tokenizer, settings.stop_strings) if self.tokenizer is not None else None
@@ -124,15 +124,15 @@ class Engine:
                       ) -> list[Row]:
         """One prompt's beam search (settings.num_beams rows, gpt2kit.engine.beam_rows), to submit
         together; the first row (key) gets the group's one event."""
-        check_columns(len(prompt), settings.max_new_tokens, self.model.config.n_ctx, self.max_len)
-        return BeamGroup(prompt, settings, self.device, key or RowKey(), self.model.config.n_ctx, self.max_batch).rows
+        _check_row(self, prompt, settings, "beam search" if settings.num_beams == 1 else None)
+        return BeamGroup(prompt, settings, self.device, key or RowKey(), self.max_batch).rows
 
     def new_lease(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None) -> Row:
         """A row that joins as any other, never fed: row.lease.cache is then a KVCache over its slot,
         for a search's own forwards (gpt2kit.engine.contrastive); cancelling it frees the slot."""
         if self.max_batch is None:
             raise ValueError("a slot lease needs an engine with max_batch (slots that never move)")
-        check_columns(len(prompt), settings.max_new_tokens, self.model.config.n_ctx, self.max_len)
+        _check_row(self, prompt, settings)
         return Row(list(prompt), settings, None, key=key or RowKey(), lease=SlotLease())
 
     def submit(self, rows: Sequence[Row]) -> None:
@@ -369,6 +369,14 @@ def joinings(rows: list[Row], slots: list[int], contexts: list[list[int]]) -> li
     first, of = prefill_index(rows)
     return [Joining(rows[r], slots[r], contexts[r], [(rows[b], slots[b]) for b in range(len(rows)) if of[b] == i
                                                       and b != r]) for i, r in enumerate(first)]
+
+
+def _check_row(engine: Engine, prompt: Sequence[int], settings: SamplingSettings, method: str | None = None) -> None:
+    """The request's check (gpt2kit.engine.checks), then whether a row of it fits the engine's slots."""
+    cfg = engine.model.config
+    check_request([len(prompt)], settings, n_ctx=cfg.n_ctx, n_vocab=cfg.n_vocab,
+                  tokenizer=engine.tokenizer is not None, method=method)
+    check_columns(len(prompt), settings.max_new_tokens, cfg.n_ctx, engine.max_len)
 
 
 def check_columns(n_prompt: int, max_new_tokens: int, n_ctx: int, max_len: int) -> None:

@@ -68,8 +68,9 @@ def check_draft_model(model: GPT2, draft: GPT2, name: str | None = None) -> None
 
 
 class SpeculativeEngine:
-    """Engine's interface (new_row, submit, cancel, has_work, step) for speculative decoding: a
-    step may give a row several tokens (one RowEvent each, in order). draft: a draft model, or None
+    """The engine's interface (gpt2kit.engine.rows.EngineInterface) for speculative decoding: a
+    step may give a row several tokens (one RowEvent each, in order); beams and leases are the plain
+    engine's (gpt2kit.engine.routing sends them there). draft: a draft model, or None
     for prompt lookup (settings.prompt_lookup tokens per step, or lookup tokens for every row)."""
 
     def __init__(self, model: GPT2, tokenizer: Tokenizer | None = None, *, draft: GPT2 | None = None,
@@ -93,6 +94,12 @@ class SpeculativeEngine:
 
     def new_row(self, prompt: Sequence[int], settings: SamplingSettings, **kw) -> Row:
         return self._rows_from.new_row(prompt, settings, **kw)
+
+    def new_beam_rows(self, prompt: Sequence[int], settings: SamplingSettings, **kw) -> list[Row]:
+        raise ValueError(f"beam search (num_beams={settings.num_beams}) runs on the plain engine, not this one")
+
+    def new_lease(self, prompt: Sequence[int], settings: SamplingSettings, **kw) -> Row:
+        raise ValueError("a slot lease is a slot of the plain engine's cache: a speculative engine lends none")
 
     def submit(self, rows: Sequence[Row]) -> None:
         with self._lock:
@@ -131,7 +138,7 @@ class SpeculativeEngine:
 
     def _speculate(self) -> list[RowEvent]:
         drafts = self._drafts()
-        logits = self._verify(drafts)  # (B, K + 1, V)
+        logits = _verify(self, drafts)  # (B, K + 1, V)
         argmax = _greedy_argmax(self.rows, logits)
         events, keep, last = [], [], []
         for r, row in enumerate(self.rows):
@@ -219,18 +226,6 @@ class SpeculativeEngine:
             return _draft_tokens(self.draft, self._caches[1], self._mask[:, :self._P + max(caps) + 1], self._pending,
                                  self.rows, caps, self._draft_q, kernels)
         return [[] for _ in self.rows]
-
-    def _verify(self, drafts: list[list[int]]) -> torch.Tensor:
-        """The target's logits (B, K + 1, V) at [pending token, drafts...] (short rows padded)."""
-        K = max(map(len, drafts))
-        self._room(K + 1)
-        B = len(self.rows)
-        idx = _verify_ids(drafts, self._pending, self.model.config.n_vocab, K).to(self._mask.device)
-        P, cache = self._P, self._caches[0]
-        self._mask[:, P:P + K + 1] = 1
-        mask = self._mask[:, :P + K + 1]
-        # the flat step on B * (K + 1) rows: the weights read about once, as for one token a row
-        return decode_tokens(self.model, idx, cache, mask, self._kernels(0, B * (K + 1)))  # (B, K + 1, V)
 
     def _kernels(self, which: int, rows: int) -> Kernels | None:
         """The target's (which 0) or draft's (1) kernel set for `rows` rows, chosen once per row count
@@ -324,6 +319,19 @@ def _draft_tokens(draft: GPT2, cache: KVCache, mask: torch.Tensor, pending: torc
     for r, c in enumerate(caps):
         out[r], qs[r][:] = out[r][:c], qs[r][:c]
     return out
+
+
+def _verify(engine: SpeculativeEngine, drafts: list[list[int]]) -> torch.Tensor:
+    """The target's logits (B, K + 1, V) at each row's [pending token, drafts...] (short rows padded)."""
+    K = max(map(len, drafts))
+    engine._room(K + 1)
+    B = len(engine.rows)
+    idx = _verify_ids(drafts, engine._pending, engine.model.config.n_vocab, K).to(engine._mask.device)
+    P, cache = engine._P, engine._caches[0]
+    engine._mask[:, P:P + K + 1] = 1
+    mask = engine._mask[:, :P + K + 1]
+    # the flat step on B * (K + 1) rows: the weights read about once, as for one token a row
+    return decode_tokens(engine.model, idx, cache, mask, engine._kernels(0, B * (K + 1)))  # (B, K + 1, V)
 
 
 def _verify_ids(drafts: list[list[int]], pending: torch.Tensor, n_vocab: int, K: int) -> torch.Tensor:

@@ -33,6 +33,7 @@ from gpt2kit.serve.response import Response, choice_obj, usage
 if TYPE_CHECKING:
     from fastapi import Request
 
+    from gpt2kit.config import GPT2Config
     from gpt2kit.engine import RowEvent
     from gpt2kit.serve.server import Server
 
@@ -79,7 +80,8 @@ def plan(server: Server, body: S.CompletionRequest, more_stops: tuple[str, ...] 
                             f"completion). Please reduce your prompt or completion length.",
                        param="max_tokens", code="context_length_exceeded")
     # beam and contrastive search take no stop strings: a template's turn marker is not theirs
-    settings = _settings(body, max_tokens, cfg.n_vocab, server.tokenizer, kind, n, best_of, () if kind else more_stops)
+    settings = _settings(body, max_tokens, cfg, server.tokenizer, kind, n, best_of, () if kind else more_stops,
+                         [len(p) for p in prompts] if max_tokens > 0 else [])  # no rows: echo scoring only
     rows = len(prompts) * per_prompt if max_tokens > 0 else 0
     limit = server.opts.max_batch + server.opts.max_queue
     share = request_share(limit)
@@ -117,9 +119,13 @@ def plan(server: Server, body: S.CompletionRequest, more_stops: tuple[str, ...] 
     return job
 
 
-def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int, tokenizer, kind: str | None, n: int,
-              best_of: int, more_stops: tuple[str, ...] = ()):
-    """The request's SamplingSettings (with kind: its search's); a value they refuse is a 400."""
+def _settings(body: S.CompletionRequest, max_tokens: int, cfg: GPT2Config, tokenizer, kind: str | None, n: int,
+              best_of: int, more_stops: tuple[str, ...], prompt_lens: list[int]):
+    """The request's SamplingSettings (with kind: its search's), checked as the library checks them
+    (gpt2kit.engine.checks); a value refused is a 400."""
+    from gpt2kit.engine.checks import check_request  # the engine (torch) loads with the model, not before
+
+    n_vocab = cfg.n_vocab
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if any(not s for s in stops):
         raise APIError(400, "stop strings must not be empty", param="stop")
@@ -136,7 +142,8 @@ def _settings(body: S.CompletionRequest, max_tokens: int, n_vocab: int, tokenize
             stop_token_ids=(EOT_ID,) if EOT_ID < n_vocab and not body.ignore_eos else (),
             stop_strings=tuple(dict.fromkeys([*stops, *more_stops])), strict=True,
             **body.warper_settings(tokenizer, n_vocab, max_tokens), **search.settings_fields(body, kind, n, best_of))
-        search.check_settings(kind, settings)
+        check_request(prompt_lens, settings, n_ctx=cfg.n_ctx, n_vocab=n_vocab, tokenizer=tokenizer is not None,
+                      method=search.method_name(kind, settings))
         if settings.structured is not None:  # compiled here, so a grammar the vocabulary refuses is a 400
             from gpt2kit.sampling.structured import matcher_factory
 

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpt2kit.sampling import MAX_BEAMS, check_deterministic
+from gpt2kit.sampling import MAX_BEAMS
 from gpt2kit.serve.errors import APIError
 
 if TYPE_CHECKING:
@@ -112,11 +112,10 @@ def settings_fields(body: S.CompletionRequest, kind: str | None, n: int, best_of
     return {}
 
 
-def check_settings(kind: str | None, settings: SamplingSettings) -> None:
-    """What a beam width of 1 escapes in SamplingSettings (num_beams 1 is no beam search there):
-    the same refusals (ValueError) as any beam search."""
-    if kind == BEAM:
-        check_deterministic(settings, f"beam search (use_beam_search, {settings.num_beams} beams)")
+def method_name(kind: str | None, settings: SamplingSettings) -> str | None:
+    """The method named in the library's checks (gpt2kit.engine.checks) when the request chose it
+    and the settings cannot say so (a beam width of 1 is no beam search there)."""
+    return f"beam search (use_beam_search, {settings.num_beams} beams)" if kind == BEAM else None
 
 
 def submit(server: Server, job: Job, kind: str, settings: SamplingSettings, rows: int) -> None:
