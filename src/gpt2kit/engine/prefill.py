@@ -20,6 +20,11 @@ its own row. One forward for the burst matters for short prompts: a forward of a
 bound by reading the weights, so 8 one-row forwards of 16 tokens cost several times one of (8, 16)
 (measured in docs/serving.md).
 
+With a prefix cache (gpt2kit.prefix_cache), a joining row starts from the blocks of its context
+the cache holds (:meth:`ChunkedPrefill.reuse`: written into its slot, SlotPool.fill), at most all
+but its last token, which always runs so the row has its logits; its chunks then cut the rest. A
+row whose prefill is done leaves its context's whole blocks in the cache for the next ones.
+
 Legend: T a chunk's tokens, V vocab.
 """
 
@@ -39,6 +44,7 @@ if TYPE_CHECKING:
     from gpt2kit.engine.batch_cache import SlotPool
     from gpt2kit.engine.rows import Row
     from gpt2kit.model import GPT2
+    from gpt2kit.prefix_cache import PrefixCache
 
 
 @dataclass(eq=False)
@@ -64,8 +70,8 @@ class Joining:
 class ChunkedPrefill:
     """The joining rows, oldest first (rows prefilled again after a full context go first)."""
 
-    def __init__(self, chunk: int) -> None:
-        self.chunk = chunk
+    def __init__(self, chunk: int, prefix_cache: PrefixCache | None = None) -> None:
+        self.chunk, self.prefix_cache = chunk, prefix_cache
         self.rows: deque[Joining] = deque()
 
     def __len__(self) -> int:
@@ -77,6 +83,16 @@ class ChunkedPrefill:
             self.rows.extendleft(reversed(joining))
         else:
             self.rows.extend(joining)
+
+    def reuse(self, model: GPT2, pool: SlotPool, joining: list[Joining]) -> None:
+        """Each joining row (in an empty slot) starts from the blocks of its context the prefix
+        cache holds, all but its last token at most (module doc)."""
+        if self.prefix_cache is None:
+            return
+        for j in joining:
+            blocks = self.prefix_cache.lookup_blocks(model, j.context, len(j.context) - 1)
+            if blocks:
+                j.done = pool.fill(j.slot, blocks)
 
     def clear(self) -> list[Row]:
         rows = [r for j in self.rows for r in j.rows]
@@ -126,6 +142,8 @@ class ChunkedPrefill:
             j.done += T
             if j.done < len(j.context):
                 continue
+            if self.prefix_cache is not None:
+                self.prefix_cache.store_blocks(model, j.context, pool.kv[:, j.slot])
             if j.beams:  # every slot of a beam group starts from its prompt
                 pool.copy([s for _, s in j.beams], [j.slot] * len(j.beams))
             ready.append((j, logits[j]))

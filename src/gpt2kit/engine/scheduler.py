@@ -49,6 +49,7 @@ from gpt2kit.validate import check_int
 
 if TYPE_CHECKING:
     from gpt2kit.model import GPT2
+    from gpt2kit.prefix_cache import PrefixCache
     from gpt2kit.tokenizer import Tokenizer
 
 
@@ -70,13 +71,16 @@ class Engine:
     """The iteration-level scheduler (module doc); at most max_batch rows hold a slot at once.
     prefill_chunk: prompt tokens per step while rows decode (a prompt's chunk size);
     prefill_idle_budget: the same while none decodes (>= prefill_chunk; None: one chunk of every
-    joining row); max_len: columns per slot (default n_ctx; :meth:`new_row` refuses more).
+    joining row); max_len: columns per slot (default n_ctx; :meth:`new_row` refuses more);
+    prefix_cache: where joining rows find the keys and values of prompt prefixes computed before
+    and leave theirs (gpt2kit.prefix_cache; None: every prompt is prefilled whole).
     Not thread-safe except :meth:`submit` and :meth:`cancel` (gpt2kit.engine.EngineLoop runs one
     in a worker thread)."""
 
     def __init__(self, model: GPT2, tokenizer: Tokenizer | None = None, *, max_batch: int | None = None,
                  pack_weights: bool | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 max_len: int | None = None, prefill_idle_budget: int | None = None) -> None:
+                 max_len: int | None = None, prefill_idle_budget: int | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         n_ctx = model.config.n_ctx
         if max_batch is not None:
             check_int("max_batch", max_batch, ">= 1", lambda v: v >= 1)
@@ -94,7 +98,7 @@ class Engine:
         self.pool: SlotPool | None = None  # the slots, made at the first join
         self.rows: list[Row] = []  # decoding, in slot order
         self._slots: list[int] = []  # the slot of each of self.rows
-        self._joining = ChunkedPrefill(prefill_chunk)  # rows being prefilled, oldest first
+        self._joining = ChunkedPrefill(prefill_chunk, prefix_cache)  # rows being prefilled, oldest first
         self._waiting: deque[Row] = deque()
         self._leased = Leases()  # rows lent a slot (new_lease)
         self._lock = threading.Lock()
@@ -236,6 +240,7 @@ class Engine:
             n_ctx = self.model.config.n_ctx
             contexts = [row.context(n_ctx, row.settings.window_for(n_ctx)) for row in join]
             joining = joinings(join, [self.pool.take() for _ in join], contexts)
+            self._joining.reuse(self.model, self.pool, joining)
         self._joining.add(joining)
 
     def _keep(self, keep: list[int], *, release: bool = True) -> None:
