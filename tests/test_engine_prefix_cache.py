@@ -163,3 +163,18 @@ def test_lookups_are_reported():
     cache = PrefixCache(4096, on_reuse=reused.append, on_lookup=seen.append)
     _run(model, [[SYSTEM], [SYSTEM + [5]]], cache=cache)
     assert seen == [0, 48] and reused == [48]
+
+
+def test_generate_takes_a_prefix_cache(model):
+    """generate's opt-in: the second call starts from the first's blocks; the same tokens."""
+    cache = PrefixCache(4096)
+    prompts = [SYSTEM + _ids(6, 50), SYSTEM + _ids(4, 51)]
+    want = [c.tokens for c in generate(model, prompts, SAMPLED)]
+    generate(model, [SYSTEM + _ids(3, 52)], SAMPLED, prefix_cache=cache)
+    model.prefill_shapes.clear()
+    assert [c.tokens for c in generate(model, prompts, SAMPLED, prefix_cache=cache)] == want
+    assert model.prefill_shapes[0] == (2, 56 - 48)  # one forward of both rows' rest, padded to the longer
+    with pytest.raises(ValueError, match="beam"):
+        generate(model, prompts, SamplingSettings(num_beams=2), prefix_cache=cache)
+    with pytest.raises(ValueError, match="speculative"):
+        generate(model, prompts, SamplingSettings(prompt_lookup=2), prefix_cache=cache)
