@@ -178,3 +178,23 @@ def test_generate_takes_a_prefix_cache(model):
         generate(model, prompts, SamplingSettings(num_beams=2), prefix_cache=cache)
     with pytest.raises(ValueError, match="speculative"):
         generate(model, prompts, SamplingSettings(prompt_lookup=2), prefix_cache=cache)
+
+
+def test_the_documented_example_runs_and_reuses_the_system_prompt(model):
+    """docs/serving.md's example, run as written on a small model: the second call prefills only
+    past the system prompt's whole blocks, and gives the tokens it gives without the cache."""
+    import re
+    from pathlib import Path
+
+    from gpt2kit.tokenizer import Tokenizer
+
+    text = (Path(__file__).parents[1] / "docs" / "serving.md").read_text(encoding="utf-8")
+    code = re.search(r"## Prefix cache\n.*?```python\n(.*?)```", text, re.S).group(1)
+    tokenizer = Tokenizer.default()
+    scope = {"model": model, "tokenizer": tokenizer}
+    exec(code, scope)
+    system = scope["system"]
+    rest = len(system) + len(tokenizer.encode("Hi")) - len(system) // 16 * 16
+    assert [t for s in model.prefill_shapes for t in s[1:] if t > 1][-1] == rest
+    prompt = system + tokenizer.encode("Hi")
+    assert scope["again"][0].tokens == generate(model, [prompt], scope["settings"])[0].tokens

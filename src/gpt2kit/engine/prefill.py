@@ -20,10 +20,11 @@ its own row. One forward for the burst matters for short prompts: a forward of a
 bound by reading the weights, so 8 one-row forwards of 16 tokens cost several times one of (8, 16)
 (measured in docs/serving.md).
 
-With a prefix cache (gpt2kit.prefix_cache), a joining row starts from the blocks of its context
-the cache holds (:meth:`ChunkedPrefill.reuse`: written into its slot, SlotPool.fill), at most all
-but its last token, which always runs so the row has its logits; its chunks then cut the rest. A
-row whose prefill is done leaves its context's whole blocks in the cache for the next ones.
+With a prefix cache (gpt2kit.prefix_cache), a joining row (a row prefilled again with a window of
+its sequence too) starts, at its first step here, from the blocks of its context the cache holds
+(:meth:`ChunkedPrefill.reuse`: written into its slot, SlotPool.fill), at most all but its last
+token, which always runs so the row has its logits; its chunks then cut the rest. A row whose
+prefill is done leaves its context's whole blocks in the cache for the next ones.
 
 Legend: T a chunk's tokens, V vocab.
 """
@@ -57,6 +58,7 @@ class Joining:
     context: list[int]
     beams: list[tuple[Row, int]] = field(default_factory=list)
     done: int = 0
+    looked_up: bool = False  # in the prefix cache (ChunkedPrefill.reuse)
 
     @property
     def rows(self) -> list[Row]:
@@ -84,15 +86,15 @@ class ChunkedPrefill:
         else:
             self.rows.extend(joining)
 
-    def reuse(self, model: GPT2, pool: SlotPool, joining: list[Joining]) -> None:
-        """Each joining row (in an empty slot) starts from the blocks of its context the prefix
+    def reuse(self, model: GPT2, pool: SlotPool) -> None:
+        """Each row new here (its slot empty) starts from the blocks of its context the prefix
         cache holds, all but its last token at most (module doc)."""
-        if self.prefix_cache is None:
-            return
-        for j in joining:
-            blocks = self.prefix_cache.lookup_blocks(model, j.context, len(j.context) - 1)
-            if blocks:
-                j.done = pool.fill(j.slot, blocks)
+        for j in self.rows:
+            if not j.looked_up:
+                j.looked_up = True
+                blocks = self.prefix_cache.lookup_blocks(model, j.context, len(j.context) - 1)
+                if blocks:
+                    j.done = pool.fill(j.slot, blocks)
 
     def clear(self) -> list[Row]:
         rows = [r for j in self.rows for r in j.rows]
@@ -126,6 +128,8 @@ class ChunkedPrefill:
         wholly prefilled, each with the logits (1, V) of its next token (a beam group's every row
         has them). kernels: the kernel set the forwards run on (decode.prefill_ragged; None: the
         model's own forward)."""
+        if self.prefix_cache is not None:
+            self.reuse(model, pool)
         used, work = 0, []  # work: (joining row, its chunk's length T)
         for j in self.rows:
             T = min(self.chunk, len(j.context) - j.done)

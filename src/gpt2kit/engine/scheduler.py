@@ -24,6 +24,10 @@ model sees at most n_ctx tokens of a row. When a row's sequence (a prompt, or pr
 tokens) would exceed n_ctx, its context is cut to its most recent ``window`` tokens (default
 n_ctx // 2) and the row is prefilled again with that window, in its own slot.
 
+With a prefix_cache (gpt2kit.prefix_cache), a joining row starts from the keys and values of the
+blocks of its prompt that earlier rows left there and prefills only the rest, and leaves its own
+(gpt2kit.engine.prefill); None: every prompt is prefilled whole.
+
 Legend: B rows in the batch, T (padded) context length, V vocab.
 """
 
@@ -71,9 +75,7 @@ class Engine:
     """The iteration-level scheduler (module doc); at most max_batch rows hold a slot at once.
     prefill_chunk: prompt tokens per step while rows decode (a prompt's chunk size);
     prefill_idle_budget: the same while none decodes (>= prefill_chunk; None: one chunk of every
-    joining row); max_len: columns per slot (default n_ctx; :meth:`new_row` refuses more);
-    prefix_cache: where joining rows find the keys and values of prompt prefixes computed before
-    and leave theirs (gpt2kit.prefix_cache; None: every prompt is prefilled whole).
+    joining row); max_len: columns per slot (default n_ctx; :meth:`new_row` refuses more).
     Not thread-safe except :meth:`submit` and :meth:`cancel` (gpt2kit.engine.EngineLoop runs one
     in a worker thread)."""
 
@@ -240,7 +242,6 @@ class Engine:
             n_ctx = self.model.config.n_ctx
             contexts = [row.context(n_ctx, row.settings.window_for(n_ctx)) for row in join]
             joining = joinings(join, [self.pool.take() for _ in join], contexts)
-            self._joining.reuse(self.model, self.pool, joining)
         self._joining.add(joining)
 
     def _keep(self, keep: list[int], *, release: bool = True) -> None:
