@@ -209,6 +209,43 @@ def _check_echo(client, model, tok):
     assert got.text_offset == [len(tok.decode(ids[:i])) for i in range(len(ids))]
 
 
+def _metric(url: str, name: str) -> float:
+    import re
+
+    return float(re.search(rf"^{name} (\S+)$", httpx.get(url + "/metrics").text, re.M).group(1))
+
+
+def test_generation_starts_from_a_cached_prefix(model_dir, tok):
+    """Completions whose prompts share a 40-token prefix: with the prefix cache (the default) the
+    second prefills only past its 32 cached tokens (two blocks of 16; a hook on wte counts the
+    prefilled tokens), its tokens equal a server without the cache and its log-probs within 1e-5;
+    /metrics counts the lookups, the hits and the tokens reused."""
+    prefix = torch.randint(0, SMALL.n_vocab, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    prompts = [prefix + [11, 12, 13], prefix + [21, 22]]
+    results, prefilled = {}, []
+
+    def loader():
+        m = load_model(model_dir)
+        m.wte.register_forward_hook(lambda mod, a, o: prefilled.append(a[0].numel()) if a[0].shape[1] > 1 else None)
+        return m, load_tokenizer(model_dir)
+
+    for tokens in (2048, 0):
+        prefilled.clear()
+        with live_server(loader, ServeOptions(served_model_name=NAME, prefix_cache_tokens=tokens)) as (url, _):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            results[tokens] = [client.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0,
+                                                         logprobs=2).choices[0] for p in prompts]
+            counts = [_metric(url, f"gpt2kit_prefix_cache_{m}_total") for m in ("lookups", "hits", "hit_tokens")]
+        if tokens:
+            assert sum(prefilled) == 43 + 42 - 32 and counts == [2, 1, 32]
+        else:
+            assert sum(prefilled) == 43 + 42 and counts == [0, 0, 0]
+    for got, want in zip(results[2048], results[0], strict=True):
+        assert got.text == want.text and got.logprobs.tokens == want.logprobs.tokens
+        torch.testing.assert_close(torch.tensor(got.logprobs.token_logprobs),
+                                   torch.tensor(want.logprobs.token_logprobs), rtol=0, atol=1e-5)
+
+
 def test_seeded_sample_same_with_and_without_concurrent_traffic(client):
     kw = dict(model=NAME, prompt="Once upon a time", max_tokens=24, seed=1234, temperature=1.3, top_p=0.98, n=2)
     alone = [c.text for c in client.completions.create(**kw).choices]

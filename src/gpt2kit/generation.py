@@ -28,6 +28,7 @@ from gpt2kit.validate import check_int
 
 if TYPE_CHECKING:
     from gpt2kit.model import GPT2
+    from gpt2kit.prefix_cache import PrefixCache
     from gpt2kit.tokenizer import Tokenizer
 
 
@@ -69,7 +70,8 @@ MAX_ROWS = 65536  # rows (prompts x samples) of one generate call
 
 def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSettings | None = None,
                     *, tokenizer: Tokenizer | None = None, batch_size: int | None = None,
-                    draft_model: GPT2 | None = None, interventions=None) -> Iterator[Step]:
+                    draft_model: GPT2 | None = None, interventions=None,
+                    prefix_cache: PrefixCache | None = None) -> Iterator[Step]:
     """Generate for token-id prompts, yielding one :class:`Step` per decode step.
 
     Rows are the prompts x settings.num_samples (sequence index prompt_index * num_samples +
@@ -81,6 +83,10 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
     interventions: the trace's ablations, steering vectors, replacements and SAE clamps
     (gpt2kit.trace: ablate, steer, replace, clamp), applied at every forward to every row: a list
     (every position), or gpt2kit.trace.Interventions(items, on="prompt" | "generated" | "both").
+    With prefix_cache (gpt2kit.prefix_cache.PrefixCache, kept by the caller across calls), a prompt
+    starts from the keys and values of whole 16-token blocks an earlier prompt with the same start
+    left there, and leaves its own (the same tokens, the log-probs within float rounding); not with
+    speculative decoding.
     """
     settings = settings or SamplingSettings()
     if settings.num_beams > 1:
@@ -88,13 +94,14 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
                          f"beam is known only at the end; call generate()")
     if settings.contrastive:
         raise ValueError("contrastive search (penalty_alpha > 0) runs through generate(), not streamed")
-    engine, _ = _start(model, prompts, settings, tokenizer, batch_size, draft_model, interventions)
+    engine, _ = _start(model, prompts, settings, tokenizer, batch_size, draft_model, interventions=interventions,
+                       prefix_cache=prefix_cache)
     return _stream(model, engine)
 
 
 def _start(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSettings, tokenizer: Tokenizer | None,
-           batch_size: int | None, draft_model: GPT2 | None = None, interventions=None
-           ) -> tuple[EngineInterface, list[list[int]]]:
+           batch_size: int | None, draft_model: GPT2 | None = None, interventions=None,
+           prefix_cache: PrefixCache | None = None) -> tuple[EngineInterface, list[list[int]]]:
     """Check every argument, then an engine holding all the rows; also the prompts as id lists."""
     cfg = model.config
     prompts = _check_call(prompts, settings, model, tokenizer, batch_size, draft_model)
@@ -104,6 +111,8 @@ def _start(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSett
         raise ValueError(f"{len(prompts)} prompt(s) x num_samples={n} = {len(prompts) * n} rows; at most "
                          f"{MAX_ROWS} per call (each row's state is made up front): call again for more")
     if draft_model is not None or settings.prompt_lookup:
+        if prefix_cache is not None:
+            raise ValueError("prefix_cache is not used by speculative decoding (draft_model, prompt_lookup)")
         from gpt2kit.engine.speculative import SpeculativeEngine
 
         engine = SpeculativeEngine(model, tokenizer, draft=draft_model, max_batch=batch_size,
@@ -113,7 +122,7 @@ def _start(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSett
         rows = len(prompts) * n
         max_len = max(columns_needed(len(p), settings.max_new_tokens, cfg.n_ctx) for p in prompts)
         engine = Engine(model, tokenizer, max_batch=min(batch_size or rows, rows), pack_weights=settings.pack_weights,
-                        max_len=max_len)
+                        max_len=max_len, prefix_cache=prefix_cache)
     seed = resolve_seed(settings)
     engine.submit([engine.new_row(p, settings, seed=seed, sample_index=j, key=RowKey(i * n + j, i, j), edits=edits)
                    for i, p in enumerate(prompts) for j in range(n)])
@@ -201,8 +210,10 @@ def encode_prompts(tokenizer: Tokenizer, texts: str | Sequence[str]) -> list[lis
 
 def generate(model: GPT2, prompts: str | Sequence[str] | Sequence[Sequence[int]],
              settings: SamplingSettings | None = None, *, tokenizer: Tokenizer | None = None,
-             batch_size: int | None = None, draft_model: GPT2 | None = None, interventions=None) -> list[Completion]:
+             batch_size: int | None = None, draft_model: GPT2 | None = None, interventions=None,
+             prefix_cache: PrefixCache | None = None) -> list[Completion]:
     """Run :func:`generate_stream` to the end; one Completion per row, in sequence-index order.
+    prefix_cache: as generate_stream's (not with beam or contrastive search).
 
     prompts: token-id lists, or text (one string or a list; needs the tokenizer).
     """
@@ -215,8 +226,11 @@ def generate(model: GPT2, prompts: str | Sequence[str] | Sequence[Sequence[int]]
     if settings.num_beams > 1 or settings.contrastive:
         if interventions:
             raise ValueError("interventions apply to sampled or greedy generation, not beam or contrastive search")
+        if prefix_cache is not None:
+            raise ValueError("prefix_cache is not used by beam or contrastive search")
         return _beam_completions(model, prompts, settings, tokenizer, batch_size)
-    engine, prompts = _start(model, prompts, settings, tokenizer, batch_size, draft_model, interventions)
+    engine, prompts = _start(model, prompts, settings, tokenizer, batch_size, draft_model,
+                             interventions=interventions, prefix_cache=prefix_cache)
     n = settings.num_samples
     out = [Completion(i * n + j, i, j, list(p), text="" if tokenizer else None)
            for i, p in enumerate(prompts) for j in range(n)]

@@ -9,7 +9,9 @@ reads another row's keys and values: only :meth:`SlotPool.grow` (an engine witho
 runs out of slots) copies, and counts what it copied in ``copied_bytes``. A beam group's slots
 (gpt2kit.engine.beam_rows) copy only among themselves: :meth:`SlotPool.copy` gives each the beam it
 continues (and, at the group's join, the one prefill of its prompt), one gather of that group's
-slots, counted in ``beam_bytes``.
+slots, counted in ``beam_bytes``. A row whose prompt starts with blocks a prefix cache holds
+(gpt2kit.prefix_cache) starts from them: :meth:`SlotPool.fill` writes them at its slot's first
+columns, counted in ``cached_bytes``, and only the rest of its prompt is prefilled.
 
 A decode step runs over the slots [0, hi), a view of the pool (hi: one past the highest slot a
 decoding row holds). Rows have their own lengths n; P, the step's width, is the longest. A row's
@@ -121,6 +123,7 @@ class SlotPool:
         self.lengths = [0] * n_slots
         self.copied_bytes = 0  # keys and values copied from one storage to another (grow only)
         self.beam_bytes = 0  # keys and values copied among a beam group's own slots (copy)
+        self.cached_bytes = 0  # keys and values written from a prefix cache (fill)
         self._taken = [False] * n_slots
         self._clean = [0] * n_slots  # columns [0, clean) of a slot hold its row's values or zeros
 
@@ -187,6 +190,19 @@ class SlotPool:
         """A cache for one forward of first chunks into these empty slots, anywhere in the pool."""
         assert all(self.lengths[s] == 0 for s in slots)
         return FirstChunkCache(self.kv, torch.tensor(slots, dtype=torch.long, device=self.kv.device))
+
+    def fill(self, slot: int, blocks: list[torch.Tensor]) -> int:
+        """Write blocks of keys and values (each (L, 2, nh, b, hs): a prefix cache's) at the columns
+        [0, n) of an empty slot, one after another; the slot now holds those n tokens (returned)."""
+        assert self.lengths[slot] == 0
+        n = 0
+        for part in blocks:
+            b = part.shape[3]
+            self.kv[:, slot, :, :, n:n + b] = part
+            n += b
+        self.cached_bytes += n * (self.kv[:, 0, :, :, 0].numel() * self.kv.element_size())
+        self.prefilled(slot, n)
+        return n
 
     def prefilled(self, slot: int, length: int) -> None:
         """The slot's row now holds `length` tokens (a forward through :meth:`row_cache` wrote them)."""

@@ -20,6 +20,12 @@ its own row. One forward for the burst matters for short prompts: a forward of a
 bound by reading the weights, so 8 one-row forwards of 16 tokens cost several times one of (8, 16)
 (measured in docs/serving.md).
 
+With a prefix cache (gpt2kit.prefix_cache), a joining row (a row prefilled again with a window of
+its sequence too) starts, at its first step here, from the blocks of its context the cache holds
+(:meth:`ChunkedPrefill.reuse`: written into its slot, SlotPool.fill), at most all but its last
+token, which always runs so the row has its logits; its chunks then cut the rest. A row whose
+prefill is done leaves its context's whole blocks in the cache for the next ones.
+
 Legend: T a chunk's tokens, V vocab.
 """
 
@@ -40,6 +46,7 @@ if TYPE_CHECKING:
     from gpt2kit.engine.batch_cache import SlotPool
     from gpt2kit.engine.rows import Row
     from gpt2kit.model import GPT2
+    from gpt2kit.prefix_cache import PrefixCache
 
 
 @dataclass(eq=False)
@@ -52,6 +59,7 @@ class Joining:
     context: list[int]
     beams: list[tuple[Row, int]] = field(default_factory=list)
     done: int = 0
+    looked_up: bool = False  # in the prefix cache (ChunkedPrefill.reuse)
 
     @property
     def rows(self) -> list[Row]:
@@ -65,8 +73,8 @@ class Joining:
 class ChunkedPrefill:
     """The joining rows, oldest first (rows prefilled again after a full context go first)."""
 
-    def __init__(self, chunk: int) -> None:
-        self.chunk = chunk
+    def __init__(self, chunk: int, prefix_cache: PrefixCache | None = None) -> None:
+        self.chunk, self.prefix_cache = chunk, prefix_cache
         self.rows: deque[Joining] = deque()
 
     def __len__(self) -> int:
@@ -78,6 +86,17 @@ class ChunkedPrefill:
             self.rows.extendleft(reversed(joining))
         else:
             self.rows.extend(joining)
+
+    def reuse(self, model: GPT2, pool: SlotPool) -> None:
+        """Each row new here (its slot empty) starts from the blocks of its context the prefix
+        cache holds, all but its last token at most (module doc). A row with interventions neither
+        reads nor leaves blocks: its keys and values are not the model's own."""
+        for j in self.rows:
+            if not j.looked_up and j.row.edits is None:
+                j.looked_up = True
+                blocks = self.prefix_cache.lookup_blocks(model, j.context, len(j.context) - 1)
+                if blocks:
+                    j.done = pool.fill(j.slot, blocks)
 
     def clear(self) -> list[Row]:
         rows = [r for j in self.rows for r in j.rows]
@@ -111,6 +130,8 @@ class ChunkedPrefill:
         wholly prefilled, each with the logits (1, V) of its next token (a beam group's every row
         has them). kernels: the kernel set the forwards run on (decode.prefill_ragged; None: the
         model's own forward)."""
+        if self.prefix_cache is not None:
+            self.reuse(model, pool)
         used, work = 0, []  # work: (joining row, its chunk's length T)
         for j in self.rows:
             T = min(self.chunk, len(j.context) - j.done)
@@ -127,6 +148,8 @@ class ChunkedPrefill:
             j.done += T
             if j.done < len(j.context):
                 continue
+            if self.prefix_cache is not None and j.row.edits is None:
+                self.prefix_cache.store_blocks(model, j.context, pool.kv[:, j.slot])
             if j.beams:  # every slot of a beam group starts from its prompt
                 pool.copy([s for _, s in j.beams], [j.slot] * len(j.beams))
             ready.append((j, logits[j]))

@@ -83,16 +83,18 @@ def _step_alone(engine: EngineInterface) -> list[RowEvent]:
 
 def serve_engine(model, tokenizer, *, max_batch: int | None, pack_weights: bool | None,
                  draft_model: str | None = None, draft_tokens: int = 4, prompt_lookup: int = 0,
-                 prefill_chunk: int | None = None, prefill_idle_budget: int | None = None) -> EngineInterface:
+                 prefill_chunk: int | None = None, prefill_idle_budget: int | None = None,
+                 prefix_cache=None) -> EngineInterface:
     """The server's engine: the plain Engine (its prefill_chunk, default the engine's, and
-    prefill_idle_budget), or with
+    prefill_idle_budget; prefix_cache: where its rows' prompts start from, gpt2kit.prefix_cache), or with
     draft_model (a checkpoint name, loaded like the model, refused unless it shares the model's
     tokenizer) or prompt_lookup a RoutedEngine."""
     from gpt2kit.engine.scheduler import DEFAULT_PREFILL_CHUNK, Engine
     from gpt2kit.engine.speculative import SpeculativeEngine, check_draft_model
 
     plain = Engine(model, tokenizer, max_batch=max_batch, pack_weights=pack_weights,
-                   prefill_chunk=prefill_chunk or DEFAULT_PREFILL_CHUNK, prefill_idle_budget=prefill_idle_budget)
+                   prefill_chunk=prefill_chunk or DEFAULT_PREFILL_CHUNK, prefill_idle_budget=prefill_idle_budget,
+                   prefix_cache=prefix_cache)
     if max_batch is not None:
         plain.reserve()  # its slots now: a cache that cannot be had fails the start-up, not a request
     plain.kernels.warm_up()  # its kernel choices and packed copy before the server answers ready, not in a request

@@ -24,6 +24,10 @@ model sees at most n_ctx tokens of a row. When a row's sequence (a prompt, or pr
 tokens) would exceed n_ctx, its context is cut to its most recent ``window`` tokens (default
 n_ctx // 2) and the row is prefilled again with that window, in its own slot.
 
+With a prefix_cache (gpt2kit.prefix_cache), a joining row starts from the keys and values of the
+blocks of its prompt that earlier rows left there and prefills only the rest, and leaves its own
+(gpt2kit.engine.prefill); None: every prompt is prefilled whole.
+
 Legend: B rows in the batch, T (padded) context length, V vocab.
 """
 
@@ -52,6 +56,7 @@ from gpt2kit.validate import check_int
 
 if TYPE_CHECKING:
     from gpt2kit.model import GPT2
+    from gpt2kit.prefix_cache import PrefixCache
     from gpt2kit.tokenizer import Tokenizer
 
 
@@ -79,7 +84,8 @@ class Engine:
 
     def __init__(self, model: GPT2, tokenizer: Tokenizer | None = None, *, max_batch: int | None = None,
                  pack_weights: bool | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 max_len: int | None = None, prefill_idle_budget: int | None = None) -> None:
+                 max_len: int | None = None, prefill_idle_budget: int | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         n_ctx = model.config.n_ctx
         if max_batch is not None:
             check_int("max_batch", max_batch, ">= 1", lambda v: v >= 1)
@@ -97,7 +103,7 @@ class Engine:
         self.pool: SlotPool | None = None  # the slots, made at the first join
         self.rows: list[Row] = []  # decoding, in slot order
         self._slots: list[int] = []  # the slot of each of self.rows
-        self._joining = ChunkedPrefill(prefill_chunk)  # rows being prefilled, oldest first
+        self._joining = ChunkedPrefill(prefill_chunk, prefix_cache)  # rows being prefilled, oldest first
         self._waiting: deque[Row] = deque()
         self._leased = Leases()  # rows lent a slot (new_lease)
         self._lock = threading.Lock()

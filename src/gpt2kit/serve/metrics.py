@@ -31,14 +31,24 @@ class Metrics:
                                   "of the running rows and the joining rows' prefill chunks)", registry=r)
         self.engine_steps.set_function(steps)
         self.prefix_cache_hit_tokens = Counter(
-            "gpt2kit_prefix_cache_hit_tokens", "echo prompt tokens not run through the model: their keys, values and "
-            "log-probs came from the prefix cache", registry=r)
+            "gpt2kit_prefix_cache_hit_tokens", "prompt tokens not run through the model (generation and echo "
+            "scoring): their keys and values (and, scoring, log-probs) came from the prefix cache", registry=r)
+        self.prefix_cache_lookups = Counter("gpt2kit_prefix_cache_lookups", "prompts looked up in the prefix cache",
+                                            registry=r)
+        self.prefix_cache_hits = Counter("gpt2kit_prefix_cache_hits", "prompts that found a prefix in the prefix "
+                                         "cache", registry=r)
         self.prefix_cache_tokens = Gauge("gpt2kit_prefix_cache_tokens", "tokens held by the prefix cache",
                                          registry=r)
         self.ttft = Histogram("gpt2kit_time_to_first_token_seconds", "request arrival to its first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("gpt2kit_time_per_output_token_seconds", "time between a row's tokens",
                               buckets=_LATENCY_BUCKETS, registry=r)
+
+    def prefix_cache_lookup(self, reused: int) -> None:
+        """One prefix-cache lookup that spared the model `reused` prompt tokens (0: a miss)."""
+        self.prefix_cache_lookups.inc()
+        if reused:
+            self.prefix_cache_hits.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

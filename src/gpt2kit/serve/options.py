@@ -44,11 +44,12 @@ class ServeOptions:
                                                "the model directory's own, else a plain User:/Assistant: transcript)")
     max_body_bytes: int = _setting(1 << 20, "a request body's size at most, else 413 (default 1 MiB)",
                                    metavar="BYTES")
-    # Echo scoring (serve/logprobs.py, gpt2kit.prefix_cache): tokens of scored prompts kept
+    # The prefix cache (gpt2kit.prefix_cache): generation's prompt blocks and echo scoring's prompts, in tokens
     prefix_cache_tokens: int = _setting(
-        2048, "echo log-probs: keep the keys and values of up to TOKENS scored prompt tokens, so a prompt sharing "
-              "a prefix with an earlier one runs only the rest through the model (memory: 2 x n_layer x n_embd "
-              "values per token, e.g. 72 KiB for gpt2 in float32); 0: off (default 2048)", metavar="TOKENS")
+        2048, "keep the keys and values of up to TOKENS prompt tokens (generation's prompts in blocks of 16, echo "
+              "log-probs' scored prompts), so a prompt sharing a prefix with an earlier one runs only the rest "
+              "through the model (memory: 2 x n_layer x n_embd values per token, e.g. 72 KiB for gpt2 in float32); "
+              "0: off (default 2048)", metavar="TOKENS")
     pack_weights: bool | None = _setting(None, "CPU: no prepacked second copy of the weights",
                                          flag="--no-pack-weights", const=False)
     # Connection lifecycle (serve/gate.py, serve/runner.py; docs/serving.md): seconds.

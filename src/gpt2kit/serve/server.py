@@ -56,8 +56,9 @@ class Server:
                                lambda: self.engine_loop.n_waiting if self.engine_loop else 0,
                                lambda: self.engine_loop.steps if self.engine_loop else 0)
         self.metrics.work_tokens.set_function(lambda: self.work_tokens)
-        # echo scoring's prefixes (used by the worker thread only; gpt2kit.prefix_cache)
-        self.prefix_cache = PrefixCache(opts.prefix_cache_tokens, on_reuse=self.metrics.prefix_cache_hit_tokens.inc)
+        # prompt prefixes for echo scoring and generation (used by the worker thread only; gpt2kit.prefix_cache)
+        self.prefix_cache = PrefixCache(opts.prefix_cache_tokens, on_reuse=self.metrics.prefix_cache_hit_tokens.inc,
+                                        on_lookup=self.metrics.prefix_cache_lookup)
         self.metrics.prefix_cache_tokens.set_function(lambda: self.prefix_cache.tokens)
 
     # -- lifecycle --
@@ -76,7 +77,8 @@ class Server:
             o = self.opts
             engine = serve_engine(model, tokenizer, max_batch=o.max_batch, pack_weights=o.pack_weights,
                                   draft_model=o.draft_model, draft_tokens=o.draft_tokens, prompt_lookup=o.prompt_lookup,
-                                  prefill_chunk=o.prefill_chunk, prefill_idle_budget=o.prefill_idle_budget)
+                                  prefill_chunk=o.prefill_chunk, prefill_idle_budget=o.prefill_idle_budget,
+                                  prefix_cache=self.prefix_cache)
             self.engine_loop = EngineLoop(engine, self._on_events, self._on_error,
                                           admission_window=o.admission_window, tidy=HeapTrim()).start()
             self.library = Library.load(o, model)  # a bad vector or SAE fails the start-up, naming its flag
