@@ -32,7 +32,8 @@ def check_request(prompt_lens: Sequence[int], settings: SamplingSettings, *, n_c
     if window >= n_ctx:
         raise ValueError(f"window must be below the context n_ctx={n_ctx}, got {window}")
     if (settings.stop_strings or settings.structured) and not tokenizer:
-        raise ValueError("stop_strings and structured outputs need a tokenizer: pass tokenizer=...")
+        what = "stop_strings need" if settings.stop_strings else "structured outputs need"
+        raise ValueError(f"{what} a tokenizer: pass tokenizer=...")
     searched = "contrastive search" if settings.contrastive else "beam search" if settings.num_beams > 1 else None
     if method is not None and searched is None:
         check_deterministic(settings, method)
