@@ -193,3 +193,29 @@ def test_the_result_does_not_depend_on_the_thread_count(kernel):
             ys.append(y)
         assert all(torch.equal(ys[0], y) for y in ys[1:]), (k_in, n_out, rows)
         assert torch.allclose(ys[0], x @ wt + b, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("flags, no_native, want", [
+    ("fpu sse2 avx2 fma", None, "native-avx2"),  # AVX2-only: the C kernel from the first run
+    ("fpu sse2 avx2 fma", "1", "torch"),  # ... unless it cannot be built here
+    ("fpu sse2 avx2 fma avx512f", None, "torch"),  # AVX-512: torch, until measured otherwise
+])
+def test_the_family_default_is_what_a_disturbed_or_missing_measurement_keeps(tmp_path, flags, no_native, want):
+    code = """
+import json, torch
+from gpt2kit.decode import f32
+mats = [(torch.randn(16, 40).t(), torch.randn(40)), (torch.randn(16, 90).t(), None)]
+c = f32.decide_for("16x1x90", mats)
+print(json.dumps([f32.default_kernel(), c.kernel, c.source]))
+"""
+    if want != "torch" and native.why_f32_unavailable("avx2") is not None:
+        pytest.skip(f"the native kernel cannot run here: {native.why_f32_unavailable('avx2')}")
+    disturbed = [1e-3, 5e-3, 1e-3, 5e-3, 1e-3]  # spread far beyond the noise allowed: the measurement decides nothing
+    env = {"GPT2KIT_CPU_FLAGS": flags,
+           "GPT2KIT_KERNEL_TIMINGS": json.dumps({k: disturbed for k in ("torch", "native-avx2", "native-avx512")})}
+    if no_native:
+        env["GPT2KIT_NO_NATIVE"] = no_native
+    done = _run(code, tmp_path, **env)
+    assert done.returncode == 0, done.stderr
+    default, kernel, source = json.loads(done.stdout)
+    assert default == want and kernel == want and source == "default"

@@ -10,8 +10,8 @@ row of W^T, each thread its own contiguous columns. Which is faster is measured,
   native-avx512  csrc/f32_linear.c, AVX-512F (where the CPU has avx512f and PyTorch sees AVX-512)
   native-avx2    csrc/f32_linear.c, AVX2 + FMA
 
-The choice is kernel_choice's: the CPU family's default (DEFAULTS: "torch" where nothing else was
-measured better), interleaved medians on the model's own matrices (a whole step's products, so the
+The choice is kernel_choice's: the CPU family's default (DEFAULTS: native-avx2 on AVX2-only CPUs,
+torch elsewhere until measured otherwise), interleaved medians on the model's own matrices (a whole step's products, so the
 weights stream from memory as they do when decoding) that override it only on clear evidence, the
 result stored per machine and model shape; a candidate whose product differs from F.linear's by more
 than float32 round-off is never chosen. GPT2KIT_F32_KERNEL names one outright (checked: one line
@@ -35,8 +35,11 @@ ENV = "GPT2KIT_F32_KERNEL"
 KERNELS = ("torch", "native-avx512", "native-avx2")
 MAX_ROWS = 8  # the C kernel's few rows; more run on F.linear
 # The known-good kernel per CPU family (kernel_choice.family()); the measurement may replace it only by
-# being MARGIN faster. Only what was measured on such a CPU is named here (docs/benchmarks.md).
-DEFAULTS = {"amx": "torch", "avx512": "torch", "avx2": "torch", "other": "torch"}
+# being MARGIN faster. Only what was measured on such a CPU is named here (docs/benchmarks.md): on an
+# AVX2-only EPYC the C kernel streams the weights near the bandwidth limit where F.linear does not, so a
+# fresh install (nothing measured or stored yet) starts on it; a kernel that cannot be built here falls
+# back to torch (default_kernel).
+DEFAULTS = {"amx": "torch", "avx512": "torch", "avx2": "native-avx2", "other": "torch"}
 _CHOSEN = kernel_choice.REGISTRY.chosen  # ("f32", model shape) -> kernel
 
 
@@ -112,7 +115,13 @@ def decide_for(shape: str, mats: Sequence[tuple[torch.Tensor, torch.Tensor | Non
 
     return kernel_choice.REGISTRY.settle(
         "f32", shape, bucket(shape), still_right,
-        lambda: kernel_choice.measured(lambda: sample(mats, rounds), DEFAULTS[kernel_choice.family()]), fresh=fresh)
+        lambda: kernel_choice.measured(lambda: sample(mats, rounds), default_kernel()), fresh=fresh)
+
+
+def default_kernel() -> str:
+    """This CPU family's default (DEFAULTS), or torch where that kernel cannot run here."""
+    kernel = DEFAULTS[kernel_choice.family()]
+    return kernel if not _why_not(kernel, torch.device("cpu")) else "torch"
 
 
 def disagreement(kernel: str, mats: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> str | None:
