@@ -28,13 +28,18 @@ Legend: r rank, in/out the matrix's features.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gpt2kit.config import LORA_BIASES
+
+if TYPE_CHECKING:
+    from gpt2kit.checkpoint.adapter import Adapter
 
 # Our module names inside a block, the matrices LoRA can adapt.
 TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -238,3 +243,116 @@ def merge_lora(model: nn.Module) -> nn.Module:
     for p in model.parameters():
         p.requires_grad_(True)
     return model
+
+
+# -- many adapters on one base, chosen per row --
+
+class AdapterBank:
+    """The adapters a model's MultiLoRALinear modules hold, by name (slot 0.. in load order), and the
+    per-row index the next forward uses: row b runs adapter index[b], or the base where it is -1."""
+
+    def __init__(self) -> None:
+        self.adapters: dict[str, Adapter] = {}
+        self.modules: dict[str, MultiLoRALinear] = {}
+        self.slots: torch.Tensor | None = None  # (B,) slot per row, the base's zero slot for -1; None: all base
+
+    def index_of(self, name: str) -> int:
+        return list(self.adapters).index(name)
+
+    def set_rows(self, index: Sequence[int] | None) -> None:
+        """The adapter of each row of the next forwards (-1: the base); None or all -1: every row the base."""
+        if index is None or all(i < 0 for i in index):
+            self.slots = None
+            return
+        n = len(self.adapters)
+        if any(i >= n for i in index):
+            raise ValueError(f"adapter index out of range: {max(index)} with {n} adapters loaded")
+        device = next(iter(self.modules.values())).weight.device
+        self.slots = torch.tensor([i if i >= 0 else n for i in index], dtype=torch.long, device=device)
+
+    @torch.no_grad()
+    def restack(self) -> None:
+        """Each module's buffers from the adapters held: (N + 1) slots, the last all zero (the base)."""
+        adapters = list(self.adapters.values())
+        for name, m in self.modules.items():
+            pairs = [ad.tensors.get(name) for ad in adapters]
+            r = max([a.shape[0] for a, _ in filter(None, pairs)] or [1])
+            kw = {"device": m.weight.device, "dtype": m.weight.dtype}
+            A = torch.zeros(len(pairs) + 1, r, m.in_features, **kw)
+            B = torch.zeros(len(pairs) + 1, m.out_features, r, **kw)
+            scaling = torch.zeros(len(pairs) + 1, **kw)
+            for i, (ad, pair) in enumerate(zip(adapters, pairs, strict=True)):
+                if pair is not None:  # rank below r: zero rows of A and columns of B add exact zeros
+                    A[i, :pair[0].shape[0]], B[i, :, :pair[1].shape[1]] = pair
+                    scaling[i] = ad.scalings[name]
+            m.lora_A, m.lora_B, m.scaling = A, B, scaling
+
+
+class MultiLoRALinear(nn.Module):
+    """nn.Linear's frozen weight and bias plus the bank's adapters stacked: lora_A (N + 1, r, in),
+    lora_B (N + 1, out, r), scaling (N + 1,). Each row of a forward adds its own adapter's update,
+    gathered and batched (Punica's batched LoRA product): y = x W^T + b + s[k] (x A[k]^T) B[k]^T."""
+
+    def __init__(self, linear: nn.Linear, bank: AdapterBank) -> None:
+        super().__init__()
+        self.out_features, self.in_features = linear.weight.shape
+        self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
+        self.bias = nn.Parameter(linear.bias.detach(), requires_grad=False) if linear.bias is not None else None
+        self.bank = bank
+        self.lora_A = self.lora_B = self.scaling = torch.empty(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # (..., out)
+        slots = self.bank.slots
+        if slots is None or getattr(self, "disabled", False):
+            return y
+        n = slots.shape[0]
+        rows = x.numel() // x.shape[-1]  # (B, T, in), (B, in) or the flat step's (B * T, in): rows b-major
+        if rows % n:
+            raise ValueError(f"the adapter index has {n} rows, the input {tuple(x.shape)} does not split into them")
+        z = torch.bmm(x.reshape(n, rows // n, self.in_features), self.lora_A[slots].transpose(1, 2))  # (n, T, r)
+        delta = torch.bmm(z, self.lora_B[slots].transpose(1, 2)) * self.scaling[slots][:, None, None]  # (n, T, out)
+        return y + delta.reshape(y.shape)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, adapters={len(self.bank.adapters)}"
+
+
+def enable_multi_lora(model: nn.Module) -> AdapterBank:
+    """Swap every block matrix of a float GPT2 for a MultiLoRALinear sharing one AdapterBank, in
+    place (model.adapter_bank); the model computes the base until adapters are added (add_adapter)
+    and rows are given them (bank.set_rows)."""
+    from gpt2kit.quant.modules import is_quantized
+
+    if is_quantized(model) or any(isinstance(m, (LoRALinear, MultiLoRALinear)) for m in model.modules()):
+        raise ValueError("many adapters need a plain float model (no int8, no LoRA modules already)")
+    bank = AdapterBank()
+    for i, block in enumerate(model.h):
+        for target in TARGETS:
+            parent, attr = block.get_submodule(target.split(".")[0]), target.split(".")[1]
+            bank.modules[f"h.{i}.{target}"] = module = MultiLoRALinear(getattr(parent, attr), bank)
+            setattr(parent, attr, module)
+    bank.restack()
+    model.adapter_bank = bank
+    return bank
+
+
+def add_adapter(model: nn.Module, name: str, directory: str | os.PathLike[str]) -> int:
+    """Read and check a peft adapter (checkpoint/adapter.py: every check merging makes) and add it to
+    the model's bank under `name`; returns its index. One that trains biases or embedding rows is
+    refused (those are not per row): serve it alone, merged."""
+    from gpt2kit.checkpoint.adapter import read_fitting
+    from gpt2kit.checkpoint.errors import CheckpointError
+
+    bank: AdapterBank | None = getattr(model, "adapter_bank", None)
+    if bank is None:
+        raise ValueError("the model holds no adapter bank (enable_multi_lora first)")
+    if name in bank.adapters:
+        raise ValueError(f"an adapter named {name!r} is already loaded")
+    ad = read_fitting(model, directory)
+    if ad.biases or ad.tokens is not None:
+        raise CheckpointError(f"{ad.path}: the adapter trains {'biases' if ad.biases else 'embedding rows'}, "
+                              "which cannot differ per row; serve it alone (merged, --adapter)")
+    bank.adapters[name] = ad
+    bank.restack()
+    return bank.index_of(name)

@@ -254,6 +254,16 @@ def apply_adapter(model: nn.Module, directory: str | os.PathLike[str], *, merge:
     return model.eval()
 
 
+def read_fitting(model: nn.Module, directory: str | os.PathLike[str]) -> Adapter:
+    """read_adapter, then every check apply_adapter makes before it changes the model: the shapes
+    fit this model, and the values stay finite in its dtype, cast and merged."""
+    ad = read_adapter(directory)
+    _check_fits(model, ad)
+    _check_values(model, ad, True)
+    _check_values(model, ad, False)
+    return ad
+
+
 def _check_fits(model: nn.Module, ad: Adapter) -> None:
     """Every tensor of the adapter has the shape the model needs (an adapter for another base is refused)."""
     n_layer, where = len(model.h), ad.path / ADAPTER_WEIGHTS

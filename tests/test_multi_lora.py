@@ -1,0 +1,78 @@
+"""Many LoRA adapters on one base (gpt2kit.lora.enable_multi_lora): each row of a batch runs its own
+adapter, or the base, through one batched product; every row equals its adapter merged into the
+base (load_model(base, adapter=DIR)) within 1e-4, and base rows equal the plain base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import random_model
+
+from gpt2kit.checkpoint import CheckpointError, load_model, save_adapter, save_model
+from gpt2kit.lora import add_adapter, apply_lora, enable_multi_lora, lora_state
+
+
+def make_adapter(path: Path, rank: int, targets: str, seed: int, **kw) -> Path:
+    model = apply_lora(random_model(), rank, targets=targets, **kw)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in lora_state(model, kw.get("bias", "none")).values():
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=g) * 0.1)
+    return save_adapter(model, path, bias=kw.get("bias", "none"))
+
+
+@pytest.fixture
+def setup(tmp_path):
+    base = save_model(random_model(), tmp_path / "base")
+    ads = [make_adapter(tmp_path / "a", 2, "c_attn", 1),
+           make_adapter(tmp_path / "b", 4, "c_attn,attn.c_proj,c_fc,mlp.c_proj", 2, alpha=3)]
+    return base, ads
+
+
+def multi(base, ads):
+    model = load_model(base)
+    enable_multi_lora(model)
+    for i, d in enumerate(ads):
+        assert add_adapter(model, f"ad{i}", d) == i
+    return model
+
+
+def test_each_row_equals_its_adapter_merged_and_base_rows_the_base(setup):
+    base, ads = setup
+    model = multi(base, ads)
+    idx = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(3))
+    model.adapter_bank.set_rows([1, -1, 0, 1])
+    with torch.no_grad():
+        got = model(idx).logits
+        want = [load_model(base, adapter=ads[1]), load_model(base), load_model(base, adapter=ads[0])]
+        refs = [want[0](idx[r:r + 1]).logits for r in (0,)] + [want[1](idx[1:2]).logits, want[2](idx[2:3]).logits,
+                                                                want[0](idx[3:4]).logits]
+    for r, ref in enumerate(refs):
+        torch.testing.assert_close(got[r:r + 1], ref, atol=1e-4, rtol=0)
+    with torch.no_grad():  # the base row is the plain base on the same batch, exactly
+        assert torch.equal(got[1], want[1](idx).logits[1])
+    assert (got[0] - refs[1][0]).abs().max() > 1e-2  # the adapters do change the logits
+
+
+def test_no_index_is_the_base_and_a_bad_index_is_refused(setup):
+    base, ads = setup
+    model = multi(base, ads)
+    idx = torch.arange(10)[None]
+    with torch.no_grad():
+        assert torch.equal(model(idx).logits, load_model(base)(idx).logits)
+    with pytest.raises(ValueError, match="out of range: 2 with 2"):
+        model.adapter_bank.set_rows([2])
+
+
+def test_adapters_that_train_biases_or_do_not_fit_are_refused_and_the_bank_is_unchanged(setup, tmp_path):
+    base, ads = setup
+    model = multi(base, ads)
+    biased = make_adapter(tmp_path / "c", 2, "c_attn", 4, bias="all")
+    with pytest.raises(CheckpointError, match="trains biases.*serve it alone"):
+        add_adapter(model, "c", biased)
+    with pytest.raises(ValueError, match="already loaded"):
+        add_adapter(model, "ad0", ads[0])
+    assert list(model.adapter_bank.adapters) == ["ad0", "ad1"]
