@@ -11,7 +11,7 @@ import torch
 from helpers import random_model
 
 from gpt2kit.checkpoint import CheckpointError, load_model, save_adapter, save_model
-from gpt2kit.lora import add_adapter, apply_lora, enable_multi_lora, lora_state
+from gpt2kit.lora import add_adapter, apply_lora, enable_multi_lora, lora_state, merge_lora, unmerge_lora
 
 
 def make_adapter(path: Path, rank: int, targets: str, seed: int, **kw) -> Path:
@@ -76,3 +76,51 @@ def test_adapters_that_train_biases_or_do_not_fit_are_refused_and_the_bank_is_un
     with pytest.raises(ValueError, match="already loaded"):
         add_adapter(model, "ad0", ads[0])
     assert list(model.adapter_bank.adapters) == ["ad0", "ad1"]
+
+
+def _adapted(tokens=None):
+    base = random_model().eval()
+    model = apply_lora(random_model().eval(), 2, targets="c_attn,mlp.c_fc", tokens=tokens)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for t in lora_state(model).values():
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=g) * 0.1)
+    return base, model
+
+
+@pytest.mark.parametrize("tokens", [None, [3, 7, 11]])
+def test_disable_adapter_gives_the_base_inside_and_the_adapted_model_after(tokens):
+    base, model = _adapted(tokens)
+    idx = torch.tensor([[3, 7, 11, 20, 5]])
+    with torch.no_grad():
+        adapted, plain = model(idx).logits, base(idx).logits
+        assert (adapted - plain).abs().max() > 1e-2
+        with model.disable_adapter():
+            assert torch.equal(model(idx).logits, plain)
+        assert torch.equal(model(idx).logits, adapted)
+
+
+def test_merge_without_unloading_then_unmerge_and_disable_while_merged():
+    base, model = _adapted()
+    idx = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        adapted, plain = model(idx).logits, base(idx).logits
+        merge_lora(model, unload=False)
+        torch.testing.assert_close(model(idx).logits, adapted, atol=1e-5, rtol=0)
+        with model.disable_adapter():  # the update taken out, then merged again
+            torch.testing.assert_close(model(idx).logits, plain, atol=1e-5, rtol=0)
+        torch.testing.assert_close(model(idx).logits, adapted, atol=1e-5, rtol=0)
+        unmerge_lora(model)
+        torch.testing.assert_close(model(idx).logits, adapted, atol=1e-5, rtol=0)
+        with model.disable_adapter():
+            torch.testing.assert_close(model(idx).logits, plain, atol=1e-5, rtol=0)
+
+
+def test_disable_adapter_turns_off_the_multi_adapter_rows(setup):
+    base, ads = setup
+    model = multi(base, ads)
+    model.adapter_bank.set_rows([0])
+    idx = torch.arange(6)[None]
+    with torch.no_grad(), model.disable_adapter():
+        assert torch.equal(model(idx).logits, load_model(base)(idx).logits)

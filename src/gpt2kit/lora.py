@@ -27,9 +27,10 @@ Legend: r rank, in/out the matrix's features.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,8 +85,13 @@ class LoRALinear(nn.Module):
         self.lora_A.uniform_(-bound, bound, generator=generator)
         self.lora_B.zero_()
 
+    merged = False  # the update is in weight (merge_lora(unload=False)): unmerge_lora takes it out
+    disabled = False  # within disable_adapter: the base alone
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)  # (..., out)
+        if self.merged or self.disabled:
+            return y
         z = F.linear(self.lora_dropout(x), self.lora_A)  # (..., r)
         return y + F.linear(z, self.lora_B) * self.scaling  # (..., out)
 
@@ -115,11 +121,16 @@ class TrainableTokens(nn.Module):
         """The table with the trained rows in (V, C), differentiable in them."""
         return self.weight.index_copy(0, self.token_indices, self.trainable_tokens)
 
+    disabled = False  # within disable_adapter: the frozen table
+
+    def table(self) -> torch.Tensor:
+        return self.weight if self.disabled else self.merged_weight()
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return F.embedding(idx, self.merged_weight())  # (..., C)
+        return F.embedding(idx, self.table())  # (..., C)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.merged_weight())  # (..., V)
+        return F.linear(x, self.table())  # (..., V)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}, trainable rows={len(self.token_indices)}"
@@ -226,9 +237,17 @@ def lora_state(model: nn.Module, bias: str = "none") -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def merge_lora(model: nn.Module) -> nn.Module:
+def merge_lora(model: nn.Module, *, unload: bool = True) -> nn.Module:
     """Swap every LoRALinear back for an nn.Linear holding W + scaling * B A, in place: a plain
-    model again, every parameter trainable as load_model gives it."""
+    model again, every parameter trainable as load_model gives it. unload=False (peft's
+    merge_adapter): the update goes into each LoRALinear's weight, which keeps lora_A / lora_B, so
+    unmerge_lora takes it out again."""
+    if not unload:
+        for m in lora_modules(model).values():
+            if not m.merged:
+                m.weight.copy_(m.merged_weight())
+                m.merged = True
+        return model
     for name, m in lora_modules(model).items():
         parent_name, attr = name.rsplit(".", 1)
         linear = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
@@ -300,11 +319,12 @@ class MultiLoRALinear(nn.Module):
         self.bias = nn.Parameter(linear.bias.detach(), requires_grad=False) if linear.bias is not None else None
         self.bank = bank
         self.lora_A = self.lora_B = self.scaling = torch.empty(0)
+        self.disabled = False  # within disable_adapter: the base alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)  # (..., out)
         slots = self.bank.slots
-        if slots is None or getattr(self, "disabled", False):
+        if slots is None or self.disabled:
             return y
         n = slots.shape[0]
         rows = x.numel() // x.shape[-1]  # (B, T, in), (B, in) or the flat step's (B * T, in): rows b-major
@@ -356,3 +376,35 @@ def add_adapter(model: nn.Module, name: str, directory: str | os.PathLike[str]) 
     bank.adapters[name] = ad
     bank.restack()
     return bank.index_of(name)
+
+
+@torch.no_grad()
+def unmerge_lora(model: nn.Module) -> nn.Module:
+    """Take each merged LoRALinear's update back out of its weight (W + s B A - s B A: W within
+    float rounding, as peft's unmerge_adapter), in place."""
+    for m in lora_modules(model).values():
+        if m.merged:
+            m.weight.copy_((m.weight.float() - m.scaling * (m.lora_B.float() @ m.lora_A.float())).to(m.weight.dtype))
+            m.merged = False
+    return model
+
+
+@contextlib.contextmanager
+def disable_adapter(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block the model computes its base (peft's disable_adapter): every LoRALinear,
+    MultiLoRALinear and TrainableTokens off, a merged update taken out and merged again after.
+    Biases an adapter trained (bias "all" / "lora_only") are the model's own and stay."""
+    modules = [m for m in model.modules() if isinstance(m, (LoRALinear, MultiLoRALinear, TrainableTokens))]
+    merged = [m for m in modules if getattr(m, "merged", False)]
+    unmerge_lora(model)
+    for m in modules:
+        m.disabled = True
+    try:
+        yield model
+    finally:
+        for m in modules:
+            m.disabled = False
+        for m in merged:
+            with torch.no_grad():
+                m.weight.copy_(m.merged_weight())
+            m.merged = True

@@ -178,6 +178,12 @@ class GPT2(nn.Module):
         present = cache.to_present() if use_cache or past is not None else None  # (B, L, 2, nh, S, hs)
         return GPT2Output(logits, present, loss)
 
+    def disable_adapter(self):
+        """`with model.disable_adapter():` the base model, its LoRA adapters off (gpt2kit.lora.disable_adapter)."""
+        from gpt2kit.lora import disable_adapter
+
+        return disable_adapter(self)
+
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """The tied head: x (..., C) @ wte^T -> logits (..., V). With a padded vocabulary the product
         runs on all Vp rows (the faster shape) and the padding columns are cut from its result. A
