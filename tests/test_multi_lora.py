@@ -124,3 +124,32 @@ def test_disable_adapter_turns_off_the_multi_adapter_rows(setup):
     idx = torch.arange(6)[None]
     with torch.no_grad(), model.disable_adapter():
         assert torch.equal(model(idx).logits, load_model(base)(idx).logits)
+
+
+def _decode(model, prompts, adapters, **kw):
+    from gpt2kit.engine import Engine
+    from gpt2kit.sampling import SamplingSettings
+
+    engine = Engine(model, **kw)
+    rows = [engine.new_row(p, SamplingSettings(max_new_tokens=8, temperature=0), logprobs=0) for p in prompts]
+    for row, a in zip(rows, adapters, strict=True):
+        row.adapter = a
+    engine.submit(rows)
+    events = []
+    while engine.has_work:
+        events += engine.step()
+    return [([e.token for e in events if e.row is row], [e.logprob for e in events if e.row is row]) for row in rows]
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_engine_rows_of_different_adapters_decode_together_as_each_served_alone_merged(setup, pack):
+    base, ads = setup
+    prompts = [[5, 9, 2, 40, 7], [1, 2, 3, 4, 5, 6, 7], [60, 3, 8], [11, 12, 13, 14, 15, 16]]
+    adapters = [0, -1, 1, 0]
+    got = _decode(multi(base, ads), prompts, adapters, pack_weights=pack, prefill_chunk=4)
+    merged = {-1: load_model(base), 0: load_model(base, adapter=ads[0]), 1: load_model(base, adapter=ads[1])}
+    for (tokens, logprobs), p, a in zip(got, prompts, adapters, strict=True):
+        [(want_tokens, want_logprobs)] = _decode(merged[a], [p], [-1], pack_weights=pack, prefill_chunk=4)
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
+    assert got[0][0] != got[1][0] or got[2][0] != got[1][0]  # the adapters do change what is decoded

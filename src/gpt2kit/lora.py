@@ -408,3 +408,19 @@ def disable_adapter(model: nn.Module) -> Iterator[nn.Module]:
             with torch.no_grad():
                 m.weight.copy_(m.merged_weight())
             m.merged = True
+
+
+@contextlib.contextmanager
+def adapter_rows(model: nn.Module, adapters: Sequence[int]) -> Iterator[None]:
+    """Within the block each row b of the model's forwards runs adapter adapters[b] (-1: the base),
+    then none again; nothing on a model without an adapter bank. The one place an engine's steps
+    give their rows' adapters to the model."""
+    bank: AdapterBank | None = getattr(model, "adapter_bank", None)
+    if bank is None:
+        yield
+        return
+    bank.set_rows(adapters)
+    try:
+        yield
+    finally:
+        bank.set_rows(None)

@@ -33,6 +33,7 @@ import torch
 
 from gpt2kit.config import EOT_ID
 from gpt2kit.decode.step import prefill_ragged
+from gpt2kit.lora import adapter_rows
 
 if TYPE_CHECKING:
     from gpt2kit.decode import Kernels
@@ -167,7 +168,8 @@ def prefill_slots(model: GPT2, pool: SlotPool, group: list[tuple[Joining, int]],
     pad = EOT_ID % model.config.n_vocab
     idx = torch.tensor([j.context[done:done + t] + [pad] * (T - t) for j, t in group], dtype=torch.long,
                        device=pool.kv.device)  # (b, T)
-    logits = prefill_ragged(model, idx, [t - 1 for _, t in group], cache, kernels)  # (b, V)
+    with adapter_rows(model, [j.row.adapter for j, _ in group]):
+        logits = prefill_ragged(model, idx, [t - 1 for _, t in group], cache, kernels)  # (b, V)
     for j, t in group:
         pool.prefilled(j.slot, done + t)
     return list(logits.split(1))

@@ -103,6 +103,7 @@ class Row:
     accepted: int = 0
     beam: BeamGroup | None = None  # beam search: the group this slot belongs to
     lease: SlotLease | None = None  # a slot held for a search's own forwards (Engine.new_lease): never fed
+    adapter: int = -1  # the LoRA adapter it runs (its index in model.adapter_bank), -1 the base
 
     @property
     def dropped(self) -> bool:

@@ -43,6 +43,7 @@ from gpt2kit.engine.beam_rows import BeamGroup, admit, choose_tokens, prefill_in
 from gpt2kit.engine.outputs import RowText, advance, token_logprobs
 from gpt2kit.engine.prefill import ChunkedPrefill, Joining
 from gpt2kit.engine.rows import Leases, Row, RowEvent, RowKey, SlotLease, requeued_on_error
+from gpt2kit.lora import adapter_rows
 from gpt2kit.sampling import SamplingSettings
 from gpt2kit.sampling.sampler import RowSampler
 from gpt2kit.validate import check_int
@@ -262,7 +263,11 @@ class Engine:
             sel = torch.tensor(self._slots, dtype=torch.long, device=tok.device)
             tok = torch.full((B,), EOT_ID % self.model.config.n_vocab, dtype=tok.dtype,
                              device=tok.device).index_copy_(0, sel, tok)
-        logits = decode_step(self.model, tok[:, None], cache, mask, self.kernels.step(B))  # (hi, V)
+        adapters = [-1] * B  # each slot's adapter; a slot riding along runs the base
+        for row, s in zip(self.rows, self._slots, strict=True):
+            adapters[s] = row.adapter
+        with adapter_rows(self.model, adapters):
+            logits = decode_step(self.model, tok[:, None], cache, mask, self.kernels.step(B))  # (hi, V)
         self.pool.advance(self._slots, P)
         self._logits = logits if sel is None else logits[sel]
 
