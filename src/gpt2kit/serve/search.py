@@ -124,8 +124,9 @@ def check_settings(kind: str | None, settings: SamplingSettings) -> None:
         check_deterministic(settings, f"beam search (use_beam_search, {settings.num_beams} beams)")
 
 
-def submit(server: Server, job: Job, kind: str, settings: SamplingSettings, rows: int) -> None:
-    """Start the search: beam groups as engine rows, or the contrastive job on the worker."""
+def submit(server: Server, job: Job, kind: str, settings: SamplingSettings, rows: int, adapter: int = -1) -> None:
+    """Start the search: beam groups as engine rows (running LoRA adapter `adapter`; -1 the base), or
+    the contrastive job on the worker."""
     from gpt2kit.engine import RowKey
 
     loop = server.engine_loop
@@ -133,6 +134,8 @@ def submit(server: Server, job: Job, kind: str, settings: SamplingSettings, rows
     if kind == BEAM:
         for i, p in enumerate(job.prompts):
             job.rows += loop.new_beam_rows(p, settings, key=RowKey(i, i, 0, owner=job))
+        for row in job.rows:
+            row.adapter = adapter
         job.pending = set(job.rows)
         loop.submit(job.rows)
         return
