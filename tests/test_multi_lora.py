@@ -11,7 +11,8 @@ import torch
 from helpers import random_model
 
 from gpt2kit.checkpoint import CheckpointError, load_model, save_adapter, save_model
-from gpt2kit.lora import add_adapter, apply_lora, enable_multi_lora, lora_state, merge_lora, unmerge_lora
+from gpt2kit.checkpoint.adapter import add_adapter
+from gpt2kit.lora import apply_lora, enable_multi_lora, lora_state, merge_lora, unmerge_lora
 
 
 def make_adapter(path: Path, rank: int, targets: str, seed: int, **kw) -> Path:

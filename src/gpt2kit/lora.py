@@ -29,18 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gpt2kit.config import LORA_BIASES
-
-if TYPE_CHECKING:
-    from gpt2kit.checkpoint.adapter import Adapter
 
 # Our module names inside a block, the matrices LoRA can adapt.
 TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -95,6 +90,34 @@ class LoRALinear(nn.Module):
         z = F.linear(self.lora_dropout(x), self.lora_A)  # (..., r)
         return y + F.linear(z, self.lora_B) * self.scaling  # (..., out)
 
+    @contextlib.contextmanager
+    def adapter_off(self) -> Iterator[None]:
+        """The base alone within the block (GPT2.disable_adapter): a merged update taken out, merged again after."""
+        merged = self.merged
+        if merged:
+            self.unmerge()
+        self.disabled = True
+        try:
+            yield
+        finally:
+            self.disabled = False
+            if merged:
+                self.merge()
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        if not self.merged:
+            self.weight.copy_(self.merged_weight())
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """W + s B A - s B A: W within float rounding, as peft's unmerge."""
+        if self.merged:
+            delta = self.scaling * (self.lora_B.float() @ self.lora_A.float())
+            self.weight.copy_((self.weight.float() - delta).to(self.weight.dtype))
+            self.merged = False
+
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         """W + scaling * B A, (out, in), computed in float32 and returned in the weight's dtype."""
@@ -122,6 +145,14 @@ class TrainableTokens(nn.Module):
         return self.weight.index_copy(0, self.token_indices, self.trainable_tokens)
 
     disabled = False  # within disable_adapter: the frozen table
+
+    @contextlib.contextmanager
+    def adapter_off(self) -> Iterator[None]:
+        self.disabled = True
+        try:
+            yield
+        finally:
+            self.disabled = False
 
     def table(self) -> torch.Tensor:
         return self.weight if self.disabled else self.merged_weight()
@@ -244,9 +275,7 @@ def merge_lora(model: nn.Module, *, unload: bool = True) -> nn.Module:
     unmerge_lora takes it out again."""
     if not unload:
         for m in lora_modules(model).values():
-            if not m.merged:
-                m.weight.copy_(m.merged_weight())
-                m.merged = True
+            m.merge()
         return model
     for name, m in lora_modules(model).items():
         parent_name, attr = name.rsplit(".", 1)
@@ -271,7 +300,8 @@ class AdapterBank:
     per-row index the next forward uses: row b runs adapter index[b], or the base where it is -1."""
 
     def __init__(self) -> None:
-        self.adapters: dict[str, Adapter] = {}
+        # name: its (A, B) per module (our names) and scaling per module, from checkpoint.adapter.read_adapter
+        self.adapters: dict[str, tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, float]]] = {}
         self.modules: dict[str, MultiLoRALinear] = {}
         self.slots: torch.Tensor | None = None  # (B,) slot per row, the base's zero slot for -1; None: all base
 
@@ -294,16 +324,16 @@ class AdapterBank:
         """Each module's buffers from the adapters held: (N + 1) slots, the last all zero (the base)."""
         adapters = list(self.adapters.values())
         for name, m in self.modules.items():
-            pairs = [ad.tensors.get(name) for ad in adapters]
+            pairs = [tensors.get(name) for tensors, _ in adapters]
             r = max([a.shape[0] for a, _ in filter(None, pairs)] or [1])
             kw = {"device": m.weight.device, "dtype": m.weight.dtype}
             A = torch.zeros(len(pairs) + 1, r, m.in_features, **kw)
             B = torch.zeros(len(pairs) + 1, m.out_features, r, **kw)
             scaling = torch.zeros(len(pairs) + 1, **kw)
-            for i, (ad, pair) in enumerate(zip(adapters, pairs, strict=True)):
+            for i, ((_, scalings), pair) in enumerate(zip(adapters, pairs, strict=True)):
                 if pair is not None:  # rank below r: zero rows of A and columns of B add exact zeros
                     A[i, :pair[0].shape[0]], B[i, :, :pair[1].shape[1]] = pair
-                    scaling[i] = ad.scalings[name]
+                    scaling[i] = scalings[name]
             m.lora_A, m.lora_B, m.scaling = A, B, scaling
 
 
@@ -320,6 +350,14 @@ class MultiLoRALinear(nn.Module):
         self.bank = bank
         self.lora_A = self.lora_B = self.scaling = torch.empty(0)
         self.disabled = False  # within disable_adapter: the base alone
+
+    @contextlib.contextmanager
+    def adapter_off(self) -> Iterator[None]:
+        self.disabled = True
+        try:
+            yield
+        finally:
+            self.disabled = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)  # (..., out)
@@ -340,7 +378,8 @@ class MultiLoRALinear(nn.Module):
 
 def enable_multi_lora(model: nn.Module) -> AdapterBank:
     """Swap every block matrix of a float GPT2 for a MultiLoRALinear sharing one AdapterBank, in
-    place (model.adapter_bank); the model computes the base until adapters are added (add_adapter)
+    place (model.adapter_bank); the model computes the base until adapters are added
+    (gpt2kit.checkpoint.adapter.add_adapter)
     and rows are given them (bank.set_rows)."""
     from gpt2kit.quant.modules import is_quantized
 
@@ -357,57 +396,12 @@ def enable_multi_lora(model: nn.Module) -> AdapterBank:
     return bank
 
 
-def add_adapter(model: nn.Module, name: str, directory: str | os.PathLike[str]) -> int:
-    """Read and check a peft adapter (checkpoint/adapter.py: every check merging makes) and add it to
-    the model's bank under `name`; returns its index. One that trains biases or embedding rows is
-    refused (those are not per row): serve it alone, merged."""
-    from gpt2kit.checkpoint.adapter import read_fitting
-    from gpt2kit.checkpoint.errors import CheckpointError
-
-    bank: AdapterBank | None = getattr(model, "adapter_bank", None)
-    if bank is None:
-        raise ValueError("the model holds no adapter bank (enable_multi_lora first)")
-    if name in bank.adapters:
-        raise ValueError(f"an adapter named {name!r} is already loaded")
-    ad = read_fitting(model, directory)
-    if ad.biases or ad.tokens is not None:
-        raise CheckpointError(f"{ad.path}: the adapter trains {'biases' if ad.biases else 'embedding rows'}, "
-                              "which cannot differ per row; serve it alone (merged, --adapter)")
-    bank.adapters[name] = ad
-    bank.restack()
-    return bank.index_of(name)
-
-
-@torch.no_grad()
 def unmerge_lora(model: nn.Module) -> nn.Module:
-    """Take each merged LoRALinear's update back out of its weight (W + s B A - s B A: W within
-    float rounding, as peft's unmerge_adapter), in place."""
+    """Take each merged LoRALinear's update back out of its weight (merge_lora(unload=False)'s
+    inverse, W within float rounding, as peft's unmerge_adapter), in place."""
     for m in lora_modules(model).values():
-        if m.merged:
-            m.weight.copy_((m.weight.float() - m.scaling * (m.lora_B.float() @ m.lora_A.float())).to(m.weight.dtype))
-            m.merged = False
+        m.unmerge()
     return model
-
-
-@contextlib.contextmanager
-def disable_adapter(model: nn.Module) -> Iterator[nn.Module]:
-    """Within the block the model computes its base (peft's disable_adapter): every LoRALinear,
-    MultiLoRALinear and TrainableTokens off, a merged update taken out and merged again after.
-    Biases an adapter trained (bias "all" / "lora_only") are the model's own and stay."""
-    modules = [m for m in model.modules() if isinstance(m, (LoRALinear, MultiLoRALinear, TrainableTokens))]
-    merged = [m for m in modules if getattr(m, "merged", False)]
-    unmerge_lora(model)
-    for m in modules:
-        m.disabled = True
-    try:
-        yield model
-    finally:
-        for m in modules:
-            m.disabled = False
-        for m in merged:
-            with torch.no_grad():
-                m.weight.copy_(m.merged_weight())
-            m.merged = True
 
 
 @contextlib.contextmanager

@@ -263,10 +263,7 @@ class Engine:
             sel = torch.tensor(self._slots, dtype=torch.long, device=tok.device)
             tok = torch.full((B,), EOT_ID % self.model.config.n_vocab, dtype=tok.dtype,
                              device=tok.device).index_copy_(0, sel, tok)
-        adapters = [-1] * B  # each slot's adapter; a slot riding along runs the base
-        for row, s in zip(self.rows, self._slots, strict=True):
-            adapters[s] = row.adapter
-        with adapter_rows(self.model, adapters):
+        with adapter_rows(self.model, slot_adapters(self.rows, self._slots, B)):
             logits = decode_step(self.model, tok[:, None], cache, mask, self.kernels.step(B))  # (hi, V)
         self.pool.advance(self._slots, P)
         self._logits = logits if sel is None else logits[sel]
@@ -306,6 +303,14 @@ class KernelSets:
 
     def forget(self) -> None:
         self._step = self._prefill = None
+
+
+def slot_adapters(rows: list[Row], slots: list[int], n_slots: int) -> list[int]:
+    """Each of a step's slots' LoRA adapter (Row.adapter); a slot riding along without a row runs the base (-1)."""
+    adapters = [-1] * n_slots
+    for row, s in zip(rows, slots, strict=True):
+        adapters[s] = row.adapter
+    return adapters
 
 
 def sample_rows(rows: list[Row], logits: torch.Tensor

@@ -96,7 +96,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str |
 
 def add_loras(model, loras: tuple[tuple[str, str], ...]) -> None:
     """The adapters (name, directory) on the model, each rows' own (gpt2kit.lora.enable_multi_lora)."""
-    from gpt2kit.lora import add_adapter, enable_multi_lora
+    from gpt2kit.checkpoint.adapter import add_adapter
+    from gpt2kit.lora import enable_multi_lora
 
     enable_multi_lora(model)
     for name, directory in loras:
