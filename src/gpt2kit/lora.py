@@ -321,26 +321,33 @@ class AdapterBank:
 
     @torch.no_grad()
     def restack(self) -> None:
-        """Each module's buffers from the adapters held: (N + 1) slots, the last all zero (the base)."""
+        """Each module's products from the adapters held (MultiLoRALinear's legend): every adapter's A
+        side by side, its B likewise, and each slot's scaling over its own block (the base's none)."""
         adapters = list(self.adapters.values())
         for name, m in self.modules.items():
             pairs = [tensors.get(name) for tensors, _ in adapters]
             r = max([a.shape[0] for a, _ in filter(None, pairs)] or [1])
             kw = {"device": m.weight.device, "dtype": m.weight.dtype}
-            A = torch.zeros(len(pairs) + 1, r, m.in_features, **kw)
-            B = torch.zeros(len(pairs) + 1, m.out_features, r, **kw)
-            scaling = torch.zeros(len(pairs) + 1, **kw)
+            n = len(pairs)
+            A = torch.zeros(n, r, m.in_features, **kw)
+            B = torch.zeros(m.out_features, n, r, **kw)
+            scale = torch.zeros(n + 1, n, r, **kw)  # the last slot: the base, no update
             for i, ((_, scalings), pair) in enumerate(zip(adapters, pairs, strict=True)):
                 if pair is not None:  # rank below r: zero rows of A and columns of B add exact zeros
-                    A[i, :pair[0].shape[0]], B[i, :, :pair[1].shape[1]] = pair
-                    scaling[i] = scalings[name]
-            m.lora_A, m.lora_B, m.scaling = A, B, scaling
+                    A[i, :pair[0].shape[0]], B[:, i, :pair[1].shape[1]] = pair
+                    scale[i, i] = scalings[name]
+            m.lora_A, m.lora_B = A.view(n * r, m.in_features), B.view(m.out_features, n * r)
+            m.scale = scale.view(n + 1, n * r)
 
 
 class MultiLoRALinear(nn.Module):
-    """nn.Linear's frozen weight and bias plus the bank's adapters stacked: lora_A (N + 1, r, in),
-    lora_B (N + 1, out, r), scaling (N + 1,). Each row of a forward adds its own adapter's update,
-    gathered and batched (Punica's batched LoRA product): y = x W^T + b + s[k] (x A[k]^T) B[k]^T."""
+    """nn.Linear's frozen weight and bias plus the bank's N adapters stacked: lora_A (N r, in) every
+    adapter's A, lora_B (out, N r) every B, scale (N + 1, N r) slot k's scaling over block k (slot N:
+    the base, zeros). Each row adds its own adapter's update in one batched product for all rows
+    (Punica's batched LoRA idea, as two plain products): z = (x lora_A^T) * scale[k_row], whose
+    other adapters' blocks are exact zeros, then y = x W^T + b + z lora_B^T; s[k] (x A[k]^T) B[k]^T
+    for row k, and for a base row y + 0, the base exactly. r: the largest rank (smaller ones padded with
+    zeros, which add exact zeros)."""
 
     def __init__(self, linear: nn.Linear, bank: AdapterBank) -> None:
         super().__init__()
@@ -348,7 +355,7 @@ class MultiLoRALinear(nn.Module):
         self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
         self.bias = nn.Parameter(linear.bias.detach(), requires_grad=False) if linear.bias is not None else None
         self.bank = bank
-        self.lora_A = self.lora_B = self.scaling = torch.empty(0)
+        self.lora_A = self.lora_B = self.scale = torch.empty(0)
         self.disabled = False  # within disable_adapter: the base alone
 
     @contextlib.contextmanager
@@ -368,9 +375,8 @@ class MultiLoRALinear(nn.Module):
         rows = x.numel() // x.shape[-1]  # (B, T, in), (B, in) or the flat step's (B * T, in): rows b-major
         if rows % n:
             raise ValueError(f"the adapter index has {n} rows, the input {tuple(x.shape)} does not split into them")
-        z = torch.bmm(x.reshape(n, rows // n, self.in_features), self.lora_A[slots].transpose(1, 2))  # (n, T, r)
-        delta = torch.bmm(z, self.lora_B[slots].transpose(1, 2)) * self.scaling[slots][:, None, None]  # (n, T, out)
-        return y + delta.reshape(y.shape)
+        z = F.linear(x.reshape(n, rows // n, self.in_features), self.lora_A) * self.scale[slots][:, None]  # (n, T, N r)
+        return y + F.linear(z, self.lora_B).reshape(y.shape)  # (..., out)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, adapters={len(self.bank.adapters)}"
