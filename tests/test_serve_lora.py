@@ -121,3 +121,14 @@ def test_lora_options_are_checked():
         ServeOptions(loras=(("gpt2", "x"),))
     with pytest.raises(ValueError, match="not served with speculative decoding"):
         ServeOptions(loras=(("a", "x"),), prompt_lookup=2)
+
+
+def test_an_adapter_for_another_base_stops_the_server_at_load_naming_the_tensor(dirs, tmp_path):
+    from gpt2kit.config import GPT2Config
+
+    other = save_model(varied_model(GPT2Config(n_vocab=1000, n_ctx=64, n_embd=48, n_head=4, n_layer=2)), tmp_path / "o")
+    p = subprocess.run([sys.executable, "-m", "gpt2kit", "serve", "--model", str(other), "--port", "0",
+                        "--lora", f"sql={dirs[1]}"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    [line] = [x for x in p.stderr.splitlines() if x.startswith("gpt2kit serve: error:")]  # beside uvicorn's log
+    assert "lora_A.weight has shape" in line and "made for another base" in line
