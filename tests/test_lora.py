@@ -319,15 +319,14 @@ def test_a_bias_for_another_base_names_the_tensor(tmp_path):
         apply_adapter(random_model(), tmp_path / "adapter")
 
 
-def test_disable_adapter_is_the_base_bit_for_bit_and_merge_unmerge_round_trip():
-    """disable_adapter / merge_lora_in_place / unmerge_lora (peft's disable_adapter, merge_adapter,
-    unmerge_adapter) on one loaded model: off, the logits and greedy tokens are the base model's exactly;
-    merged, the adapted logits within 1e-5; unmerged, the adapted ones bit for bit; every state restored
-    on leaving, an error included."""
+def test_disable_adapter_is_the_base_bit_for_bit_and_restores_the_adapter_after_an_error():
+    """`with model.disable_adapter():` (peft's disable_adapter) on one loaded model: inside, the logits
+    and greedy tokens are the base model's exactly; after, an error included, the adapted ones; merged
+    without unloading, the adapted logits within 1e-5, and unmerge_lora gives them back within rounding."""
     import copy
 
     from gpt2kit import SamplingSettings, generate
-    from gpt2kit.lora import disable_adapter, merge_lora_in_place, unmerge_lora
+    from gpt2kit.lora import merge_lora, unmerge_lora
 
     base = random_model()
     model = apply_lora(copy.deepcopy(base), 4, targets=ALL, tokens=[3, 7, 11])
@@ -337,18 +336,14 @@ def test_disable_adapter_is_the_base_bit_for_bit_and_merge_unmerge_round_trip():
     with torch.no_grad():
         want_base, adapted = base(ids).logits, model(ids).logits
         assert (want_base - adapted).abs().max() > 1e-3  # the adapter changes the logits
-        with disable_adapter(model):
+        with model.disable_adapter():
             assert torch.equal(model(ids).logits, want_base)
             assert generate(model, [[3, 7, 11]], greedy)[0].tokens == generate(base, [[3, 7, 11]], greedy)[0].tokens
         assert torch.equal(model(ids).logits, adapted)
-        with pytest.raises(RuntimeError, match="inside"), disable_adapter(model):
+        with pytest.raises(RuntimeError, match="inside"), model.disable_adapter():
             raise RuntimeError("inside")
         assert torch.equal(model(ids).logits, adapted)
-        merge_lora_in_place(model)
+        merge_lora(model, unload=False)
         assert (model(ids).logits - adapted).abs().max() < 1e-5
-        with disable_adapter(model):
-            assert torch.equal(model(ids).logits, want_base)
         unmerge_lora(model)
-        assert torch.equal(model(ids).logits, adapted)
-    with pytest.raises(ValueError, match="no adapter"), disable_adapter(base):
-        pass
+        assert (model(ids).logits - adapted).abs().max() < 1e-5

@@ -3,7 +3,7 @@
     apply_lora(model, rank=8, alpha=16, targets="c_attn,attn.c_proj,c_fc,mlp.c_proj")
     ... train: only the lora_A / lora_B parameters require gradients ...
     merge_lora(model)  # back to plain nn.Linear with W + (alpha / r) B A
-    with disable_adapter(model): ...  # the base model meanwhile; merge_lora_in_place / unmerge_lora: reversible
+    with model.disable_adapter(): ...  # the base model meanwhile; merge_lora(model, unload=False) / unmerge_lora
 
 Each targeted nn.Linear (out, in) becomes a LoRALinear holding the same frozen `weight` and `bias`
 (the same names, so the base's state-dict keys do not move) plus lora_A (r, in) and lora_B (out, r):
@@ -74,8 +74,6 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(rank, in_f, **kw))
         self.lora_B = nn.Parameter(torch.zeros(out_f, rank, **kw))
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.active = True  # False inside disable_adapter: the base layer alone
-        self.merged: torch.Tensor | None = None  # merge_lora_in_place's W + scaling * B A, until unmerge_lora
 
     @torch.no_grad()
     def reset_lora(self, generator: torch.Generator | None = None) -> None:
@@ -84,14 +82,43 @@ class LoRALinear(nn.Module):
         self.lora_A.uniform_(-bound, bound, generator=generator)
         self.lora_B.zero_()
 
+    merged = False  # the update is in weight (merge_lora(unload=False)): unmerge_lora takes it out
+    disabled = False  # within disable_adapter: the base alone
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.active:
-            return F.linear(x, self.weight, self.bias)
-        if self.merged is not None:
-            return F.linear(x, self.merged, self.bias)
         y = F.linear(x, self.weight, self.bias)  # (..., out)
+        if self.merged or self.disabled:
+            return y
         z = F.linear(self.lora_dropout(x), self.lora_A)  # (..., r)
         return y + F.linear(z, self.lora_B) * self.scaling  # (..., out)
+
+    @contextlib.contextmanager
+    def adapter_off(self) -> Iterator[None]:
+        """The base alone within the block (GPT2.disable_adapter): a merged update taken out, merged again after."""
+        merged = self.merged
+        if merged:
+            self.unmerge()
+        self.disabled = True
+        try:
+            yield
+        finally:
+            self.disabled = False
+            if merged:
+                self.merge()
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        if not self.merged:
+            self.weight.copy_(self.merged_weight())
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """W + s B A - s B A: W within float rounding, as peft's unmerge."""
+        if self.merged:
+            delta = self.scaling * (self.lora_B.float() @ self.lora_A.float())
+            self.weight.copy_((self.weight.float() - delta).to(self.weight.dtype))
+            self.merged = False
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
@@ -114,19 +141,29 @@ class TrainableTokens(nn.Module):
         self.register_buffer("token_indices", torch.tensor(list(indices), dtype=torch.long,
                                                             device=embedding.weight.device))
         self.trainable_tokens = nn.Parameter(embedding.weight.detach()[self.token_indices].clone())  # (K, C)
-        self.active = True  # False inside disable_adapter: the frozen table alone
 
     def merged_weight(self) -> torch.Tensor:
-        """The table with the trained rows in (V, C), differentiable in them (the frozen table when off)."""
-        if not self.active:
-            return self.weight
+        """The table with the trained rows in (V, C), differentiable in them."""
         return self.weight.index_copy(0, self.token_indices, self.trainable_tokens)
 
+    disabled = False  # within disable_adapter: the frozen table
+
+    @contextlib.contextmanager
+    def adapter_off(self) -> Iterator[None]:
+        self.disabled = True
+        try:
+            yield
+        finally:
+            self.disabled = False
+
+    def table(self) -> torch.Tensor:
+        return self.weight if self.disabled else self.merged_weight()
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return F.embedding(idx, self.merged_weight())  # (..., C)
+        return F.embedding(idx, self.table())  # (..., C)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.merged_weight())  # (..., V)
+        return F.linear(x, self.table())  # (..., V)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}, trainable rows={len(self.token_indices)}"
@@ -231,9 +268,15 @@ def lora_state(model: nn.Module, bias: str = "none") -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def merge_lora(model: nn.Module) -> nn.Module:
+def merge_lora(model: nn.Module, *, unload: bool = True) -> nn.Module:
     """Swap every LoRALinear back for an nn.Linear holding W + scaling * B A, in place: a plain
-    model again, every parameter trainable as load_model gives it."""
+    model again, every parameter trainable as load_model gives it. unload=False (peft's
+    merge_adapter): the update goes into each LoRALinear's weight, which keeps lora_A / lora_B, so
+    unmerge_lora takes it out again."""
+    if not unload:
+        for m in lora_modules(model).values():
+            m.merge()
+        return model
     for name, m in lora_modules(model).items():
         parent_name, attr = name.rsplit(".", 1)
         linear = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
@@ -250,44 +293,134 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
-def _adapters(model: nn.Module) -> list[nn.Module]:
-    found = [m for m in model.modules() if isinstance(m, LoRALinear | TrainableTokens)]
-    if not found:
-        raise ValueError("the model has no adapter (gpt2kit.lora.apply_lora, or apply_adapter(..., merge=False), adds "
-                         "one)")
-    return found
+# -- many adapters on one base, chosen per row --
+
+class AdapterBank:
+    """The adapters a model's MultiLoRALinear modules hold, by name (slot 0.. in load order), and the
+    per-row index the next forward uses: row b runs adapter index[b], or the base where it is -1."""
+
+    def __init__(self) -> None:
+        # name: its (A, B) per module (our names) and scaling per module, from checkpoint.adapter.read_adapter
+        self.adapters: dict[str, tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, float]]] = {}
+        self.modules: dict[str, MultiLoRALinear] = {}
+        self.slots: torch.Tensor | None = None  # (B,) slot per row, the base's zero slot for -1; None: all base
+
+    def index_of(self, name: str) -> int:
+        return list(self.adapters).index(name)
+
+    def set_rows(self, index: Sequence[int] | None) -> None:
+        """The adapter of each row of the next forwards (-1: the base); None or all -1: every row the base."""
+        if index is None or all(i < 0 for i in index):
+            self.slots = None
+            return
+        n = len(self.adapters)
+        if any(i >= n for i in index):
+            raise ValueError(f"adapter index out of range: {max(index)} with {n} adapters loaded")
+        device = next(iter(self.modules.values())).weight.device
+        self.slots = torch.tensor([i if i >= 0 else n for i in index], dtype=torch.long, device=device)
+
+    @torch.no_grad()
+    def restack(self) -> None:
+        """Each module's products from the adapters held (MultiLoRALinear's legend): every adapter's A
+        side by side, its B likewise, and each slot's scaling over its own block (the base's none)."""
+        adapters = list(self.adapters.values())
+        for name, m in self.modules.items():
+            pairs = [tensors.get(name) for tensors, _ in adapters]
+            r = max([a.shape[0] for a, _ in filter(None, pairs)] or [1])
+            kw = {"device": m.weight.device, "dtype": m.weight.dtype}
+            n = len(pairs)
+            A = torch.zeros(n, r, m.in_features, **kw)
+            B = torch.zeros(m.out_features, n, r, **kw)
+            scale = torch.zeros(n + 1, n, r, **kw)  # the last slot: the base, no update
+            for i, ((_, scalings), pair) in enumerate(zip(adapters, pairs, strict=True)):
+                if pair is not None:  # rank below r: zero rows of A and columns of B add exact zeros
+                    A[i, :pair[0].shape[0]], B[:, i, :pair[1].shape[1]] = pair
+                    scale[i, i] = scalings[name]
+            m.lora_A, m.lora_B = A.view(n * r, m.in_features), B.view(m.out_features, n * r)
+            m.scale = scale.view(n + 1, n * r)
 
 
-@contextlib.contextmanager
-def disable_adapter(model: nn.Module) -> Iterator[nn.Module]:
-    """peft's disable_adapter: inside, every LoRA layer computes its base layer alone and trained token
-    rows give way to the frozen table, so the model is the base bit for bit; on leaving (an error too)
-    each is as it was. One loaded model, base and adapted side by side (a trace, an A/B run)."""
-    found = _adapters(model)
-    was = [m.active for m in found]
-    try:
-        for m in found:
-            m.active = False
-        yield model
-    finally:
-        for m, a in zip(found, was, strict=True):
-            m.active = a
+class MultiLoRALinear(nn.Module):
+    """nn.Linear's frozen weight and bias plus the bank's N adapters stacked: lora_A (N r, in) every
+    adapter's A, lora_B (out, N r) every B, scale (N + 1, N r) slot k's scaling over block k (slot N:
+    the base, zeros). Each row adds its own adapter's update in one batched product for all rows
+    (Punica's batched LoRA idea, as two plain products): z = (x lora_A^T) * scale[k_row], whose
+    other adapters' blocks are exact zeros, then y = x W^T + b + z lora_B^T; s[k] (x A[k]^T) B[k]^T
+    for row k, and for a base row y + 0, the base exactly. r: the largest rank (smaller ones padded with
+    zeros, which add exact zeros)."""
+
+    def __init__(self, linear: nn.Linear, bank: AdapterBank) -> None:
+        super().__init__()
+        self.out_features, self.in_features = linear.weight.shape
+        self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
+        self.bias = nn.Parameter(linear.bias.detach(), requires_grad=False) if linear.bias is not None else None
+        self.bank = bank
+        self.lora_A = self.lora_B = self.scale = torch.empty(0)
+        self.disabled = False  # within disable_adapter: the base alone
+
+    @contextlib.contextmanager
+    def adapter_off(self) -> Iterator[None]:
+        self.disabled = True
+        try:
+            yield
+        finally:
+            self.disabled = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # (..., out)
+        slots = self.bank.slots
+        if slots is None or self.disabled:
+            return y
+        n = slots.shape[0]
+        rows = x.numel() // x.shape[-1]  # (B, T, in), (B, in) or the flat step's (B * T, in): rows b-major
+        if rows % n:
+            raise ValueError(f"the adapter index has {n} rows, the input {tuple(x.shape)} does not split into them")
+        z = F.linear(x.reshape(n, rows // n, self.in_features), self.lora_A) * self.scale[slots][:, None]  # (n, T, N r)
+        return y + F.linear(z, self.lora_B).reshape(y.shape)  # (..., out)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, adapters={len(self.bank.adapters)}"
 
 
-@torch.no_grad()
-def merge_lora_in_place(model: nn.Module) -> nn.Module:
-    """peft's merge_adapter: each LoRA layer computes with W + scaling * B A in one product (the
-    merged matrix kept beside W, so unmerge_lora gives back the unmerged layer exactly); the
-    adapters stay, unlike merge_lora's swap to plain layers."""
-    for m in _adapters(model):
-        if isinstance(m, LoRALinear):
-            m.merged = m.merged_weight()
-    return model
+def enable_multi_lora(model: nn.Module) -> AdapterBank:
+    """Swap every block matrix of a float GPT2 for a MultiLoRALinear sharing one AdapterBank, in
+    place (model.adapter_bank); the model computes the base until adapters are added
+    (gpt2kit.checkpoint.adapter.add_adapter)
+    and rows are given them (bank.set_rows)."""
+    from gpt2kit.quant.modules import is_quantized
+
+    if is_quantized(model) or any(isinstance(m, (LoRALinear, MultiLoRALinear)) for m in model.modules()):
+        raise ValueError("many adapters need a plain float model (no int8, no LoRA modules already)")
+    bank = AdapterBank()
+    for i, block in enumerate(model.h):
+        for target in TARGETS:
+            parent, attr = block.get_submodule(target.split(".")[0]), target.split(".")[1]
+            bank.modules[f"h.{i}.{target}"] = module = MultiLoRALinear(getattr(parent, attr), bank)
+            setattr(parent, attr, module)
+    bank.restack()
+    model.adapter_bank = bank
+    return bank
 
 
 def unmerge_lora(model: nn.Module) -> nn.Module:
-    """Undo merge_lora_in_place: the base product plus the low-rank one again."""
-    for m in _adapters(model):
-        if isinstance(m, LoRALinear):
-            m.merged = None
+    """Take each merged LoRALinear's update back out of its weight (merge_lora(unload=False)'s
+    inverse, W within float rounding, as peft's unmerge_adapter), in place."""
+    for m in lora_modules(model).values():
+        m.unmerge()
     return model
+
+
+@contextlib.contextmanager
+def adapter_rows(model: nn.Module, adapters: Sequence[int]) -> Iterator[None]:
+    """Within the block each row b of the model's forwards runs adapter adapters[b] (-1: the base),
+    then none again; nothing on a model without an adapter bank. The one place an engine's steps
+    give their rows' adapters to the model."""
+    bank: AdapterBank | None = getattr(model, "adapter_bank", None)
+    if bank is None:
+        yield
+        return
+    bank.set_rows(adapters)
+    try:
+        yield
+    finally:
+        bank.set_rows(None)

@@ -22,7 +22,9 @@ hs head size, L layers, V vocab, Vp padded vocab (embedding rows).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -186,6 +188,17 @@ class GPT2(nn.Module):
                                    ignore_index=ignore_index)
         present = cache.to_present() if use_cache or past is not None else None  # (B, L, 2, nh, S, hs)
         return GPT2Output(logits, present, loss)
+
+    @contextlib.contextmanager
+    def disable_adapter(self) -> Iterator[GPT2]:
+        """`with model.disable_adapter():` the base model (peft's disable_adapter): every swapped-in
+        module with an adapter (gpt2kit.lora) off in the block, merged ones unmerged and merged
+        again after. Biases an adapter trained (bias "all" / "lora_only") are the model's own and stay."""
+        with contextlib.ExitStack() as stack:
+            for m in self.modules():
+                if hasattr(m, "adapter_off"):
+                    stack.enter_context(m.adapter_off())
+            yield self
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """The tied head: x (..., C) @ wte^T -> logits (..., V). With a padded vocabulary the product

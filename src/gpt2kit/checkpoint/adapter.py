@@ -251,6 +251,16 @@ def apply_adapter(model: nn.Module, directory: str | os.PathLike[str], *, merge:
     return model.eval()
 
 
+def read_fitting(model: nn.Module, directory: str | os.PathLike[str]) -> Adapter:
+    """read_adapter, then every check apply_adapter makes before it changes the model: the shapes
+    fit this model, and the values stay finite in its dtype, cast and merged."""
+    ad = read_adapter(directory)
+    _check_fits(model, ad)
+    _check_values(model, ad, True)
+    _check_values(model, ad, False)
+    return ad
+
+
 def _check_fits(model: nn.Module, ad: Adapter) -> None:
     """Every tensor of the adapter has the shape the model needs (an adapter for another base is refused)."""
     n_layer, where = len(model.h), ad.path / ADAPTER_WEIGHTS
@@ -343,3 +353,21 @@ def _add_modules(model: nn.Module, ad: Adapter) -> None:
                 m.lora_A.copy_(a)
                 m.lora_B.copy_(b)
             # else: a block the adapter leaves alone (layers_to_transform); its lora_B is zero
+
+
+def add_adapter(model: nn.Module, name: str, directory: str | os.PathLike[str]) -> int:
+    """Read and check a peft adapter (read_fitting: every check merging makes) and add it to
+    the model's bank under `name`; returns its index. One that trains biases or embedding rows is
+    refused (those are not per row): serve it alone, merged."""
+    bank = getattr(model, "adapter_bank", None)
+    if bank is None:
+        raise ValueError("the model holds no adapter bank (gpt2kit.lora.enable_multi_lora first)")
+    if name in bank.adapters:
+        raise ValueError(f"an adapter named {name!r} is already loaded")
+    ad = read_fitting(model, directory)
+    if ad.biases or ad.tokens is not None:
+        raise CheckpointError(f"{ad.path}: the adapter trains {'biases' if ad.biases else 'embedding rows'}, "
+                              "which cannot differ per row; serve it alone (merged, --adapter)")
+    bank.adapters[name] = (ad.tensors, ad.scalings)
+    bank.restack()
+    return bank.index_of(name)

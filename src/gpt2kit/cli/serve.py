@@ -11,7 +11,7 @@ from gpt2kit.cli.common import CLIError, DefaultsShown, add_field_flags, field_v
 from gpt2kit.cli.load import add_model_args, add_quantize_arg, check_adapter, check_load_args
 from gpt2kit.serve.options import ServeOptions
 
-_BY_HAND = ("served_model_name", "chat_template", "allowed_hosts", "steer_vectors", "saes")
+_BY_HAND = ("served_model_name", "chat_template", "allowed_hosts", "steer_vectors", "saes", "loras")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -30,18 +30,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ServeOptions(**values)  # bad values fail before anything is read or loaded
     check_load_args(args)  # before the model loads
     check_adapter(args)  # a bad adapter fails before the server starts
+    loras = check_loras(args.lora)
     template = read_text(args.chat_template) if args.chat_template is not None else None
     values["api_key"], warnings = resolve_api_key(args.api_key, args.api_key_file)
     for w in warnings:
         print(f"gpt2kit serve: warning: {w}", file=sys.stderr)
     hosts = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     opts = ServeOptions(**values, served_model_name=args.served_model_name or args.model, chat_template=template,
-                        allowed_hosts=hosts, steer_vectors=tuple(args.steer_vector), saes=tuple(args.sae))
+                        allowed_hosts=hosts, steer_vectors=tuple(args.steer_vector), saes=tuple(args.sae),
+                        loras=loras)
     print(f"gpt2kit serve: loading {args.model} as {opts.served_model_name!r} on http://{args.host}:{args.port}"
           f" (/health answers 503 until it is ready)", file=sys.stderr, flush=True)
     serve(args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device, opts=opts,
           quantize=args.quantize, adapter=args.adapter, gate_data=args.gate_data if args.int8_activations else None)
     return 0
+
+
+def check_loras(given: list[str] | None) -> tuple[tuple[str, str], ...]:
+    """--lora NAME=DIR values as (name, directory), each adapter read and checked before the server starts."""
+    from gpt2kit.checkpoint import read_adapter
+
+    loras = []
+    for value in given or []:
+        name, eq, directory = value.partition("=")
+        if not eq or not name.strip() or not directory.strip():
+            raise CLIError(f"--lora takes NAME=DIR (a model name and an adapter directory), got {value!r}")
+        read_adapter(directory.strip())
+        loras.append((name.strip(), directory.strip()))
+    return tuple(loras)
 
 
 def register_serve(sub: argparse._SubParsersAction) -> None:
@@ -59,5 +75,6 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE", help=help["chat_template"])
     p.add_argument("--steer-vector", action="append", default=[], metavar="NAME=FILE", help=help["steer_vectors"])
     p.add_argument("--sae", action="append", default=[], metavar="NAME=DIR", help=help["saes"])
+    p.add_argument("--lora", action="append", default=None, metavar="NAME=DIR", help=help["loras"])
     add_quantize_arg(p)
     p.set_defaults(func=cmd_serve, serve_fields=fields)

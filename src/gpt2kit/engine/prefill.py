@@ -40,6 +40,7 @@ import torch
 from gpt2kit.config import EOT_ID
 from gpt2kit.decode.step import prefill_ragged
 from gpt2kit.engine.rows import edited
+from gpt2kit.lora import adapter_rows
 
 if TYPE_CHECKING:
     from gpt2kit.decode import Kernels
@@ -47,6 +48,11 @@ if TYPE_CHECKING:
     from gpt2kit.engine.rows import Row
     from gpt2kit.model import GPT2
     from gpt2kit.prefix_cache import PrefixCache
+
+
+def _namespace(row: Row) -> tuple[str, int] | None:
+    """The prefix cache's namespace for a row's blocks: the LoRA adapter it runs, or the base's (None)."""
+    return ("adapter", row.adapter) if row.adapter >= 0 else None
 
 
 @dataclass(eq=False)
@@ -90,11 +96,12 @@ class ChunkedPrefill:
     def reuse(self, model: GPT2, pool: SlotPool) -> None:
         """Each row new here (its slot empty) starts from the blocks of its context the prefix
         cache holds, all but its last token at most (module doc). A row with interventions neither
-        reads nor leaves blocks: its keys and values are not the model's own."""
+        reads nor leaves blocks: its keys and values are not the model's own; a LoRA adapter's rows
+        keep theirs apart (_namespace)."""
         for j in self.rows:
             if not j.looked_up and j.row.edits is None:
                 j.looked_up = True
-                blocks = self.prefix_cache.lookup_blocks(model, j.context, len(j.context) - 1)
+                blocks = self.prefix_cache.lookup_blocks(model, j.context, len(j.context) - 1, _namespace(j.row))
                 if blocks:
                     j.done = pool.fill(j.slot, blocks)
 
@@ -149,7 +156,7 @@ class ChunkedPrefill:
             if j.done < len(j.context):
                 continue
             if self.prefix_cache is not None and j.row.edits is None:
-                self.prefix_cache.store_blocks(model, j.context, pool.kv[:, j.slot])
+                self.prefix_cache.store_blocks(model, j.context, pool.kv[:, j.slot], _namespace(j.row))
             if j.beams:  # every slot of a beam group starts from its prompt
                 pool.copy([s for _, s in j.beams], [j.slot] * len(j.beams))
             ready.append((j, logits[j]))
@@ -192,11 +199,12 @@ def prefill_slots(model: GPT2, pool: SlotPool, group: list[tuple[Joining, int]],
     idx = torch.tensor([j.context[done:done + t] + [pad] * (T - t) for j, t in group], dtype=torch.long,
                        device=pool.kv.device)  # (b, T)
     hooks = edited(model, [j.row for j, _ in group], _prompt_tokens(group, done, T))
-    if hooks is None:
-        logits = prefill_ragged(model, idx, [t - 1 for _, t in group], cache, kernels)  # (b, V)
-    else:
-        with hooks:  # on the model's own modules, where the hooks fire
-            logits = prefill_ragged(model, idx, [t - 1 for _, t in group], cache, None)
+    with adapter_rows(model, [j.row.adapter for j, _ in group]):
+        if hooks is None:
+            logits = prefill_ragged(model, idx, [t - 1 for _, t in group], cache, kernels)  # (b, V)
+        else:
+            with hooks:  # on the model's own modules, where the hooks fire
+                logits = prefill_ragged(model, idx, [t - 1 for _, t in group], cache, None)
     for j, t in group:
         pool.prefilled(j.slot, done + t)
     return list(logits.split(1))

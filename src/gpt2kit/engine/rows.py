@@ -131,6 +131,7 @@ class Row:
     beam: RowGroup | None = None  # beam search: the group this slot belongs to
     lease: SlotLease | None = None  # a slot held for a search's own forwards (Engine.new_lease): never fed
     edits: RowEdits | None = None  # interventions applied to its forwards
+    adapter: int = -1  # the LoRA adapter it runs (its index in model.adapter_bank), -1 the base
 
     @property
     def dropped(self) -> bool:

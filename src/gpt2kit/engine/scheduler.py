@@ -50,6 +50,7 @@ from gpt2kit.engine.outputs import advance, token_logprobs
 from gpt2kit.engine.prefill import ChunkedPrefill, Joining
 from gpt2kit.engine.rows import Leases, Row, RowEdits, RowEvent, RowKey, SlotLease, edited, requeued_on_error
 from gpt2kit.engine.text import RowText
+from gpt2kit.lora import adapter_rows
 from gpt2kit.sampling import SamplingSettings
 from gpt2kit.sampling.sampler import RowSampler
 from gpt2kit.validate import check_int
@@ -271,7 +272,8 @@ class Engine:
             sel = torch.tensor(self._slots, dtype=torch.long, device=tok.device)
             tok = torch.full((B,), EOT_ID % self.model.config.n_vocab, dtype=tok.dtype,
                              device=tok.device).index_copy_(0, sel, tok)
-        logits = feed_forward(self.model, self.kernels, by_slot(self.rows, self._slots, B), tok, cache, mask)
+        with adapter_rows(self.model, slot_adapters(self.rows, self._slots, B)):
+            logits = feed_forward(self.model, self.kernels, by_slot(self.rows, self._slots, B), tok, cache, mask)
         self.pool.advance(self._slots, P)
         self._logits = logits if sel is None else logits[sel]
 
@@ -310,6 +312,14 @@ class KernelSets:
 
     def forget(self) -> None:
         self._step = self._prefill = None
+
+
+def slot_adapters(rows: list[Row], slots: list[int], n_slots: int) -> list[int]:
+    """Each of a step's slots' LoRA adapter (Row.adapter); a slot riding along without a row runs the base (-1)."""
+    adapters = [-1] * n_slots
+    for row, s in zip(rows, slots, strict=True):
+        adapters[s] = row.adapter
+    return adapters
 
 
 def sample_rows(rows: list[Row], logits: torch.Tensor

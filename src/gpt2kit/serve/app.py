@@ -143,13 +143,13 @@ def _info_routes(app: FastAPI, server: Server) -> None:
     @app.get("/v1/models", response_model=S.ModelList, responses=_ERRORS)
     async def models():
         server.require_ready()
-        return {"object": "list", "data": [_card(server)]}
+        return {"object": "list", "data": [_card(server), *(_card(server, name) for name in server.adapters)]}
 
     @app.get("/v1/models/{model:path}", response_model=S.ModelCard, responses=_ERRORS)  # names may hold "/"
     async def model_card(model: str):
         server.require_ready()
         server.check_model(model)
-        return _card(server)
+        return _card(server, model if model in server.adapters else None)
 
     @app.get("/health", response_model=S.Health, responses={503: _ERRORS[503]})
     async def health():
@@ -197,12 +197,15 @@ def _openapi(app: FastAPI, server: Server) -> dict:
     return app.openapi_schema
 
 
-def _card(server: Server) -> dict:
+def _card(server: Server, adapter: str | None = None) -> dict:
+    """The base's card, or a LoRA adapter's: its base as parent and its directory as root (vLLM's)."""
     from gpt2kit.quant.modules import quantization  # torch is loaded by now: the model is
     q = quantization(server.model)
-    return {"id": server.opts.served_model_name, "object": "model", "created": server.started,
-            "owned_by": "gpt2kit", "max_model_len": server.model.config.n_ctx,
-            "quantization": q and q["scheme"]}
+    base = server.opts.served_model_name
+    lineage = {"root": base, "parent": None} if adapter is None else \
+        {"root": dict(server.opts.loras)[adapter], "parent": base}
+    return {"id": adapter or base, "object": "model", "created": server.started, "owned_by": "gpt2kit",
+            "max_model_len": server.model.config.n_ctx, "quantization": q and q["scheme"]} | lineage
 
 
 def _token_id_bounds(schemas: dict, server: Server) -> None:

@@ -49,7 +49,7 @@ def plan(server: Server, body: S.CompletionRequest, more_stops: tuple[str, ...] 
     from gpt2kit.engine import RowKey
     from gpt2kit.sampling.sampler import resolve_seed
 
-    server.check_model(body.model)
+    adapter = server.check_model(body.model)
     cfg = server.model.config
     if body.suffix is not None:
         raise APIError(400, "suffix is not supported: GPT-2 only continues text", param="suffix")
@@ -64,6 +64,8 @@ def plan(server: Server, body: S.CompletionRequest, more_stops: tuple[str, ...] 
     if edits is not None and (kind or (echo and body.logprobs is not None)):
         raise APIError(400, "interventions apply to sampled or greedy rows, not to beam or contrastive search nor to "
                             "echoed prompt log-probs", param="interventions")
+    if adapter >= 0:
+        _check_adapter_request(body, kind)
     per_prompt = search.check(server, body, kind, n, best_of) if kind else best_of  # rows per prompt
     if not kind and body.stream and best_of > n:
         raise APIError(400, "best_of cannot be streamed: drop stream or best_of", param="best_of")
@@ -102,7 +104,7 @@ def plan(server: Server, body: S.CompletionRequest, more_stops: tuple[str, ...] 
     server.metrics.scoring_tokens.inc(scored)
     server.metrics.prompt_tokens.inc(sum(map(len, prompts)))
     if rows and kind:
-        search.submit(server, job, kind, settings, rows)
+        search.submit(server, job, kind, settings, rows, adapter)
     elif rows:
         seed = resolve_seed(settings)
         want = body.logprobs if body.logprobs is not None else (0 if best_of > n else None)
@@ -111,12 +113,23 @@ def plan(server: Server, body: S.CompletionRequest, more_stops: tuple[str, ...] 
             for j in range(best_of):
                 row = loop.new_row(p, settings, seed=seed, sample_index=j, logprobs=want,
                                    key=RowKey(i * best_of + j, i, j, owner=job), edits=edits)
+                row.adapter = adapter
                 job.rows.append(row)
                 job.choices[row] = Choice(i, j)
         job.pending = set(job.rows)
         server.outstanding += rows
         loop.submit(job.rows)
     return job
+
+
+def _check_adapter_request(body: S.CompletionRequest, kind: str | None) -> None:
+    """What a LoRA adapter's rows do not run: their own forwards outside the engine's batch."""
+    if kind == search.CONTRASTIVE:
+        raise APIError(400, f"{kind} is not served for a LoRA adapter; it runs on the base model",
+                       param="penalty_alpha")
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs (prompt log-probs) is not served for a LoRA adapter; it runs on the "
+                            "base model", param="echo")
 
 
 def _settings(body: S.CompletionRequest, max_tokens: int, cfg: GPT2Config, tokenizer, kind: str | None, n: int,

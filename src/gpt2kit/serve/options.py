@@ -71,6 +71,11 @@ class ServeOptions:
     draft_model: str | None = _setting(None, "a smaller GPT-2 with the same tokenizer drafts for every greedy request",
                                        metavar="M")
     draft_tokens: int = _setting(4, "tokens --draft-model proposes per step (1 .. 64)", metavar="K")
+    # Many LoRA adapters on one base (gpt2kit.lora.enable_multi_lora): (name, directory) pairs
+    loras: tuple[tuple[str, str], ...] = _setting(
+        (), "a LoRA adapter (peft's format) served beside the base as model NAME, its rows batched with the "
+            "base's and other adapters' (repeat for more)", metavar="NAME=DIR")
+    max_loras: int = _setting(8, "LoRA adapters served at most (default 8)", metavar="N")
     prompt_lookup: int = _setting(0, "every greedy request drafts up to N tokens per step from n-gram matches in its "
                                      "context (0 = off; at most 64)", metavar="N")
     # Interventions a request may carry (serve/interventions.py; docs/serving.md)
@@ -114,3 +119,18 @@ class ServeOptions:
                                  f"{bad or names}")
         if self.draft_model is not None and self.prompt_lookup:
             raise ValueError("ServeOptions: draft from a draft model or by prompt lookup, not both")
+        self._check_loras()
+
+    def _check_loras(self) -> None:
+        check_int("ServeOptions.max_loras", self.max_loras, ">= 1", lambda v: v >= 1)
+        self.loras = tuple((str(n), str(d)) for n, d in self.loras)
+        names = [n for n, _ in self.loras]
+        if len(names) > self.max_loras:
+            raise ValueError(f"ServeOptions.loras: {len(names)} adapters, more than max_loras={self.max_loras}")
+        for name in names:
+            if not name or name == self.served_model_name or names.count(name) > 1:
+                raise ValueError(f"ServeOptions.loras: adapter name {name!r} must be non-empty, unique and not the "
+                                 f"base's name {self.served_model_name!r}")
+        if names and (self.draft_model is not None or self.prompt_lookup):
+            raise ValueError("ServeOptions: LoRA adapters (loras) are not served with speculative decoding "
+                             "(draft_model, prompt_lookup)")

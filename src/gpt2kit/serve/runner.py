@@ -74,6 +74,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str |
         m = load_model(model, dtype=dtype, device=device, adapter=adapter)
         if quantize is not None:
             m = quantize_model(m, quantize)
+        if opts is not None and opts.loras:
+            add_loras(m, opts.loras)
         tokenizer = load_tokenizer(model)
         if gate_data is not None:
             print(f"gpt2kit serve: {gate_activations(m, tokenizer, gate_data)}", file=sys.stderr, flush=True)
@@ -90,6 +92,16 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str |
     err = app.state.server.load_error
     if err is not None:
         raise err
+
+
+def add_loras(model, loras: tuple[tuple[str, str], ...]) -> None:
+    """The adapters (name, directory) on the model, each rows' own (gpt2kit.lora.enable_multi_lora)."""
+    from gpt2kit.checkpoint.adapter import add_adapter
+    from gpt2kit.lora import enable_multi_lora
+
+    enable_multi_lora(model)
+    for name, directory in loras:
+        add_adapter(model, name, directory)
 
 
 class GracefulServer(uvicorn.Server):

@@ -266,6 +266,8 @@ class ModelCard(BaseModel):
     owned_by: str = "gpt2kit"
     max_model_len: int | None = None
     quantization: str | None = None  # "int8" for a weight-only int8 model (docs/quantization.md), else null
+    root: str | None = None  # the base's name, or a LoRA adapter's directory (vLLM's)
+    parent: str | None = None  # a LoRA adapter's base; null for the base
 
 
 class ModelList(BaseModel):

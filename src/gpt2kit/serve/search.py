@@ -118,8 +118,9 @@ def method_name(kind: str | None, settings: SamplingSettings) -> str | None:
     return f"beam search (use_beam_search, {settings.num_beams} beams)" if kind == BEAM else None
 
 
-def submit(server: Server, job: Job, kind: str, settings: SamplingSettings, rows: int) -> None:
-    """Start the search: beam groups as engine rows, or the contrastive job on the worker."""
+def submit(server: Server, job: Job, kind: str, settings: SamplingSettings, rows: int, adapter: int = -1) -> None:
+    """Start the search: beam groups as engine rows (running LoRA adapter `adapter`; -1 the base), or
+    the contrastive job on the worker."""
     from gpt2kit.engine import RowKey
 
     loop = server.engine_loop
@@ -127,6 +128,8 @@ def submit(server: Server, job: Job, kind: str, settings: SamplingSettings, rows
     if kind == BEAM:
         for i, p in enumerate(job.prompts):
             job.rows += loop.new_beam_rows(p, settings, key=RowKey(i, i, 0, owner=job))
+        for row in job.rows:
+            row.adapter = adapter
         job.pending = set(job.rows)
         loop.submit(job.rows)
         return

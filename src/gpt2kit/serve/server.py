@@ -44,6 +44,7 @@ class Server:
         self.chat_stops: tuple[str, ...] = ()
         self.engine_loop: EngineLoop | None = None
         self.library = Library()  # the vectors and SAEs requests may name (serve/interventions.py)
+        self.adapters: dict[str, int] = {}  # a LoRA adapter's model name: its index in model.adapter_bank
         self.ready = False
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
@@ -85,6 +86,8 @@ class Server:
             self.chat_template, self.chat_stops, source = resolve_template(o.chat_template, tokenizer)
             log.info("chat template: %s", source)
             _index_for_structured_outputs(tokenizer)
+            bank = getattr(model, "adapter_bank", None)
+            self.adapters = {name: bank.index_of(name) for name in bank.adapters} if bank is not None else {}
             self.model, self.tokenizer = model, tokenizer
             self.ready = True
         except Exception as e:  # reported by /health and to the CLI
@@ -120,11 +123,16 @@ class Server:
 
     # -- helpers --
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.opts.served_model_name:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves "
-                                f"`{self.opts.served_model_name}` (send that name, or start the server with "
-                                f"--served-model-name to choose it)", param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> int:
+        """The adapter a request's model name runs (its index; -1: the base), else a 404 naming `model`."""
+        if name is None or name == self.opts.served_model_name:
+            return -1
+        if name in self.adapters:
+            return self.adapters[name]
+        served = ", ".join(f"`{n}`" for n in [self.opts.served_model_name, *self.adapters])
+        raise APIError(404, f"The model `{name}` does not exist; this server serves {served} (send one of those "
+                            "names, or start the server with --served-model-name or --lora NAME=DIR to choose them)",
+                       param="model", code="model_not_found")
 
     def piece(self, t: int) -> str | list[int]:
         b = self.tokenizer.decode_bytes([t])

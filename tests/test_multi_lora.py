@@ -1,0 +1,156 @@
+"""Many LoRA adapters on one base (gpt2kit.lora.enable_multi_lora): each row of a batch runs its own
+adapter, or the base, through one batched product; every row equals its adapter merged into the
+base (load_model(base, adapter=DIR)) within 1e-4, and base rows equal the plain base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import random_model
+
+from gpt2kit.checkpoint import CheckpointError, load_model, save_adapter, save_model
+from gpt2kit.checkpoint.adapter import add_adapter
+from gpt2kit.lora import apply_lora, enable_multi_lora, lora_state, merge_lora, unmerge_lora
+
+
+def make_adapter(path: Path, rank: int, targets: str, seed: int, **kw) -> Path:
+    model = apply_lora(random_model(), rank, targets=targets, **kw)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in lora_state(model, kw.get("bias", "none")).values():
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=g) * 0.1)
+    return save_adapter(model, path, bias=kw.get("bias", "none"))
+
+
+@pytest.fixture
+def setup(tmp_path):
+    base = save_model(random_model(), tmp_path / "base")
+    ads = [make_adapter(tmp_path / "a", 2, "c_attn", 1),
+           make_adapter(tmp_path / "b", 4, "c_attn,attn.c_proj,c_fc,mlp.c_proj", 2, alpha=3)]
+    return base, ads
+
+
+def multi(base, ads):
+    model = load_model(base)
+    enable_multi_lora(model)
+    for i, d in enumerate(ads):
+        assert add_adapter(model, f"ad{i}", d) == i
+    return model
+
+
+def test_each_row_equals_its_adapter_merged_and_base_rows_the_base(setup):
+    base, ads = setup
+    model = multi(base, ads)
+    idx = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(3))
+    model.adapter_bank.set_rows([1, -1, 0, 1])
+    with torch.no_grad():
+        got = model(idx).logits
+        want = [load_model(base, adapter=ads[1]), load_model(base), load_model(base, adapter=ads[0])]
+        refs = [want[0](idx[r:r + 1]).logits for r in (0,)] + [want[1](idx[1:2]).logits, want[2](idx[2:3]).logits,
+                                                                want[0](idx[3:4]).logits]
+    for r, ref in enumerate(refs):
+        torch.testing.assert_close(got[r:r + 1], ref, atol=1e-4, rtol=0)
+    with torch.no_grad():  # the base row is the plain base on the same batch, exactly
+        assert torch.equal(got[1], want[1](idx).logits[1])
+    assert (got[0] - refs[1][0]).abs().max() > 1e-2  # the adapters do change the logits
+
+
+def test_no_index_is_the_base_and_a_bad_index_is_refused(setup):
+    base, ads = setup
+    model = multi(base, ads)
+    idx = torch.arange(10)[None]
+    with torch.no_grad():
+        assert torch.equal(model(idx).logits, load_model(base)(idx).logits)
+    with pytest.raises(ValueError, match="out of range: 2 with 2"):
+        model.adapter_bank.set_rows([2])
+
+
+def test_adapters_that_train_biases_or_do_not_fit_are_refused_and_the_bank_is_unchanged(setup, tmp_path):
+    base, ads = setup
+    model = multi(base, ads)
+    biased = make_adapter(tmp_path / "c", 2, "c_attn", 4, bias="all")
+    with pytest.raises(CheckpointError, match="trains biases.*serve it alone"):
+        add_adapter(model, "c", biased)
+    with pytest.raises(ValueError, match="already loaded"):
+        add_adapter(model, "ad0", ads[0])
+    assert list(model.adapter_bank.adapters) == ["ad0", "ad1"]
+
+
+def _adapted(tokens=None):
+    base = random_model().eval()
+    model = apply_lora(random_model().eval(), 2, targets="c_attn,mlp.c_fc", tokens=tokens)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for t in lora_state(model).values():
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=g) * 0.1)
+    return base, model
+
+
+@pytest.mark.parametrize("tokens", [None, [3, 7, 11]])
+def test_disable_adapter_gives_the_base_inside_and_the_adapted_model_after(tokens):
+    base, model = _adapted(tokens)
+    idx = torch.tensor([[3, 7, 11, 20, 5]])
+    with torch.no_grad():
+        adapted, plain = model(idx).logits, base(idx).logits
+        assert (adapted - plain).abs().max() > 1e-2
+        with model.disable_adapter():
+            assert torch.equal(model(idx).logits, plain)
+        assert torch.equal(model(idx).logits, adapted)
+
+
+def test_merge_without_unloading_then_unmerge_and_disable_while_merged():
+    base, model = _adapted()
+    idx = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        adapted, plain = model(idx).logits, base(idx).logits
+        merge_lora(model, unload=False)
+        torch.testing.assert_close(model(idx).logits, adapted, atol=1e-5, rtol=0)
+        with model.disable_adapter():  # the update taken out, then merged again
+            torch.testing.assert_close(model(idx).logits, plain, atol=1e-5, rtol=0)
+        torch.testing.assert_close(model(idx).logits, adapted, atol=1e-5, rtol=0)
+        unmerge_lora(model)
+        torch.testing.assert_close(model(idx).logits, adapted, atol=1e-5, rtol=0)
+        with model.disable_adapter():
+            torch.testing.assert_close(model(idx).logits, plain, atol=1e-5, rtol=0)
+
+
+def test_disable_adapter_turns_off_the_multi_adapter_rows(setup):
+    base, ads = setup
+    model = multi(base, ads)
+    model.adapter_bank.set_rows([0])
+    idx = torch.arange(6)[None]
+    with torch.no_grad(), model.disable_adapter():
+        assert torch.equal(model(idx).logits, load_model(base)(idx).logits)
+
+
+def _decode(model, prompts, adapters, **kw):
+    from gpt2kit.engine import Engine
+    from gpt2kit.sampling import SamplingSettings
+
+    engine = Engine(model, **kw)
+    rows = [engine.new_row(p, SamplingSettings(max_new_tokens=8, temperature=0), logprobs=0) for p in prompts]
+    for row, a in zip(rows, adapters, strict=True):
+        row.adapter = a
+    engine.submit(rows)
+    events = []
+    while engine.has_work:
+        events += engine.step()
+    return [([e.token for e in events if e.row is row], [e.logprob for e in events if e.row is row]) for row in rows]
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_engine_rows_of_different_adapters_decode_together_as_each_served_alone_merged(setup, pack):
+    base, ads = setup
+    prompts = [[5, 9, 2, 40, 7], [1, 2, 3, 4, 5, 6, 7], [60, 3, 8], [11, 12, 13, 14, 15, 16]]
+    adapters = [0, -1, 1, 0]
+    got = _decode(multi(base, ads), prompts, adapters, pack_weights=pack, prefill_chunk=4)
+    merged = {-1: load_model(base), 0: load_model(base, adapter=ads[0]), 1: load_model(base, adapter=ads[1])}
+    for (tokens, logprobs), p, a in zip(got, prompts, adapters, strict=True):
+        [(want_tokens, want_logprobs)] = _decode(merged[a], [p], [-1], pack_weights=pack, prefill_chunk=4)
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
+    assert got[0][0] != got[1][0] or got[2][0] != got[1][0]  # the adapters do change what is decoded
