@@ -132,7 +132,8 @@ def _decode(model, prompts, adapters, **kw):
     from gpt2kit.sampling import SamplingSettings
 
     engine = Engine(model, **kw)
-    rows = [engine.new_row(p, SamplingSettings(max_new_tokens=8, temperature=0), logprobs=0) for p in prompts]
+    settings = SamplingSettings(max_new_tokens=8, temperature=0, stop_token_ids=())
+    rows = [engine.new_row(p, settings, logprobs=0) for p in prompts]
     for row, a in zip(rows, adapters, strict=True):
         row.adapter = a
     engine.submit(rows)

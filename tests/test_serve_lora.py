@@ -50,7 +50,8 @@ def server(dirs):
 def alone(model, prompt):
     """The prompt decoded greedily alone on a (merged) model: tokens and their log-probs."""
     engine = Engine(model)
-    row = engine.new_row(prompt, SamplingSettings(max_new_tokens=8, temperature=0), logprobs=0)
+    row = engine.new_row(prompt, SamplingSettings(max_new_tokens=8, temperature=0, stop_token_ids=()),
+                         logprobs=0)
     engine.submit([row])
     events = []
     while engine.has_work:

@@ -10,14 +10,13 @@ row of W^T, each thread its own contiguous columns. Which is faster is measured,
   native-avx512  csrc/f32_linear.c, AVX-512F (where the CPU has avx512f and PyTorch sees AVX-512)
   native-avx2    csrc/f32_linear.c, AVX2 + FMA
 
-The choice is kernel_choice's: the CPU family's default (DEFAULTS: native-avx2 on AVX2-only CPUs,
-torch elsewhere until measured otherwise), interleaved medians on the model's own matrices (a
-whole step's products, so the weights stream from memory as they do when decoding) that override it only on clear evidence, the
-result stored per machine and model shape; a candidate whose product differs from F.linear's by more
-than float32 round-off is never chosen. GPT2KIT_F32_KERNEL names one outright (checked: one line
-naming the choices). Only single rows are covered: batches of 2+ run on decode/packed.py's
-oneDNN-prepacked copies, measured faster than the plain products there.
-"""
+The choice is kernel_choice's: the CPU family's default (DEFAULTS: native-avx2 on AVX2-only CPUs, torch
+elsewhere until measured otherwise), interleaved medians on the model's own matrices (a whole step's
+products, so the weights stream from memory as they do when decoding) that override it only on clear
+evidence, the result stored per machine and model shape; a candidate whose product differs from
+F.linear's by more than float32 round-off is never chosen. GPT2KIT_F32_KERNEL names one outright
+(checked: one line naming the choices). Only single rows are covered: batches of 2+ run on
+decode/packed.py's oneDNN-prepacked copies, measured faster than the plain products there."""
 
 from __future__ import annotations
 

@@ -272,8 +272,7 @@ class Engine:
             sel = torch.tensor(self._slots, dtype=torch.long, device=tok.device)
             tok = torch.full((B,), EOT_ID % self.model.config.n_vocab, dtype=tok.dtype,
                              device=tok.device).index_copy_(0, sel, tok)
-        with adapter_rows(self.model, slot_adapters(self.rows, self._slots, B)):
-            logits = feed_forward(self.model, self.kernels, by_slot(self.rows, self._slots, B), tok, cache, mask)
+        logits = feed_forward(self.model, self.kernels, by_slot(self.rows, self._slots, B), tok, cache, mask)
         self.pool.advance(self._slots, P)
         self._logits = logits if sel is None else logits[sel]
 
@@ -314,14 +313,6 @@ class KernelSets:
         self._step = self._prefill = None
 
 
-def slot_adapters(rows: list[Row], slots: list[int], n_slots: int) -> list[int]:
-    """Each of a step's slots' LoRA adapter (Row.adapter); a slot riding along without a row runs the base (-1)."""
-    adapters = [-1] * n_slots
-    for row, s in zip(rows, slots, strict=True):
-        adapters[s] = row.adapter
-    return adapters
-
-
 def sample_rows(rows: list[Row], logits: torch.Tensor
                 ) -> tuple[torch.Tensor, list[RowEvent], list[int], list[int] | None]:
     """Each row's next token from logits (B, V): the tokens (B,), one event per row (a beam group's
@@ -355,10 +346,12 @@ def sample_rows(rows: list[Row], logits: torch.Tensor
 
 def feed_forward(model: GPT2, kernels: KernelSets, rows: list[Row | None], tok: torch.Tensor, cache, mask
                  ) -> torch.Tensor:
-    """decode_step of tok (B,) over a step's slots (rows: the row at each, Row.edits its interventions);
-    with interventions, on the model's own forward inside their hooks (the fed tokens are generated ones)."""
+    """decode_step of tok (B,) over a step's slots (rows: the row at each, Row.edits its interventions,
+    Row.adapter its LoRA adapter; a slot riding along runs the base); with interventions, on the model's
+    own forward inside their hooks (the fed tokens are generated ones)."""
     hooks = edited(model, rows, torch.zeros(len(rows), 1, dtype=torch.bool))
-    with hooks or contextlib.nullcontext():
+    adapters = [-1 if r is None else r.adapter for r in rows]
+    with adapter_rows(model, adapters), hooks or contextlib.nullcontext():
         return decode_step(model, tok[:, None], cache, mask, None if hooks else kernels.step(len(rows)))  # (B, V)
 
 
