@@ -96,6 +96,8 @@ class Leases:
         return [row for row in join if row.lease is None]
 
     def release_dropped(self, pool: SlotPool) -> None:
+        if not self.held:
+            return
         for row in [r for r in self.held if r.dropped]:
             pool.release(self.held.pop(row))
             row.lease.cache = None

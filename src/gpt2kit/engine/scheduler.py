@@ -99,8 +99,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.pack_weights, self.prefill_chunk = max_batch, pack_weights, prefill_chunk
         self.prefill_idle_budget = prefill_idle_budget
-        self.max_len = max_len or n_ctx
-        self.device = model.wte.weight.device
+        self.max_len, self.device = max_len or n_ctx, model.wte.weight.device
         self.pool: SlotPool | None = None  # the slots, made at the first join
         self.rows: list[Row] = []  # decoding, in slot order
         self._slots: list[int] = []  # the slot of each of self.rows
@@ -125,6 +124,7 @@ class Engine:
         sampler = RowSampler(settings, prompt, self.model.config.n_vocab, seed, sample_index, self.device,
                              self.tokenizer)
         text = RowText(self.tokenizer, settings.stop_strings) if self.tokenizer is not None else None
+        self.kernels.plain &= edits is None  # steps with interventions run the model's own forward
         return Row(list(prompt), settings, sampler, text, logprobs, key or RowKey(0, 0, sample_index), edits=edits)
 
     def new_beam_rows(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None
@@ -272,7 +272,7 @@ class Engine:
             sel = torch.tensor(self._slots, dtype=torch.long, device=tok.device)
             tok = torch.full((B,), EOT_ID % self.model.config.n_vocab, dtype=tok.dtype,
                              device=tok.device).index_copy_(0, sel, tok)
-        logits = feed_forward(self.model, self.kernels, by_slot(self.rows, self._slots, B), tok, cache, mask)
+        logits = feed_forward(self.model, self.kernels, self.rows, self._slots, tok, cache, mask)
         self.pool.advance(self._slots, P)
         self._logits = logits if sel is None else logits[sel]
 
@@ -286,6 +286,7 @@ class KernelSets:
     for its prompts and makes no second copy of the matrices."""
 
     def __init__(self, model: GPT2, max_batch: int | None, pack: bool | None) -> None:
+        self.plain = getattr(model, "adapter_bank", None) is None  # False: a step must set rows' adapters
         self.model, self.max_batch, self.pack = model, max_batch, pack
         self._step: tuple[int, Kernels | None] | None = None  # (rows, the set for them)
         self._prefill: tuple[Kernels | None] | None = None  # (the prefill's set,), made at first use
@@ -344,15 +345,18 @@ def sample_rows(rows: list[Row], logits: torch.Tensor
     return tok, events, keep, src
 
 
-def feed_forward(model: GPT2, kernels: KernelSets, rows: list[Row | None], tok: torch.Tensor, cache, mask
-                 ) -> torch.Tensor:
-    """decode_step of tok (B,) over a step's slots (rows: the row at each, Row.edits its interventions,
+def feed_forward(model: GPT2, kernels: KernelSets, rows: list[Row], slots: list[int], tok: torch.Tensor, cache,
+                 mask) -> torch.Tensor:
+    """decode_step of tok (B,) over a step's slots (rows in slots; Row.edits a row's interventions,
     Row.adapter its LoRA adapter; a slot riding along runs the base); with interventions, on the model's
     own forward inside their hooks (the fed tokens are generated ones)."""
-    hooks = edited(model, rows, torch.zeros(len(rows), 1, dtype=torch.bool))
-    adapters = [-1 if r is None else r.adapter for r in rows]
-    with adapter_rows(model, adapters), hooks or contextlib.nullcontext():
-        return decode_step(model, tok[:, None], cache, mask, None if hooks else kernels.step(len(rows)))  # (B, V)
+    B = tok.shape[0]
+    if kernels.plain:  # no row of this engine ever carried interventions, and the model has one set of weights
+        return decode_step(model, tok[:, None], cache, mask, kernels.step(B))  # (B, V)
+    at = by_slot(rows, slots, B)
+    hooks = edited(model, at, torch.zeros(B, 1, dtype=torch.bool))
+    with adapter_rows(model, [-1 if r is None else r.adapter for r in at]), hooks or contextlib.nullcontext():
+        return decode_step(model, tok[:, None], cache, mask, None if hooks else kernels.step(B))  # (B, V)
 
 
 def by_slot(rows: list[Row], slots: list[int], B: int) -> list[Row | None]:
