@@ -23,9 +23,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
-RUN_ELSEWHERE = {ROOT / "docs" / "check.md": "runs in tests/test_check.py, output compared"}
+RUN_ELSEWHERE = {ROOT / "docs" / "check.md": "runs in tests/test_check.py, output compared",
+                 ROOT / "docs" / "explore.md": "runs in tests/test_explore.py, its server on a free port"}
 LANGS = {"bash", "sh", "console", "python"}
-BLOCK_SECONDS = 1800  # a guard against a block that never ends (a server): it needs its skip marker
+BLOCK_SECONDS = 600  # a guard against a block that never ends (a server): it needs its skip marker
 # hub name -> (n_layer, n_head, n_embd): the real sizes' depth and heads, a few dims per head
 STAND_INS = {"gpt2": (12, 12, 48), "gpt2-medium": (24, 16, 64), "gpt2-large": (36, 20, 40), "gpt2-xl": (48, 25, 50),
              "runs/stdlib": (4, 4, 32)}  # the main job's model (gpt2-tiny's depth), which the docs go on to use
