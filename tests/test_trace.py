@@ -193,11 +193,14 @@ def test_report_unembeds_each_layer_and_position_once():
     ids = _ids(TINY.n_vocab, 12)
     rows: list[int] = []
 
-    def counting_head(x):
-        rows.append(x.reshape(-1, x.shape[-1]).shape[0])
-        return torch.nn.functional.linear(x, model.wte.weight)
+    class CountingEmbedding(torch.nn.Embedding):  # an embedding that runs its own head (model.HeadEmbedding)
+        def lm_head(self, x):
+            rows.append(x.reshape(-1, x.shape[-1]).shape[0])
+            return torch.nn.functional.linear(x, self.weight)
 
-    model.wte.lm_head = counting_head
+    wte = CountingEmbedding(*model.wte.weight.shape)
+    wte.weight = model.wte.weight
+    model.wte = wte
     tr = trace(model, None, ids)
     rows.clear()
     tr.to_json()

@@ -174,7 +174,7 @@ def test_train_writes_metrics_plot_checkpoint_and_hf_model(shards, tmp_path):
     records = _metrics(out)
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))
-    assert all(set(r) == {"step", "loss", "lr", "grad_norm", "tokens_per_s"} for r in steps)
+    assert all(set(r) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} for r in steps)
     assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in steps)
     assert [s for s, _ in _val_losses(out)] == [4, 8, 12]  # from scratch: no evaluation of the untrained model
     assert steps[0]["loss"] == pytest.approx(math.log(50257), abs=0.1)  # GPT-2 init: near-uniform

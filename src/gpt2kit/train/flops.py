@@ -76,8 +76,9 @@ def measured_gemm_rate(device: torch.device, dtype: torch.dtype, size: int | Non
     sizes = [size] if size else [256, 512, 1024] + ([2048, 4096] if device.type == "cuda" else [])
     best, n = float("inf"), sizes[0]
     for n in sizes:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
+        gen = torch.Generator(device=device).manual_seed(0)  # its own: the run's random state is untouched
+        a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+        b = torch.randn(n, n, device=device, generator=gen).to(dtype)
         _timed_mm(a, b, device)  # warm-up
         best = _timed_mm(a, b, device)
         if best > budget_s / 10:
