@@ -61,6 +61,16 @@ def parse_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
     return tuple(t for t in TARGETS if t in chosen)
 
 
+@contextlib.contextmanager
+def _switched_off(module: nn.Module) -> Iterator[None]:
+    """module.disabled within the block, an error included (GPT2.disable_adapter's per-module step)."""
+    module.disabled = True
+    try:
+        yield
+    finally:
+        module.disabled = False
+
+
 class LoRALinear(nn.Module):
     """nn.Linear's frozen weight (out, in) and bias, plus a trained low-rank update (alpha/r) B A."""
 
@@ -148,13 +158,8 @@ class TrainableTokens(nn.Module):
 
     disabled = False  # within disable_adapter: the frozen table
 
-    @contextlib.contextmanager
-    def adapter_off(self) -> Iterator[None]:
-        self.disabled = True
-        try:
-            yield
-        finally:
-            self.disabled = False
+    def adapter_off(self) -> contextlib.AbstractContextManager[None]:
+        return _switched_off(self)
 
     def table(self) -> torch.Tensor:
         return self.weight if self.disabled else self.merged_weight()
@@ -358,13 +363,8 @@ class MultiLoRALinear(nn.Module):
         self.lora_A = self.lora_B = self.scale = torch.empty(0)
         self.disabled = False  # within disable_adapter: the base alone
 
-    @contextlib.contextmanager
-    def adapter_off(self) -> Iterator[None]:
-        self.disabled = True
-        try:
-            yield
-        finally:
-            self.disabled = False
+    def adapter_off(self) -> contextlib.AbstractContextManager[None]:
+        return _switched_off(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)  # (..., out)
