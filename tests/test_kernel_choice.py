@@ -222,3 +222,13 @@ def test_every_family_chooses_into_one_registry(tmp_path, monkeypatch):
         assert family_module.decisions() == {} or all(isinstance(c, Choice) for c in family_module.decisions().values())
     int8.forget()
     assert not reg.decisions("int8")
+
+
+def test_a_cpu_whose_defaults_nobody_measured_is_told_so():
+    """The families' defaults name the machines they were measured on; bench says when this CPU is none."""
+    assert kernel_choice.unmeasured(frozenset({"avx2", "fma"})) is None
+    assert kernel_choice.unmeasured(frozenset({"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"})) is None
+    other = kernel_choice.unmeasured(frozenset({"sse4_2"}))
+    assert "family (other) was never measured" in other and "gpt2kit bench --kernels --remeasure" in other
+    skylake = kernel_choice.unmeasured(frozenset({"avx2", "fma", "avx512f"}))
+    assert "avx512_bf16, avx512_vnni" in skylake and "this CPU does not" in skylake

@@ -329,19 +329,13 @@ _FIGURE = re.compile(_N + r" ?(ms|us|µs|ns)\b"
                      r"|" + _N + r" ?(tok/s|tokens/s|tokens per second)"
                      r"|\d+(\.\d+)?(-\d+(\.\d+)?)?(x|%) (faster|slower)\b"
                      r"|\d+(\.\d+)? against \d+(\.\d+)? ms|\d+% of the (memory )?bandwidth")
-# Files that still quote figures; may only shrink (a file listed here that quotes none fails too).
-KNOWN_FIGURES = {"decode/csrc/solo.h", "decode/csrc/step.c", "decode/int8.py", "decode/layout.py",
-                 "decode/packed.py"}
 
 
 def test_no_benchmark_figures_in_the_code():
     found = [f"{path.relative_to(SRC)}:{i}: {line.strip()}"
              for path in sorted([*SRC.rglob("*.py"), *SRC.rglob("*.c"), *SRC.rglob("*.h")])
              for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if _FIGURE.search(line)]
-    new = [f for f in found if f.split(":")[0] not in KNOWN_FIGURES]
-    assert not new, "move these figures to docs/benchmarks.md:\n" + "\n".join(new)
-    gone = KNOWN_FIGURES - {f.split(":")[0] for f in found}
-    assert not gone, f"no figures left, so take them off KNOWN_FIGURES: {sorted(gone)}"
+    assert not found, "move these figures to docs/benchmarks.md:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("comment", ["took 4x as long", "(16 ms of float32)", "cost 4-6 ms", "~0.14 MiB a request",

@@ -28,7 +28,7 @@ import torch
 from gpt2kit.bench.timing import synced, trial
 from gpt2kit.checkpoint.keymap import to_hf_state
 from gpt2kit.config import GPT2Config
-from gpt2kit.decode import prefill, use_decode_layout
+from gpt2kit.decode import kernel_choice, prefill, use_decode_layout
 from gpt2kit.decode.layout import huge_pages_available, on_huge_pages
 from gpt2kit.generation import generate
 from gpt2kit.kv_cache import KVCache
@@ -248,4 +248,5 @@ def machine(device: torch.device | str = "cpu") -> dict[str, object]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else info["cpu"]
     return {**info, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "threads": torch.get_num_threads(),
-            "device": name, "device_type": device.type}
+            "device": name, "device_type": device.type,
+            "kernel_note": kernel_choice.unmeasured() if device.type == "cpu" else None}

@@ -69,6 +69,9 @@ def format_kernels(rows: list[dict]) -> str:
     lines = [f"machine: {describe_cpu()}; family {kernel_choice.family()}; {torch.get_num_threads()} threads; "
              f"torch {torch.__version__}; stored in {kernel_choice.store_dir() / kernel_choice.STORE_NAME}", "",
              "| products | rows bucket | kernel | from | why | medians, ms per product |", "|---|---|---|---|---|---|"]
+    note = kernel_choice.unmeasured()
+    if note:
+        lines[1:1] = [note]
     for r in rows:
         med = ", ".join(f"{k} {v:.4g}" for k, v in sorted(r["medians_ms"].items(), key=lambda kv: kv[1]))
         lines.append(f"| {r['what']} | {r['bucket']} | {r['kernel']} | {r['source']} | {r['why']} | {med or '-'} |")

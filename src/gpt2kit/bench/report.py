@@ -43,6 +43,7 @@ def _header(r: dict) -> list[str]:
         f"model: {describe_model(r['model'])}, random weights (the same in both); eager; greedy; best of the "
         "quiet trials; gpt2kit with its defaults (prepacked weights where they help: float32 batches, bfloat16)"
         + ("; --quick: short workloads, few trials" if r.get("quick") else ""),
+        *([m["kernel_note"]] if m.get("kernel_note") else []),
         "",
     ]
 

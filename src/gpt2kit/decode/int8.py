@@ -199,7 +199,7 @@ def sample(device: torch.device, dtype: torch.dtype, rows: int, in_features: int
            float32: bool = False) -> dict[str, list[float]]:
     """Seconds per product of each candidate on a random (out, in) int8 matrix and `rows` rows, one
     sample per round, in `rounds` interleaved rounds (the order rotated each round, so no candidate
-    always runs after the same one); a sample repeats the product until it takes ~2 ms. GPT-2 124M's
+    always runs after the same one); a sample repeats the product until it takes _SAMPLE_S. GPT-2 124M's
     c_fc size by default: big enough to stream from memory like the real matrices, small enough to
     time in milliseconds. `candidates` (name -> fn(x, w, s)) are KERNELS through run_kernel unless
     given. `float32`: also sample the float32 product on the same matrix (F.linear on the column-major
@@ -269,7 +269,7 @@ def sample(device: torch.device, dtype: torch.dtype, rows: int, in_features: int
 def _rounds(fns: Mapping[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
     names = list(fns)
     reps = {}
-    for k in names:  # how many products make a ~2 ms sample
+    for k in names:  # how many products make a sample of _SAMPLE_S
         reps[k] = max(1, min(200, math.ceil(_SAMPLE_S / max(_time(fns[k], 1), 1e-7))))
     out: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):

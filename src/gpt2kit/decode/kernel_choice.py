@@ -72,6 +72,33 @@ def family(flags: frozenset[str] | None = None) -> str:
     return "avx2" if {"avx2", "fma"} <= flags else "other"
 
 
+# The CPU families whose defaults (f32.DEFAULTS, int8.DEFAULTS, int8act.DEFAULTS, plain's half kernels)
+# were measured, each with the flags of the machine they were measured on (docs/benchmarks.md names it).
+# A CPU of a family not here, or lacking one of those flags, runs defaults nobody measured on it.
+MEASURED = {
+    "amx": ("the AMX Xeon of docs/benchmarks.md", frozenset({"avx512f", "avx512_vnni", "avx512_bf16", "amx_int8"})),
+    "avx512": ("the AVX-512 EPYC of docs/benchmarks.md", frozenset({"avx512f", "avx512_vnni", "avx512_bf16"})),
+    "avx2": ("the AVX2 EPYC of docs/benchmarks.md", frozenset({"avx2", "fma"})),
+}
+
+
+def unmeasured(flags: frozenset[str] | None = None) -> str | None:
+    """None where this CPU's family defaults were measured on a CPU with its flags; else one line saying
+    they were not, and how to measure them here."""
+    flags = cpu_flags() if flags is None else flags
+    fam = family(flags)
+    how = ("its products start on the defaults below, not measured on such a CPU: run `gpt2kit bench --kernels "
+           "--remeasure` on a quiet machine to measure and store this machine's choices")
+    if fam not in MEASURED:
+        return f"kernel defaults: this CPU's family ({fam}) was never measured; {how}"
+    where, needed = MEASURED[fam]
+    missing = sorted(needed - flags)
+    if missing:
+        return (f"kernel defaults: the {fam} family's were measured on {where}, which has {', '.join(missing)} "
+                f"and this CPU does not; {how}")
+    return None
+
+
 def machine_key() -> str:
     """What a stored choice is valid for: the CPU's model and flags, torch's version and the native
     kernels' sources (a changed kernel is measured anew)."""

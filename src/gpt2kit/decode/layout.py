@@ -11,9 +11,9 @@ changes a model's layout itself. Training makes its parameters contiguous (row-m
 Huge pages: each large matrix (HUGE_MIN_BYTES or more, the float matrices and the int8 weights of a
 quantized model; not wpe, of which a step reads one row) is moved into memory of its own that the
 kernel is asked to back with 2 MiB pages (an anonymous mmap with madvise(MADV_HUGEPAGE), the Linux
-transparent huge pages that PyTorch's allocator does not request). Streaming 495 MB per token
+transparent huge pages that PyTorch's allocator does not request). Streaming every weight per token
 through 4 KiB pages costs a TLB miss every 4 KiB; measured on a 2-core EPYC, a step's float32
-products ran faster on 2 MiB pages (docs/benchmarks.md). Each matrix has its own mapping, so a
+products ran faster on 2 MiB pages (docs/benchmarks.md, "Huge pages"). Each matrix has its own mapping, so a
 matrix that is replaced (quantize_model, an adapter merge) frees its memory when it is dropped. Where the
 system gives no huge pages (THP "never", not Linux) the move still happens and costs nothing in
 speed; GPT2KIT_HUGE_PAGES=0 turns it off.

@@ -196,11 +196,11 @@ def bound_caches(entries: int) -> dict[str, str]:
     read their capacity once, from these variables.
 
     Why: both default to 1,024 entries and both keep each product's descriptor for every row count
-    it has run, about 1.4 MiB an entry pair for GPT-2 124M's products (measured, docs/serving.md
-    "Memory"). Prompt chunks and scored texts bring new row counts for a long time, so a server's
-    memory grew by ~0.14 MiB a request and had not levelled off after 3,000 requests. Bounded, the
-    least recently used go; a product run again after its entry went is compiled again (~1 ms,
-    against the ~0.1-50 ms a product runs), and the rows of a decode step, run every step, stay."""
+    it has run (an entry pair's size for GPT-2 124M's products: docs/serving.md "Memory"). Prompt
+    chunks and scored texts bring new row counts for a long time, so a server's memory grew with every
+    request and had not levelled off after thousands of them (the same section). Bounded, the least
+    recently used go; a product run again after its entry went is compiled again (a cost that section
+    gives beside a cached call's), and the rows of a decode step, run every step, stay."""
     for name in CACHE_VARIABLES:
         os.environ.setdefault(name, str(entries))
     return {name: os.environ[name] for name in CACHE_VARIABLES}

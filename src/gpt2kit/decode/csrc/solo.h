@@ -5,13 +5,13 @@
  * region ends when its last thread does. On an idle machine the threads start within microseconds of
  * each other; on a loaded one (more runnable threads than cores) a thread that the OS has not
  * scheduled starts its share a time slice late, milliseconds, and the call waits for it: a batch-1
- * decode step of ~50 calls then took 4x as long as on one thread. So every call on more than one
- * thread records when its last thread started. A start later than SOLO_LATE_US (250 us; idle, a
- * second thread starts within microseconds: docs/benchmarks.md has the delays) sends the next `span`
- * calls to one thread (no other thread to wait for); a late start again right after that doubles
- * `span` (SOLO_SPAN_MIN 16 calls up to SOLO_SPAN_MAX 4096, about 80 batch-1 steps of GPT-2 124M), and
+ * decode step of dozens of calls then took several times as long as on one thread (docs/benchmarks.md,
+ * "The fallback"). So every call on more than one thread records when its last thread started. A
+ * start later than SOLO_LATE_US (idle, a second thread starts within microseconds: docs/benchmarks.md
+ * has the delays) sends the next `span` calls to one thread (no other thread to wait for); a late
+ * start again right after that doubles `span` (SOLO_SPAN_MIN calls up to SOLO_SPAN_MAX, some dozens of batch-1 steps of GPT-2 124M), and
  * SOLO_CALM calls in a row started on time bring it back to SOLO_SPAN_MIN. Idle, a rare late start
- * costs 16 calls on one thread; under sustained load one call in `span` is a probe at full width.
+ * costs SOLO_SPAN_MIN calls on one thread; under sustained load one call in `span` is a probe at full width.
  * A call's result does not depend on its thread count (each output is summed by one thread, in the
  * same order), so this changes timing only.
  *
@@ -30,7 +30,7 @@
 #define SOLO_MAX_THREADS 256 /* wider teams are not watched */
 
 /* the counters: [0] calls, [1] calls sent to one thread, [2] late starts, [3..8] calls on two or more
- * threads by their latest start: < 10 us, < 50, < 100, < 250, < 1000, >= 1000 */
+ * threads by their latest start, in microseconds (the bounds: solo_end's bucket, under 10 to 1000 or more) */
 static long solo_counts[9];
 static int solo_left, solo_span = SOLO_SPAN_MIN, solo_calm;
 static double solo_late_s = -2.0; /* -2: not read yet */

@@ -1,11 +1,11 @@
 /* gpt2kit's batch-1 decode step in one native call: the network of decode/step.py's decode_step for
  * one row, every block and the head, with the products on gpt2kit's own kernels.
  *
- * Why: at batch 1 the products stream the weights (16 ms of float32, 4 ms of int8 for GPT-2 124M on
- * a 2-core EPYC), and the rest of a step, ~100 small PyTorch calls and their Python (layer norms,
- * attention for one query, the cache write, GELU, residual adds), took another 4-6 ms: a quarter
- * of a float32 token and half of an int8 one (docs/benchmarks.md). Here that rest is a few
- * microseconds of plain loops per block, and the products are the same C functions the Python step
+ * Why: at batch 1 the products stream the weights, and the rest of a step, about a hundred small
+ * PyTorch calls and their Python (layer norms, attention for one query, the cache write, GELU,
+ * residual adds), took a large share of a float32 token and a larger one of an int8 token
+ * (docs/benchmarks.md, "The rest of the step in C", has the timings). Here that rest is plain loops
+ * per block, and the products are the same C functions the Python step
  * calls (passed in as pointers: csrc/f32_linear.c's and csrc/int8_linear.c's, each with its own
  * threads and csrc/solo.h fallback).
  *
