@@ -36,7 +36,7 @@ def add_quantize_arg(p: argparse.ArgumentParser) -> None:
                         "(docs/quantization.md); without this flag int8 is weight-only")
     p.add_argument("--gate-data", default=None, metavar="PATH",
                    help="held-out text for --int8-activations' quality gate: a text file, a .bin shard, or a "
-                        "directory of val_*.bin shards (gpt2kit data prepare)")
+                        "directory of val_*.bin shards (gpt2kit prepare)")
 
 
 def check_load_args(args: argparse.Namespace) -> None:

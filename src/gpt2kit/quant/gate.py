@@ -15,8 +15,8 @@ the weight-only model because it is what the mode replaces and what an int8 chec
 model needed); weight-only int8 itself is within its own gate of float32 (docs/quantization.md, which
 has the figures of both against float32 on a model trained here).
 
-`read_windows` takes the held-out text the CLI's --gate-data names: a directory of `gpt2kit data
-prepare` shards (its val_*.bin), one .bin shard, or a UTF-8 text file (tokenized with the model's
+`read_windows` takes the held-out text the CLI's --gate-data names: a directory of `gpt2kit prepare`
+shards (its val_*.bin), one .bin shard, or a UTF-8 text file (tokenized with the model's
 tokenizer); WINDOWS windows of LENGTH tokens (fewer where the text is short), spread evenly over it.
 """
 
