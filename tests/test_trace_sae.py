@@ -1,4 +1,6 @@
-"""gpt2kit.trace SAEs in SAELens's format: equal to sae-lens's own encode/decode (1e-5, float32).
+"""gpt2kit.trace SAEs in SAELens's format: equal to sae-lens's own encode/decode (1e-5, float32), and a
+clamp while generating equal to sae-lens's HookedSAETransformer with use_error_term (tokens over 32
+greedy steps, each step's logits within 1e-4).
 
 sae-lens 6 needs transformer-lens < 4, which cannot share an environment with the test extra's 4.3,
 so sae-lens runs in a subprocess (tests/sae_lens_ref.py) with tests/sae-lens.txt's pinned sae-lens and

@@ -1,6 +1,7 @@
 """Interventions while generating and scoring (gpt2kit.trace.steering), against the uncached network
 re-run with hooks written here at every step, TransformerLens's generate with the same hooks, and an
-SAE clamp computed by its formula (sae-lens's use_error_term).
+SAE clamp computed by its formula (sae-lens's use_error_term; tests/test_trace_sae.py compares clamps
+with sae-lens's HookedSAETransformer itself).
 
 Tolerances: tokens equal; logits within 1e-4 of TransformerLens and of the uncached re-run (float32,
 a cached and an uncached pass); a clamp of every feature to its own value within 1e-5; plain rows
