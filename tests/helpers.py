@@ -127,6 +127,21 @@ def varied_model(cfg: GPT2Config = SMALL, seed: int = 0, scale: float = 2.0) -> 
     return m
 
 
+
+def greedy_with_logits(model, prompt: list[int], interventions, n: int) -> tuple[list[int], torch.Tensor]:
+    """gpt2kit's greedy generate of n tokens after prompt under interventions: the tokens and each step's
+    last-position logits (n, V), read off the model's forward as the engine runs it (cache and all)."""
+    from gpt2kit import SamplingSettings, generate
+
+    seen = []
+    h = model.register_forward_hook(lambda mod, args, out: seen.append(out.logits[0, -1].detach().clone()))
+    try:
+        toks = generate(model, [prompt], SamplingSettings(temperature=0.0, max_new_tokens=n, stop_token_ids=()),
+                        interventions=interventions)[0].tokens
+    finally:
+        h.remove()
+    return toks, torch.stack(seen[:n])
+
 # A live gpt2kit server: uvicorn in a thread on a free 127.0.0.1 port.
 @contextlib.contextmanager
 def live_server(loader, opts=None, *, wait_ready: bool = True):

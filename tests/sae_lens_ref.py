@@ -6,11 +6,19 @@ the pinned sae-lens 6 + transformer-lens 3 of tests/sae-lens.txt ahead on PYTHON
 
     python sae_lens_ref.py make DIR     DIR/cases.json -> DIR/<i>/ (cfg.json, sae_weights.safetensors)
     python sae_lens_ref.py encode DIR   DIR/<i>/x.safetensors -> DIR/<i>/sae_lens.safetensors (f, rec)
+    python sae_lens_ref.py generate DIR DIR/hf and DIR/<i>/ -> DIR/<i>/generated.safetensors (greedy under a clamp)
 
 A case with "tl" reads its own activations instead of x.safetensors: the model in DIR/hf (transformers'
 format) loaded into TransformerLens as sae-lens tells a user of such an SAE to load it
 (HookedTransformer.from_pretrained_no_processing(..., **metadata.model_from_pretrained_kwargs)), run on
 the case's ids, and the SAE's hook read from its cache; the activations it read are saved too (x).
+
+`generate` is a feature clamp as a sae-lens user writes it: the model in DIR/hf loaded the same way into
+sae-lens's HookedSAETransformer, the SAE attached with add_sae(sae, use_error_term=True), a hook on its
+hook_sae_acts_post setting the case's "clamp" features at every position, and the case's "n" tokens
+chosen greedily after its "prompt" by TransformerLens's generate(do_sample=False): without its KV cache
+(each step re-runs the whole sequence: `tokens`, and each step's last-position `logits`) and with it
+(`cached_tokens`, `cached_logits`). DIR/hf holds GPT-2's tokenizer files too.
 """
 
 from __future__ import annotations
@@ -40,9 +48,9 @@ def make(case: dict, out: Path) -> None:
     sae.eval().save_model(out)
 
 
-def tl_activations(hf_dir: Path, ids: list[int], hook: str, kwargs: dict) -> torch.Tensor:
-    """The activations at hook of the transformers model in hf_dir, loaded into TransformerLens the way
-    from_pretrained_no_processing(**kwargs) loads a named model (no processing, then kwargs' own)."""
+def tl_model(hf_dir: Path, kwargs: dict, cls=None):
+    """The transformers model in hf_dir loaded into TransformerLens (cls: HookedTransformer or a subclass)
+    the way from_pretrained_no_processing(**kwargs) loads a named model (no processing, then kwargs' own)."""
     from transformer_lens import HookedTransformer, HookedTransformerConfig
     from transformer_lens.pretrained.weight_conversions.gpt2 import convert_gpt2_weights
     from transformers import GPT2LMHeadModel
@@ -52,9 +60,15 @@ def tl_activations(hf_dir: Path, ids: list[int], hook: str, kwargs: dict) -> tor
     cfg = HookedTransformerConfig(n_layers=c.n_layer, d_model=c.n_embd, d_head=c.n_embd // c.n_head,
                                   n_heads=c.n_head, d_mlp=4 * c.n_embd, d_vocab=c.vocab_size, n_ctx=c.n_positions,
                                   act_fn="gelu_new", normalization_type="LN", eps=c.layer_norm_epsilon)
-    model = HookedTransformer(cfg)
+    model = (cls or HookedTransformer)(cfg)
     flags = {"fold_ln": False, "center_writing_weights": False, "center_unembed": False, "fold_value_biases": False}
     model.load_and_process_state_dict(convert_gpt2_weights(hf, cfg), **{**flags, **kwargs})
+    return model.eval()
+
+
+def tl_activations(hf_dir: Path, ids: list[int], hook: str, kwargs: dict) -> torch.Tensor:
+    """The activations at hook of the transformers model in hf_dir, loaded by tl_model."""
+    model = tl_model(hf_dir, kwargs)
     with torch.no_grad():
         _, cache = model.run_with_cache(torch.tensor([ids]))
     return cache[hook][0]
@@ -79,11 +93,45 @@ def encode(case: dict, out: Path) -> None:
               str(out / "sae_lens.safetensors"))
 
 
+def generate(case: dict, out: Path) -> None:
+    from sae_lens import SAE, HookedSAETransformer
+    from transformers import GPT2TokenizerFast
+
+    sae = SAE.load_from_disk(out)
+    model = tl_model(out.parent / "hf", sae.cfg.metadata.model_from_pretrained_kwargs or {}, HookedSAETransformer)
+    model.add_sae(sae, use_error_term=True)
+    feats = torch.tensor([int(f) for f in case["clamp"]])
+    vals = torch.tensor(list(case["clamp"].values()), dtype=torch.float32)
+
+    def clamp(acts: torch.Tensor, hook) -> torch.Tensor:  # (B, T, F) at every position
+        acts = acts.clone()
+        acts[..., feats] = vals.to(acts)
+        return acts
+
+    hooks = [(f"{case['hook']}.hook_sae_acts_post", clamp)]
+    # TransformerLens 3.9's cached generate places a new token at the wrong position when it has no
+    # tokenizer (W_pos sliced from the cache's length for the whole sequence), so the model gets one
+    model.set_tokenizer(GPT2TokenizerFast.from_pretrained(out.parent / "hf"))
+    prompt = torch.tensor([case["prompt"]])
+    got = {}
+    with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+        for key, cache in (("", False), ("cached_", True)):
+            r = model.generate(prompt, max_new_tokens=case["n"], do_sample=False, stop_at_eos=False,
+                               use_past_kv_cache=cache, prepend_bos=False, verbose=False, return_type="tokens",
+                               output_logits=True)
+            got[key + "tokens"] = r.sequences[0, prompt.shape[1]:].contiguous()
+            got[key + "logits"] = torch.cat(r.logits).contiguous()  # (n, V): each step's last position
+    save_file(got, str(out / "generated.safetensors"))
+
+
+PHASES = {"make": make, "encode": encode, "generate": generate}
+
+
 def main(argv: list[str]) -> None:
     phase, root = argv[0], Path(argv[1])
     cases = json.loads((root / "cases.json").read_text())
     for i, case in enumerate(cases):
-        (make if phase == "make" else encode)(case, root / str(i))
+        PHASES[phase](case, root / str(i))
 
 
 if __name__ == "__main__":

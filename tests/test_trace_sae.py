@@ -1,4 +1,6 @@
-"""gpt2kit.trace SAEs in SAELens's format: equal to sae-lens's own encode/decode (1e-5, float32).
+"""gpt2kit.trace SAEs in SAELens's format: equal to sae-lens's own encode/decode (1e-5, float32), and a
+clamp while generating equal to sae-lens's HookedSAETransformer with use_error_term (tokens over 32
+greedy steps, each step's logits within 1e-4).
 
 sae-lens 6 needs transformer-lens < 4, which cannot share an environment with the test extra's 4.3,
 so sae-lens runs in a subprocess (tests/sae_lens_ref.py) with tests/sae-lens.txt's pinned sae-lens and
@@ -292,3 +294,72 @@ def test_features_equal_sae_lens_encode(sae_lens_runs, i):
     assert (rec - want["rec"]).abs().max() < 1e-5
     assert l0 == (want["f"] > 0).sum(-1).tolist()
     assert int((want["f"] > 0).sum()) > 0  # something fired: the comparison is not of zeros
+
+
+# --- a clamp while generating, against sae-lens's HookedSAETransformer --------------------------------
+# (architecture, hook, cfg, metadata): each SAE attached to HookedSAETransformer with use_error_term=True
+# and GEN_CLAMP set on its hook_sae_acts_post at every position (sae_lens_ref.py generate), against
+# gpt2kit's generate(..., interventions=[clamp(dir, GEN_CLAMP)]) on the same weights.
+GEN_CASES = [
+    ("standard", "blocks.1.hook_resid_pre", {}, {}),
+    ("standard", "blocks.1.hook_resid_pre", {}, CENTRE),
+    ("jumprelu", "blocks.0.hook_resid_mid", {}, {}),
+    ("jumprelu", "blocks.0.hook_attn_out", {}, CENTRE),
+    ("topk", "blocks.1.hook_mlp_out", {"k": 6}, CENTRE),
+    ("topk", "blocks.0.mlp.hook_post", {"k": 4, "rescale_acts_by_decoder_norm": True}, {}),
+    ("standard", "blocks.0.hook_resid_post", {"normalize_activations": "layer_norm"}, {}),
+    ("standard", "blocks.0.attn.hook_z", {"reshape_activations": "hook_z"}, {}),
+]
+GEN_PROMPT, GEN_N, GEN_CLAMP = [5, 17, 3, 99], 32, {3: 6.0, 11: 0.0}
+
+
+@pytest.fixture(scope="module")
+def sae_lens_generations(tmp_path_factory):
+    """A random model whose greedy text varies (helpers.varied_model), saved in transformers' format; each
+    case's SAE made and saved by sae-lens; sae-lens's greedy generation under the clamp (one subprocess
+    per phase). Returns (the model, the directory, the cases)."""
+    from helpers import varied_model
+    from transformers import GPT2TokenizerFast
+
+    from gpt2kit.tokenizer import Tokenizer
+
+    path = _sae_lens_path()
+    if path is None:
+        pytest.skip('no sae-lens: pip install --no-deps --target "$VIRTUAL_ENV/sae-lens" -r tests/sae-lens.txt')
+    root = tmp_path_factory.mktemp("sae-lens-generate")
+    cases = [{"arch": a, "hook": h, "cfg": cfg, "meta": meta, "d_in": 4 * C if h.endswith("hook_post") else C,
+              "d_sae": F, "seed": 100 + i, "prompt": GEN_PROMPT, "n": GEN_N, "clamp": GEN_CLAMP}
+             for i, (a, h, cfg, meta) in enumerate(GEN_CASES)]
+    (root / "cases.json").write_text(json.dumps(cases))
+    model = varied_model(TINY, seed=5)
+    hf_from_ours(model).save_pretrained(root / "hf")
+    Tokenizer.default().save(root / "hf")  # for TransformerLens's cached generate (sae_lens_ref.py)
+    GPT2TokenizerFast(vocab_file=str(root / "hf" / "vocab.json"),
+                      merges_file=str(root / "hf" / "merges.txt")).save_pretrained(root / "hf")
+    _sae_lens("make", root, path)
+    _sae_lens("generate", root, path)
+    return model, root, cases
+
+
+@pytest.mark.parametrize("i", range(len(GEN_CASES)),
+                         ids=[f"{a}-{h}{'-centred' if m else ''}{'-' + next(iter(c)) if c else ''}"
+                              for a, h, c, m in GEN_CASES])
+def test_clamp_while_generating_equals_sae_lens_hooked_sae(sae_lens_generations, i):
+    """Greedy over 32 tokens: the tokens equal sae-lens's, and every step's intervened logits are within 1e-4
+    of sae-lens's (float32; the two compute decode(clamped) + x - decode(f) in different orders)."""
+    from helpers import greedy_with_logits
+
+    from gpt2kit import SamplingSettings, generate
+    from gpt2kit.trace import clamp
+
+    model, root, _ = sae_lens_generations
+    want = load_file(str(root / str(i) / "generated.safetensors"))
+    # sae-lens's own KV-cached generate agrees with its step-by-step re-run: the reference is one thing
+    assert want["cached_tokens"].tolist() == want["tokens"].tolist()
+    assert (want["cached_logits"] - want["logits"]).abs().max() < 1e-4
+    toks, logits = greedy_with_logits(model, GEN_PROMPT, [clamp(root / str(i), GEN_CLAMP)], GEN_N)
+    assert toks == want["tokens"].tolist()
+    assert logits.shape == want["logits"].shape and (logits - want["logits"]).abs().max() < 1e-4
+    plain = generate(model, [GEN_PROMPT], SamplingSettings(temperature=0.0, max_new_tokens=GEN_N,
+                                                           stop_token_ids=()))[0].tokens
+    assert toks != plain  # the clamp changes the text: the comparison can fail

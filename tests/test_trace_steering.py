@@ -1,6 +1,7 @@
 """Interventions while generating and scoring (gpt2kit.trace.steering), against the uncached network
 re-run with hooks written here at every step, TransformerLens's generate with the same hooks, and an
-SAE clamp computed by its formula (sae-lens's use_error_term).
+SAE clamp computed by its formula (sae-lens's use_error_term; tests/test_trace_sae.py compares clamps
+with sae-lens's HookedSAETransformer itself).
 
 Tolerances: tokens equal; logits within 1e-4 of TransformerLens and of the uncached re-run (float32,
 a cached and an uncached pass); a clamp of every feature to its own value within 1e-5; plain rows
@@ -14,7 +15,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import TINY, error_lines, random_model
+from helpers import TINY, error_lines, greedy_with_logits, random_model
 from safetensors.torch import save_file
 
 from gpt2kit import SamplingSettings, generate, generate_stream, stream_text
@@ -326,18 +327,6 @@ def tl_pair(tmp_path_factory):
     return m, br
 
 
-def _ours_with_logits(model, prompt, interventions, n):
-    """Greedy tokens and each step's logits (n, V), read off the model's forward as the engine runs it."""
-    seen = []
-    h = model.register_forward_hook(lambda mod, args, out: seen.append(out.logits[0, -1].detach().clone()))
-    try:
-        toks = generate(model, [prompt], SamplingSettings(temperature=0.0, max_new_tokens=n, stop_token_ids=()),
-                        interventions=interventions)[0].tokens
-    finally:
-        h.remove()
-    return toks, torch.stack(seen[:n])
-
-
 def _tl_with_logits(br, prompt, hooks, n):
     """TransformerLens's greedy generate with fwd_hooks on. Its KV-cached generate differs from its own
     uncached one on this model even without hooks (its bridge's cache path, not the hooks), so the
@@ -373,7 +362,7 @@ def test_steering_and_ablation_equal_transformer_lens_generate(tl_pair, tmp_path
              ([clamp(tmp_path / "sae", {3: 6.0})], [("blocks.1.hook_resid_pre", sae_clamp)])]
     plain = generate(model, [prompt], SamplingSettings(temperature=0.0, max_new_tokens=n, stop_token_ids=()))[0]
     for ours_ivs, tl_hooks in cases:
-        toks, logits = _ours_with_logits(model, prompt, ours_ivs, n)
+        toks, logits = greedy_with_logits(model, prompt, ours_ivs, n)
         want, want_logits = _tl_with_logits(br, prompt, tl_hooks, n)
         assert toks == want, ours_ivs
         assert (logits - want_logits).abs().max() < 1e-4
