@@ -1,13 +1,13 @@
 """Serving load benchmark: `python benchmarks/bench_serve.py [--preset gpt2] [--clients 8] ...`.
 
-As vLLM's benchmark_serving does it: requests arrive as a Poisson process (--rate per second),
-at most --clients in flight, each streaming --max-tokens tokens (<|endoftext|> banned by
-logit_bias so every request has the same length); reported: request throughput, output-token
-throughput, TTFT (arrival to first token, waiting for a free client included), sent-TTFT (from the
-request being sent: the server's queue, prefill and first sample only), TPOT (per output token
-after the first) and ITL (gaps between tokens), mean / median / p99. The same load runs against
-two servers, interleaved:
-continuous batching (--max-batch = clients) and one request at a time (--max-batch 1); the ratio
+As vLLM's benchmark_serving does it: requests arrive as a Poisson process (--rate per second), at
+most --clients in flight, each streaming --max-tokens tokens (<|endoftext|> banned by logit_bias, or
+with --ignore-eos generated past, so every request has the same length); reported: request
+throughput, output-token throughput, TTFT (arrival to first token, waiting for a free client
+included), sent-TTFT (from the request being sent: the server's queue, prefill and first sample
+only), TPOT (per output token after the first) and ITL (gaps between tokens), mean / median / p99.
+The same load runs against two servers, interleaved: continuous batching (--max-batch = clients)
+and one request at a time (--max-batch 1); the ratio
 of their token throughputs is printed last. Each server is a `gpt2kit serve` subprocess on
 127.0.0.1 with a random-weight model of the preset's shape (the speed does not depend on values).
 
@@ -86,10 +86,17 @@ def chunk_tokens(chunk: dict) -> int:
     return len(tokens) if tokens else int(bool(choices[0].get("text")))
 
 
-async def _one(client, url: str, prompt: str, max_tokens: int, arrived: float, model: str = "bench") -> dict:
+# How every request runs to max_tokens: <|endoftext|> banned by logit_bias, or (--ignore-eos) vLLM's
+# ignore_eos extension, which both servers take: generation goes on past <|endoftext|>.
+BAN_EOT = {"logit_bias": {"50256": -100}}
+IGNORE_EOS = {"ignore_eos": True}
+
+
+async def _one(client, url: str, prompt: str, max_tokens: int, arrived: float, model: str = "bench",
+               to_the_end: dict | None = None) -> dict:
     sent = time.perf_counter()
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "logprobs": 0, "logit_bias": {"50256": -100}}
+            "logprobs": 0, **(BAN_EOT if to_the_end is None else to_the_end)}
     times = []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -103,8 +110,8 @@ async def _one(client, url: str, prompt: str, max_tokens: int, arrived: float, m
             "tokens": len(times)}
 
 
-async def _load(url: str, n: int, clients: int, rate: float, max_tokens: int, seed: int, model: str = "bench"
-                ) -> dict:
+async def _load(url: str, n: int, clients: int, rate: float, max_tokens: int, seed: int, model: str = "bench",
+                to_the_end: dict | None = None) -> dict:
     import httpx
 
     rng = random.Random(seed)
@@ -117,7 +124,7 @@ async def _load(url: str, n: int, clients: int, rate: float, max_tokens: int, se
             await asyncio.sleep(max(0.0, at - time.perf_counter()))
             arrived = time.perf_counter()
             async with sem:
-                return await _one(client, url, prompts[i], max_tokens, arrived, model)
+                return await _one(client, url, prompts[i], max_tokens, arrived, model, to_the_end)
 
         start = time.perf_counter()
         at, tasks = start, []
@@ -158,6 +165,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--serve-args", default="", help="extra `gpt2kit serve` flags for both servers, one string "
                                                     "(e.g. \"--prefill-idle-budget 128\")")
+    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM's extension) instead of banning "
+                   "<|endoftext|> with logit_bias")
     p.add_argument("--url", default=None, help="also measure this running OpenAI-compatible server "
                                                "(e.g. http://127.0.0.1:8011, vLLM's), interleaved with gpt2kit's")
     p.add_argument("--url-name", default="external", help="its row's name in the table (default external)")
@@ -201,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in range(args.rounds):
                 for k, (url, model) in servers.items():
                     r = asyncio.run(_load(url, args.requests, args.clients, args.rate, args.max_tokens, seed=rnd,
-                                          model=model))
+                                          model=model, to_the_end=IGNORE_EOS if args.ignore_eos else BAN_EOT))
                     runs[k].append(r)
                     print(f"round {rnd + 1} {k}: {r['tok_per_s']:.1f} tok/s, {r['failed']} failed", file=sys.stderr)
         finally:
@@ -211,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"# bench_serve: {args.model or args.preset + ' (random weights)'}, {args.clients} clients, "
           f"{args.requests} requests x {args.max_tokens} tokens, Poisson {args.rate}/s, {args.rounds} rounds, "
-          f"serve flags: {args.serve_args or '(none)'}"
+          f"serve flags: {args.serve_args or '(none)'}; "
+          f"to the end by {'ignore_eos' if args.ignore_eos else 'logit_bias'}"
           + (f"; {args.url_name}: {args.url} (model {args.url_model})" if args.url else ""))
     print(f"# CPU: {describe_cpu()}; torch threads: {args.threads or 'default'}; "
           f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")

@@ -58,7 +58,7 @@ def test_url_runs_the_same_load_against_an_external_server(bench, tmp_path, caps
         out = tmp_path / "r.json"
         assert bench.main(["--model", str(model), "--url", url + "/", "--url-name", "peer", "--url-model", "ext",
                            "--only-url", "--clients", "2", "--requests", "3", "--max-tokens", "4", "--rate", "100",
-                           "--rounds", "1", "--json", str(out)]) == 0
+                           "--rounds", "1", "--ignore-eos", "--json", str(out)]) == 0
     finally:
         proc.terminate()
         proc.wait(30)
@@ -66,6 +66,7 @@ def test_url_runs_the_same_load_against_an_external_server(bench, tmp_path, caps
     rows = [line.split(" | ")[0].lstrip("| ") for line in table.splitlines() if line.startswith("| ")][1:]
     assert rows == ["continuous batching", "peer"]  # no one-at-a-time row with --only-url
     assert "continuous batching / peer, token throughput:" in table
+    assert "to the end by ignore_eos" in table  # every request still ran to --max-tokens (none failed, below)
     r = json.loads(out.read_text())
     assert set(r["runs"]) == {"continuous batching", "peer"} and r["ratio"] is None
     for name, (run,) in r["runs"].items():
