@@ -116,7 +116,7 @@ def serve(model, tok, name: str):
 
 
 def run(model, tok, *, tokens: int, rounds: int, chromium: str, width: int = 1100, name: str = "model") -> dict:
-    """{answer: [s], views: [s], all: [s], step: [s]} for `rounds` updates of a `tokens`-token text (after a warm-up)."""
+    """{answer, views, all, step: [seconds]} for `rounds` updates of a `tokens`-token text, after a warm-up."""
     from playwright.sync_api import sync_playwright
 
     url, server = serve(model, tok, name)

@@ -36,8 +36,10 @@ var framed=new Promise(function(res){frame.onload=res;});
 frame.srcdoc=D.views_page;
 function fit(){try{frame.style.height=(frame.contentDocument.documentElement.scrollHeight+20)+'px';}
   catch(e){report('report: '+e);}}
+var frameErrors=0;  // how much of the frame's error box has been passed on to this page's
 function draw(fn){var w=frame.contentWindow;fn(w.GPT2Report);fit();
-  var e=w.document.getElementById('js-errors').textContent;if(e)report('report: '+e);}
+  var e=w.document.getElementById('js-errors').textContent;
+  if(e.length>frameErrors){report('report: '+e.slice(frameErrors));frameErrors=e.length;}}
 function run(){
   var mine=++runs;  // an older run's answer arriving after a newer one is dropped
   text=$('text').value;$('error').hidden=true;$('status').textContent='running\u2026';
