@@ -161,8 +161,11 @@ def test_stage_windows_end_at_the_position(client):
 
 
 def test_generation_reuses_the_cache_and_equals_the_full_forward(client, model):
+    """A text the page has traced starts from the trace's keys and values (no forward pass of its own), one
+    it has not from a forward pass: both give the full forward's logits, and so does the step after."""
     tok = Tokenizer.default()
     ids = tok.encode(TEXT)
+    client.post("/api/trace", json={"text": TEXT})
     r = client.post("/api/gen/start", json={"text": TEXT}).json()
     assert r["cache_length"] == len(ids) and r["prompt_length"] == len(ids)
     with torch.no_grad():
@@ -178,8 +181,9 @@ def test_generation_reuses_the_cache_and_equals_the_full_forward(client, model):
     # sampled: the same seed and context draw the same token, from the kept tokens only
     settings = {"mode": "sample", "temperature": 1.5, "top_k": 3, "seed": 7}
     a = client.post("/api/gen/append", json={"session": g["session"], **settings}).json()
-    b_start = client.post("/api/gen/start", json={"text": tok.decode(g["ids"])}).json()
+    b_start = client.post("/api/gen/start", json={"text": tok.decode(g["ids"])}).json()  # not traced
     assert b_start["ids"] == g["ids"]
+    assert torch.allclose(_f32(b_start["logits"]), full2, atol=1e-4)
     b = client.post("/api/gen/append", json={"session": b_start["session"], **settings}).json()
     assert a["appended"] == b["appended"] and a["appended"] in full2.topk(3).indices.tolist()
     assert a["cache_length"] == len(ids) + 2

@@ -7,7 +7,8 @@ report holds (gpt2kit.trace.report.page_data: the numbers rounded to 5 significa
 as uint8), sent as JSON for each text; the logit lens, most of the work, comes in a second request so
 the other views appear without waiting for it. The block stepper
 reads the same Trace (gpt2kit.trace.stages), and generation runs the model with a KVCache, one
-token per step at the position the cache's length gives. One lock serialises every use of the
+token per step at the position the cache's length gives (a traced text's cache starts from the keys
+and values its trace recorded). One lock serialises every use of the
 model: the trace's hooks sit on the model's own modules while it records.
 
 Routes (gpt2kit.serve.explore_app; JSON in and out, a bad value is a 400 naming it):
@@ -118,15 +119,34 @@ class Explorer:
 
         ids = self.ids(text)
         with self.lock:
-            cache = KVCache.for_model(self.model, 1, self.config.n_ctx)
-            idx = torch.tensor([ids], device=self.model.wpe.weight.device)
-            logits = self.model(idx, cache=cache).logits[0, -1].float()  # (V,): the last position's
+            got = self._recorded(ids)
+            if got is None:
+                cache = KVCache.for_model(self.model, 1, self.config.n_ctx)
+                idx = torch.tensor([ids], device=self.model.wpe.weight.device)
+                got = cache, self.model(idx, cache=cache).logits[0, -1].float()  # (V,): the last position's
+            cache, logits = got
             sid = secrets.token_hex(8)
             s = {"ids": list(ids), "prompt_length": len(ids), "cache": cache}
             self.sessions[sid] = s
             while len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
             return self._state(sid, s, logits)
+
+    def _recorded(self, ids: list[int]):
+        """(a KV cache, the last position's logits) from the kept trace when it is of these ids: the page
+        traces a text before it generates from it, and the trace recorded every block's keys and values."""
+        from gpt2kit.kv_cache import KVCache
+
+        if self._last is None or self._last[0] != tuple(ids):
+            return None
+        tr, L = self._last[1], self.config.n_layer
+        if any(f"h.{i}.attn.{x}" not in tr.tensors for i in range(L) for x in "kv"):
+            return None
+        p = self.model.wpe.weight
+        kv = [torch.stack([tr[f"h.{i}.attn.k"], tr[f"h.{i}.attn.v"]]) for i in range(L)]  # L x (2, nh, T, hs)
+        present = torch.stack(kv)  # (L, 2, nh, T, hs)
+        cache = KVCache.from_present(present[None].to(p.device, p.dtype), self.config.n_ctx)
+        return cache, tr.logits[-1].float()
 
     @torch.no_grad()
     def gen_append(self, sid: str, mode: str, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,

@@ -92,10 +92,11 @@ function heads(){
       box.appendChild(cell);}}
   if(A.omitted&&A.omitted.length)box.parentNode.insertBefore(el('p',{'class':'help',id:'heads-omitted'},'Blocks '+A.omitted.join(', ')+
     ' left out to keep the file small; trace fewer tokens or pick them with --layers.'),box.nextSibling);
-  big(0,0);
+  big(Math.min(bigAt[0],nL-1),Math.min(bigAt[1],nh-1));
 }
+var bigAt=[0,0];  // the map drawn large stays the one chosen when a new text's views are drawn
 function big(li,h){
-  var A=D.attention,box=document.getElementById('head-detail');box.innerHTML='';
+  var A=D.attention,box=document.getElementById('head-detail');box.innerHTML='';bigAt=[li,h];
   var sel=document.querySelectorAll('.hcell.sel');for(var i=0;i<sel.length;i++)sel[i].classList.remove('sel');
   // the outline is found from (block, head), so it always marks the map drawn large
   var cellEl=document.querySelector('.hcell[data-layer="'+A.layers[li]+'"][data-head="'+h+'"]');
