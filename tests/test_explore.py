@@ -28,6 +28,7 @@ from fastapi.testclient import TestClient
 
 from gpt2kit.serve.explore_app import create_app
 from gpt2kit.trace.explore import Explorer
+from gpt2kit.trace.report import token_text
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "When Mary and John went to the store, John gave a drink to"
@@ -112,6 +113,46 @@ def test_stage_values_are_the_trace_tensors(client, model):
     assert [q for _, q in st["next"]["top"]] == pytest.approx(want.values.tolist(), abs=1e-6)
 
 
+def _close(got, want, key: str, rel: float = 1e-4) -> None:
+    """Numbers rounded to 5 significant digits against the trace's: within half a unit of the fifth digit."""
+    got, want = torch.tensor(got, dtype=torch.float64), torch.as_tensor(want).double()
+    assert got.shape == want.shape, key
+    assert torch.allclose(got, want, rtol=rel, atol=1e-7), key
+
+
+def test_the_views_are_the_trace_views(client, model):
+    """/api/trace and /api/lens, what the page draws, against trace()'s views and tensors."""
+    import base64
+
+    tr = trace(model, Tokenizer.default(), TEXT)
+    T, nh, L = len(tr.ids), SMALL.n_head, SMALL.n_layer
+    r = client.post("/api/trace", json={"text": TEXT}).json()
+    v = r["views"]
+    assert r["ids"] == tr.ids and v["tokens"] == tr.tokens and v["lens"] is None  # the lens comes second
+    stats = tr.next_token_stats()
+    assert v["stats"]["top_ids"] == stats["top_ids"] and v["stats"]["next_rank"] == stats["next_rank"]
+    for key in ("top_probs", "surprisal_bits", "next_logprob"):
+        _close(v["stats"][key], stats[key], key)
+    dla = tr.direct_logit_attribution()
+    assert v["dla"]["labels"] == dla["labels"] and v["dla"]["tokens"] == dla["tokens"]
+    _close(v["dla"]["values"], dla["values"], "dla")
+    _close(v["dla"]["logit"], tr.logits.gather(-1, torch.tensor(dla["tokens"])[:, None])[:, 0], "logit")
+    _close(v["norms"]["values"], torch.stack([tr[f"resid.{i}"].norm(dim=-1) for i in range(L + 1)]), "norms")
+    A = v["attention"]
+    assert A["shape"] == [L, nh, T, T] and A["omitted"] == []
+    u8 = torch.frombuffer(bytearray(base64.b64decode(A["u8"])), dtype=torch.uint8).view(L, nh, T, T)
+    probs = torch.stack([tr[f"h.{i}.attn.probs"] for i in range(L)])
+    assert (u8.double() / 255 - probs.double()).abs().max() <= 0.5 / 255 + 1e-6  # the nearest of 256 levels
+    assert torch.allclose(_f32(v["sampling"]["logits"]), tr.logits[-1])
+    assert all(v["vocab"][str(i)] == token_text(tr.tokenizer, i) for i in stats["top_ids"][-1])
+    lens = client.post("/api/lens", json={"text": TEXT}).json()
+    want = tr.logit_lens(k=5)
+    assert lens["lens"]["top_ids"] == want["top_ids"] and lens["lens"]["next_rank"] == want["next_rank"]
+    _close(lens["lens"]["top_probs"], want["top_probs"], "lens")
+    _close(lens["lens"]["next_prob"], want["next_prob"], "lens next")
+    assert set(lens["vocab"]) == {str(i) for layer in want["top_ids"] for row in layer for i in row}
+
+
 def test_stage_windows_end_at_the_position(client):
     st = _stages(client, layer=0, head=0, position=12, rows=3, cols=5)
     assert st["input"]["rows"] == [10, 11, 12] and st["input"]["cols"] == [0, 1, 2, 3, 4]
@@ -120,8 +161,11 @@ def test_stage_windows_end_at_the_position(client):
 
 
 def test_generation_reuses_the_cache_and_equals_the_full_forward(client, model):
+    """A text the page has traced starts from the trace's keys and values (no forward pass of its own), one
+    it has not from a forward pass: both give the full forward's logits, and so does the step after."""
     tok = Tokenizer.default()
     ids = tok.encode(TEXT)
+    client.post("/api/trace", json={"text": TEXT})
     r = client.post("/api/gen/start", json={"text": TEXT}).json()
     assert r["cache_length"] == len(ids) and r["prompt_length"] == len(ids)
     with torch.no_grad():
@@ -137,8 +181,9 @@ def test_generation_reuses_the_cache_and_equals_the_full_forward(client, model):
     # sampled: the same seed and context draw the same token, from the kept tokens only
     settings = {"mode": "sample", "temperature": 1.5, "top_k": 3, "seed": 7}
     a = client.post("/api/gen/append", json={"session": g["session"], **settings}).json()
-    b_start = client.post("/api/gen/start", json={"text": tok.decode(g["ids"])}).json()
+    b_start = client.post("/api/gen/start", json={"text": tok.decode(g["ids"])}).json()  # not traced
     assert b_start["ids"] == g["ids"]
+    assert torch.allclose(_f32(b_start["logits"]), full2, atol=1e-4)
     b = client.post("/api/gen/append", json={"session": b_start["session"], **settings}).json()
     assert a["appended"] == b["appended"] and a["appended"] in full2.topk(3).indices.tolist()
     assert a["cache_length"] == len(ids) + 2
@@ -173,7 +218,7 @@ def test_a_text_too_big_to_record_says_to_shorten_it(model, monkeypatch):
     monkeypatch.setattr(record, "DEFAULT_MAX_BYTES", 2**20)
     ex = Explorer(model, Tokenizer.default())
     with pytest.raises(ValueError, match=r"for 14 tokens needs ~\d+ MiB, over the limit of 1 MiB: use a shorter text"):
-        ex.report(TEXT)
+        ex.views(TEXT)
 
 
 def test_a_full_context_says_so(model):
@@ -321,13 +366,17 @@ def test_cli_explore_serves_on_loopback_and_stops(model_dir, tmp_path):
 def test_docs_explore_md_runs_as_written(tmp_path):
     """Every block of docs/explore.md in order: python files (first line `# NAME.py`) are written, other
     python blocks and bash blocks run (gpt2kit as `python -m gpt2kit`) and each text block after one is its
-    output; the block marked `<!-- server ... -->` is started on a free port, its page fetched, then stopped."""
+    output; the block marked `<!-- server ... -->` is started on a free port, its page fetched, then stopped;
+    one marked `<!-- skip: REASON -->` is not run here (the benchmark: its own test runs it small)."""
     import httpx
 
     doc = (ROOT / "docs" / "explore.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"(<!-- server[^>]*-->\n)?```(\w+)\n(.*?)```", doc, flags=re.S)
-    last_out, ran, compared, server = None, 0, 0, 0
+    blocks = re.findall(r"(<!-- (?:server|skip:)[^>]*-->\n)?```(\w+)\n(.*?)```", doc, flags=re.S)
+    last_out, ran, compared, server, skipped = None, 0, 0, 0, 0
     for marker, lang, body in blocks:
+        if marker.startswith("<!-- skip:"):
+            last_out, skipped = None, skipped + 1
+            continue
         if lang == "python" and (m := re.match(r"# (\S+\.py)\n", body)):
             (tmp_path / m.group(1)).write_text(body, encoding="utf-8")
             continue
@@ -350,5 +399,5 @@ def test_docs_explore_md_runs_as_written(tmp_path):
         elif lang == "text" and last_out is not None:
             assert body.strip() == last_out.strip()
             last_out, compared = None, compared + 1
-    assert ran == 4 and compared == 2 and server == 1
+    assert ran == 4 and compared == 2 and server == 1 and skipped == 1
     assert (tmp_path / "report.html").stat().st_size > 0

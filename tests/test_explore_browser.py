@@ -9,6 +9,7 @@ Skips where Chromium or Playwright is missing (`apt-get install chromium`, `pip 
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import threading
 import time
@@ -21,6 +22,7 @@ from gpt2kit.sampling.sampler import row_generator, sample, warp
 from gpt2kit.sampling.settings import SamplingSettings
 from gpt2kit.tokenizer import Tokenizer
 from gpt2kit.trace import trace
+from gpt2kit.trace.report import token_text
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium installed (apt-get install chromium)")
@@ -174,10 +176,36 @@ def test_explore_end_to_end(model):
         frame = page.frame_locator("#report")
         assert frame.locator("#panel-tokens span.tok").count() == T + 1
         assert frame.locator("#panel-sample #samp-top tr").count() == 11
+        _check_views(page, frame, tr)
         assert page.inner_text("#js-errors").strip() == ""
     port = url.split(":")[2].rstrip("/")
     outside = [r for r in requests if not r.startswith((f"http://127.0.0.1:{port}/", "about:", "data:"))]
     assert outside == [] and len(requests) >= 8
+
+
+def _check_views(page, frame, tr) -> None:
+    """The views on screen are trace()'s: every logit-lens cell's five tokens, their probabilities (as
+    shown, 0 or 1 decimals) and the next token's rank; the attributed logit at the last position."""
+    T, L = len(tr.ids), tr.config.n_layer
+    page.wait_for_function("n => { const f = document.getElementById('report').contentDocument; "
+                           "return document.body.hasAttribute('data-lens') && "
+                           "f.querySelectorAll('#lens tr:first-child th').length === n; }", arg=T + 1)
+    titles = frame.locator("#lens td").evaluate_all("tds => tds.map(td => td.title)")
+    assert len(titles) == (L + 1) * T
+    want = tr.logit_lens(k=5)
+    for n, title in enumerate(titles):
+        layer, t = L - n // T, n % T  # rows from the last layer down
+        lines = title.split("\n")
+        assert lines[0] == f"layer {layer}, position {t}"
+        for k, line in enumerate(lines[1:6]):
+            shown, name = line.split(" ", 1)
+            assert name == json.dumps(token_text(tr.tokenizer, want["top_ids"][layer][t][k]), ensure_ascii=False)
+            assert abs(float(shown.rstrip("%")) - 100 * want["top_probs"][layer][t][k]) <= 0.5 + 1e-9
+        if t < T - 1:
+            assert lines[6].endswith(f"rank {want['next_rank'][layer][t]}")
+    text = frame.locator("#dla p.help").inner_text()
+    logit = float(text.split(" = ")[1].split(" ")[0])
+    assert logit == pytest.approx(float(tr.logits[-1].max()), rel=1e-4, abs=1e-4)
 
 
 def test_explore_fits_a_phone(model):

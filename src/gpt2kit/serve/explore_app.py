@@ -97,9 +97,14 @@ def _routes(app: FastAPI, ex: Explorer) -> None:
     def info():
         return ex.info()
 
+    # Returned as responses, so FastAPI's encoder does not walk the views' many numbers one by one.
     @app.post("/api/trace")
     def trace_route(body: _Text):
-        return _answer(lambda: ex.report(body.text), "text")
+        return _answer(lambda: JSONResponse(ex.views(body.text)), "text")
+
+    @app.post("/api/lens")
+    def lens_route(body: _Text):
+        return _answer(lambda: JSONResponse(ex.lens(body.text)), "text")
 
     @app.post("/api/stages")
     def stages_route(body: _Stages):

@@ -2,15 +2,20 @@
 
 The page (assets/explore.html, .css, .js and the sampling code it shares with the static report)
 is served by the app itself and fetches nothing else, so it works offline. Its numbers come from
-gpt2kit.trace: the views are the trace's report (render_html) of the typed text, the block stepper
+gpt2kit.trace: the views are the trace's report page, drawn in the page from the same data the static
+report holds (gpt2kit.trace.report.page_data: the numbers rounded to 5 significant digits, attention
+as uint8), sent as JSON for each text; the logit lens, most of the work, comes in a second request so
+the other views appear without waiting for it. The block stepper
 reads the same Trace (gpt2kit.trace.stages), and generation runs the model with a KVCache, one
-token per step at the position the cache's length gives. One lock serialises every use of the
+token per step at the position the cache's length gives (a traced text's cache starts from the keys
+and values its trace recorded). One lock serialises every use of the
 model: the trace's hooks sit on the model's own modules while it records.
 
 Routes (gpt2kit.serve.explore_app; JSON in and out, a bad value is a 400 naming it):
   GET  /                 the page
   GET  /api/info         the model's name and shape
-  POST /api/trace        {text} -> ids, tokens and the report's HTML
+  POST /api/trace        {text} -> ids, tokens and the views' data (page_data, the logit lens left out)
+  POST /api/lens         {text} -> the logit lens and the names of its tokens (report.lens_data)
   POST /api/stages       {text, layer, head, position, rows, cols} -> gpt2kit.trace.stages.block_stages
   POST /api/gen/start    {text} -> a generation session: the last position's logits (float32, base64)
   POST /api/gen/append   {session, mode: greedy | sample, temperature, top_k, top_p, min_p, seed}
@@ -25,7 +30,7 @@ from collections import OrderedDict
 
 import torch
 
-from gpt2kit.trace.report import asset, b64_f32, fill_page, token_text
+from gpt2kit.trace.report import asset, b64_f32, fill_page, lens_data, page_data, token_text, views_page
 
 MAX_SESSIONS = 4  # generation sessions kept (each holds a KV cache of n_ctx positions); the oldest goes
 TOP_SENT = 50  # tokens named with each distribution: the shown top 10 always come from the raw top 10
@@ -79,10 +84,15 @@ class Explorer:
             self._last = (tuple(ids), trace(self.model, self.tokenizer, ids, name=self.name))
         return self._last[1]
 
-    def report(self, text: str) -> dict:
+    def views(self, text: str) -> dict:
+        """The views of the text but the logit lens: what report.js's render draws."""
         with self.lock:
             tr = self.trace(text)
-            return {"ids": tr.ids, "tokens": tr.tokens, "html": tr.to_html()}
+            return {"ids": tr.ids, "tokens": tr.tokens, "views": page_data(tr, lens=False)}
+
+    def lens(self, text: str) -> dict:
+        with self.lock:
+            return lens_data(self.trace(text))
 
     def stages(self, text: str, layer: int, head: int, position: int, rows: int, cols: int) -> dict:
         from gpt2kit.trace.stages import block_stages
@@ -109,15 +119,34 @@ class Explorer:
 
         ids = self.ids(text)
         with self.lock:
-            cache = KVCache.for_model(self.model, 1, self.config.n_ctx)
-            idx = torch.tensor([ids], device=self.model.wpe.weight.device)
-            logits = self.model(idx, cache=cache).logits[0, -1].float()  # (V,): the last position's
+            got = self._recorded(ids)
+            if got is None:
+                cache = KVCache.for_model(self.model, 1, self.config.n_ctx)
+                idx = torch.tensor([ids], device=self.model.wpe.weight.device)
+                got = cache, self.model(idx, cache=cache).logits[0, -1].float()  # (V,): the last position's
+            cache, logits = got
             sid = secrets.token_hex(8)
             s = {"ids": list(ids), "prompt_length": len(ids), "cache": cache}
             self.sessions[sid] = s
             while len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
             return self._state(sid, s, logits)
+
+    def _recorded(self, ids: list[int]):
+        """(a KV cache, the last position's logits) from the kept trace when it is of these ids: the page
+        traces a text before it generates from it, and the trace recorded every block's keys and values."""
+        from gpt2kit.kv_cache import KVCache
+
+        if self._last is None or self._last[0] != tuple(ids):
+            return None
+        tr, L = self._last[1], self.config.n_layer
+        if any(f"h.{i}.attn.{x}" not in tr.tensors for i in range(L) for x in "kv"):
+            return None
+        p = self.model.wpe.weight
+        kv = [torch.stack([tr[f"h.{i}.attn.k"], tr[f"h.{i}.attn.v"]]) for i in range(L)]  # L x (2, nh, T, hs)
+        present = torch.stack(kv)  # (L, 2, nh, T, hs)
+        cache = KVCache.from_present(present[None].to(p.device, p.dtype), self.config.n_ctx)
+        return cache, tr.logits[-1].float()
 
     @torch.no_grad()
     def gen_append(self, sid: str, mode: str, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -182,6 +211,8 @@ class Explorer:
 
 
 def page(ex: Explorer) -> str:
-    """The one page: its CSS and scripts inline, the model's shape as data."""
+    """The one page: its CSS and scripts inline, the model's shape and the views' page (the report's,
+    without data; its frame draws each text's views) as data."""
+    data = {**ex.info(), "views_page": views_page(f"gpt2kit trace — {ex.name or 'model'}")}
     return fill_page(asset("explore.html"), f"gpt2kit explore — {ex.name or 'model'}", asset("explore.css"),
-                     asset("sampling.js") + asset("explore.js"), ex.info())
+                     asset("sampling.js") + asset("explore.js"), data)

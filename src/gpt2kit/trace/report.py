@@ -141,13 +141,14 @@ def _attention(tr, encoding: str | None) -> dict | None:
     return out
 
 
-def report_data(tr, *, attention_encoding: str | None = "list", position: int = -1) -> dict:
-    """Everything the report shows, as plain JSON-able data."""
+def report_data(tr, *, attention_encoding: str | None = "list", position: int = -1, lens: bool = True) -> dict:
+    """Everything the report shows, as plain JSON-able data; lens=False leaves the logit lens out (None:
+    the unembedding of every layer is most of the work, so `gpt2kit explore` sends it second)."""
     cfg, T = tr.config, len(tr.ids)
     data: dict = {
         "model": tr.name, "config": {k: getattr(cfg, k) for k in ("n_vocab", "n_ctx", "n_embd", "n_head", "n_layer")},
         "ids": tr.ids, "tokens": tr.tokens, "shapes": {k: list(v) for k, v in tr.shapes().items()},
-        "stats": tr.next_token_stats(), "lens": tr.logit_lens(k=5),
+        "stats": tr.next_token_stats(), "lens": tr.logit_lens(k=5) if lens else None,
         "norms": {"layers": lens_layers(tr), "values": tr.residual_norms().tolist()},
         "attention": _attention(tr, attention_encoding), "walk": walkthrough(tr, position % T),
         "walk_position": position % T,
@@ -165,14 +166,10 @@ def report_data(tr, *, attention_encoding: str | None = "list", position: int = 
     if tr.clean is not None:
         data["intervention"] = {**tr.intervention_effect(), "clean_lens": tr.clean_logit_lens(k=5)}
         used.update(i for i, _, _ in data["intervention"]["last"])
-        for layer in data["intervention"]["clean_lens"]["top_ids"]:
-            for rows in layer:
-                used.update(rows)
+        used.update(lens_ids(data["intervention"]["clean_lens"]))
     for rows in data["stats"]["top_ids"]:
         used.update(rows)
-    for layer in data["lens"]["top_ids"]:
-        for rows in layer:
-            used.update(rows)
+    used.update(lens_ids(data["lens"]))
     if "tokens" in data["dla"]:
         used.update(data["dla"]["tokens"])
     for step in data["walk"]:
@@ -181,6 +178,11 @@ def report_data(tr, *, attention_encoding: str | None = "list", position: int = 
         used.update(t for t in (tr.patching.answer, tr.patching.foil) if t is not None)
     data["vocab"] = {str(i): _token_text(tr, i) for i in sorted(used)}
     return data
+
+
+def lens_ids(lens: dict | None) -> set[int]:
+    """The token ids a logit lens names."""
+    return set() if lens is None else {i for layer in lens["top_ids"] for rows in layer for i in rows}
 
 
 def token_text(tokenizer, i: int) -> str:
@@ -245,8 +247,29 @@ def fill_page(template: str, title: str, css: str, js: str, data) -> str:
     return re.sub(r"__(TITLE|CSS|JS|DATA)__", lambda m: fill[m.group(1)], template)
 
 
-def render_html(tr) -> str:
-    data = _round_tree(report_data(tr, attention_encoding="u8"))
+def page_data(tr, *, lens: bool = True) -> dict:
+    """What the page's script draws (report.js's render): report_data with the attention maps as uint8,
+    the numbers rounded to 5 significant digits, and the sampling panel's float32 logits."""
+    data = _round_tree(report_data(tr, attention_encoding="u8", lens=lens))
     data["sampling"] = sampling_data(tr)  # after rounding: the logits stay float32
-    return fill_page(_template(data), f"gpt2kit trace — {tr.name or 'model'} — {len(tr.ids)} tokens",
-                     asset("report.css"), asset("sampling.js") + asset("report.js"), data)
+    return data
+
+
+def lens_data(tr) -> dict:
+    """The logit lens alone, rounded as page_data rounds it, with the names of the tokens it shows."""
+    lens = _round_tree(tr.logit_lens(k=5))
+    return {"lens": lens, "vocab": {str(i): _token_text(tr, i) for i in sorted(lens_ids(lens))}}
+
+
+def _page(data: dict | None, title: str) -> str:
+    return fill_page(_template(data or {key: None for _, key in _OPTIONAL_PANELS}), title, asset("report.css"),
+                     asset("sampling.js") + asset("report.js"), data)
+
+
+def render_html(tr) -> str:
+    return _page(page_data(tr), f"gpt2kit trace — {tr.name or 'model'} — {len(tr.ids)} tokens")
+
+
+def views_page(title: str) -> str:
+    """The report page with no data: its script draws what GPT2Report.render(data) is given (page_data)."""
+    return _page(None, title)

@@ -28,23 +28,34 @@ fillSelect($('step-layer'),C.n_layer);fillSelect($('step-head'),C.n_head);
 fillSelect($('iv-layer'),C.n_layer);fillSelect($('iv-head'),C.n_head);
 $('iv-name').value='h.'+Math.floor(C.n_layer/2)+'.resid';
 
-// --- the text and the report ------------------------------------------------------------------
-var text='',tokens=[],rows=4,cols=8,runs=0,stageRuns=0;
+// --- the text and the views ---------------------------------------------------------------------
+// The frame holds the report's page once; each text's views arrive as data and its script draws them
+// (GPT2Report.render), the logit lens (most of the server's work) in a request of its own.
+var text='',tokens=[],rows=4,cols=8,runs=0,stageRuns=0,frame=$('report');
+var framed=new Promise(function(res){frame.onload=res;});
+frame.srcdoc=D.views_page;
+function fit(){try{frame.style.height=(frame.contentDocument.documentElement.scrollHeight+20)+'px';}
+  catch(e){report('report: '+e);}}
+var frameErrors=0;  // how much of the frame's error box has been passed on to this page's
+function draw(fn){var w=frame.contentWindow;fn(w.GPT2Report);fit();
+  var e=w.document.getElementById('js-errors').textContent;
+  if(e.length>frameErrors){report('report: '+e.slice(frameErrors));frameErrors=e.length;}}
 function run(){
   var mine=++runs;  // an older run's answer arriving after a newer one is dropped
   text=$('text').value;$('error').hidden=true;$('status').textContent='running\u2026';
-  return post('/api/trace',{text:text}).then(function(r){
-    if(mine!==runs)return;
+  return Promise.all([post('/api/trace',{text:text}),framed]).then(function(got){
+    var r=got[0];if(mine!==runs)return;
     tokens=r.tokens;$('count').textContent=r.ids.length+' of '+C.n_ctx+' tokens';
-    var f=$('report');f.onload=function(){try{f.style.height=(f.contentDocument.documentElement.scrollHeight+20)+'px';}
-      catch(e){report('report: '+e);}done('report');};
-    f.srcdoc=r.html;
+    draw(function(g){g.render(r.views);});done('report');
     fillSelect($('step-pos'),tokens.length,function(t){return t+' '+JSON.stringify(show(tokens[t]));});
     if(+$('step-pos').value!==tokens.length-1&&!stepPosChosen)$('step-pos').value=String(tokens.length-1);
     $('status').textContent='';done('trace');
-    return Promise.all([stages(),genStart(),intervene()]);
+    // the lens last: the server takes one request at a time, and the panels above wait for none of it
+    return Promise.all([stages(),genStart(),intervene()]).then(function(){return lens(mine);});
   }).catch(fail);
 }
+function lens(mine){return post('/api/lens',{text:text}).then(function(r){
+  if(mine!==runs)return;draw(function(g){g.lens(r);});done('lens');});}
 var timer=null;
 $('text').addEventListener('input',function(){clearTimeout(timer);timer=setTimeout(run,500);});
 $('run').addEventListener('click',run);

@@ -4,8 +4,8 @@ var errs=document.getElementById('js-errors');
 function report(msg){errs.textContent+=msg+'\n';}
 window.addEventListener('error',function(e){report('error: '+e.message+' at '+(e.lineno||'?'));});
 window.addEventListener('unhandledrejection',function(e){report('unhandled rejection: '+e.reason);});
-var D=JSON.parse(document.getElementById('trace-data').textContent);
-var T=D.ids.length;
+// D: what render(data) was last given (report.page_data); T its number of tokens
+var D=null,T=0;
 function tok(i){var s=D.vocab[String(i)];return s===undefined?'<'+i+'>':s;}
 function show(s){return s.replace(/\n/g,'\u21b5').replace(/\t/g,'\u21e5');}
 // a label cut to n characters says so (the whole text is in the cell's title)
@@ -21,7 +21,8 @@ function tipAt(e,text){tip.textContent=text;tip.style.display='block';
 function tipOff(){tip.style.display='none';}
 
 function summary(){
-  var c=D.config,S=D.stats,m=S.mean_surprisal_bits,bad=[];
+  var c=D.config,S=D.stats,m=S.mean_surprisal_bits,bad=[],old=document.getElementById('nonfinite');
+  if(old)old.parentNode.removeChild(old);
   for(var t=0;t<T;t++)if(!S.finite_logits[t])bad.push(t);
   document.getElementById('summary').textContent=(D.model?D.model+' \u2014 ':'')+'L='+c.n_layer+' layers, '+
     c.n_head+' heads, C='+c.n_embd+', V='+c.n_vocab+'; '+T+' tokens'+
@@ -34,7 +35,7 @@ function summary(){
 }
 
 function tokens(){
-  var strip=document.getElementById('strip'),S=D.stats;
+  var strip=document.getElementById('strip'),S=D.stats;strip.innerHTML='';tipOff();
   for(var t=0;t<=T;t++){
     var last=(t===T),span=el('span',{'class':'tok'},last?' \u25b8 next':show(D.tokens[t]));
     var bits=(t>=1&&!last)?S.surprisal_bits[t-1]:null,bad=t>=1&&!S.finite_logits[t-1];
@@ -70,7 +71,8 @@ function paint(canvas,m,cell){var ctx=canvas.getContext('2d'),img=ctx.createImag
   var tmp=document.createElement('canvas');tmp.width=T;tmp.height=T;tmp.getContext('2d').putImageData(img,0,0);
   return tmp;}
 function heads(){
-  var box=document.getElementById('heads'),A=D.attention;
+  var box=document.getElementById('heads'),A=D.attention,old=document.getElementById('heads-omitted');
+  box.innerHTML='';document.getElementById('head-detail').innerHTML='';if(old)old.parentNode.removeChild(old);
   if(!A){box.textContent='No attention probabilities were recorded (trace with what including probs).';return;}
   if(A.u8)ATT=b64u8(A.u8);
   var nL=A.shape[0],nh=A.shape[1],S=A.summary;
@@ -88,12 +90,13 @@ function heads(){
         ', induction '+(ind!==null?fmt(ind,3):'n/a (no repeated token)');
       (function(li,h,cell){cell.addEventListener('click',function(){big(li,h);});})(li,h2,cell);
       box.appendChild(cell);}}
-  if(A.omitted&&A.omitted.length)box.parentNode.insertBefore(el('p',{'class':'help'},'Blocks '+A.omitted.join(', ')+
+  if(A.omitted&&A.omitted.length)box.parentNode.insertBefore(el('p',{'class':'help',id:'heads-omitted'},'Blocks '+A.omitted.join(', ')+
     ' left out to keep the file small; trace fewer tokens or pick them with --layers.'),box.nextSibling);
-  big(0,0);
+  big(Math.min(bigAt[0],nL-1),Math.min(bigAt[1],nh-1));
 }
+var bigAt=[0,0];  // the map drawn large stays the one chosen when a new text's views are drawn
 function big(li,h){
-  var A=D.attention,box=document.getElementById('head-detail');box.innerHTML='';
+  var A=D.attention,box=document.getElementById('head-detail');box.innerHTML='';bigAt=[li,h];
   var sel=document.querySelectorAll('.hcell.sel');for(var i=0;i<sel.length;i++)sel[i].classList.remove('sel');
   // the outline is found from (block, head), so it always marks the map drawn large
   var cellEl=document.querySelector('.hcell[data-layer="'+A.layers[li]+'"][data-head="'+h+'"]');
@@ -114,7 +117,9 @@ function big(li,h){
   box.appendChild(c);
 }
 
-function lens(){lensTable(D.lens,document.getElementById('lens'));}
+function lens(){var box=document.getElementById('lens');box.innerHTML='';
+  if(!D.lens){box.textContent='computing the logit lens\u2026';return;}
+  lensTable(D.lens,box);}
 function lensTable(Ls,box){
   var tbl=el('table',{'class':'lens'}),hr=el('tr');
   hr.appendChild(el('th',null,'layer'));
@@ -136,7 +141,8 @@ function lensTable(Ls,box){
 
 function dla(){
   var d=D.dla,box=document.getElementById('dla'),sel=document.getElementById('dla-pos');
-  if(d.unavailable){box.textContent=d.unavailable;sel.disabled=true;return;}
+  sel.innerHTML='';sel.disabled=!!d.unavailable;
+  if(d.unavailable){box.textContent=d.unavailable;return;}
   for(var t=0;t<T;t++){var o=el('option',{value:t},t+': '+show(D.tokens[t]).slice(0,16)+' \u2192 '+show(tok(d.tokens[t])).slice(0,16)+
     (t===T-1?' (top-1)':''));sel.appendChild(o);}
   sel.value=String(T-1);
@@ -162,7 +168,7 @@ function dla(){
         tr.appendChild(f);}
       row.appendChild(tr);row.appendChild(el('span',{'class':'num'},all[b2][1]===null?'':fmt(all[b2][1],3)));box.appendChild(row);}
   }
-  sel.addEventListener('change',draw);draw();
+  sel.onchange=draw;draw();
 }
 
 function norms(){
@@ -184,7 +190,7 @@ function norms(){
 }
 
 function patch(){
-  var P=D.patching,box=document.getElementById('patch');
+  var P=D.patching,box=document.getElementById('patch');box.innerHTML='';
   if(!P){box.appendChild(el('p',{'class':'help'},'No comparison text was given (gpt2kit trace --compare TEXT or --pairs FILE, '+
     'or trace(..., patch_from=...)).'));return;}
   var what={resid:'one residual vector H(l)[p]',attn:'one block\u2019s attention output at one position',
@@ -234,6 +240,7 @@ function patchGrid(P,V,frac,id,spread){
 function intervene(){
   var I=D.intervention,box=document.getElementById('intervene');
   if(!I)return;  // the page has no such panel
+  box.innerHTML='';
   document.getElementById('summary').textContent+=' \u2014 every panel shows the INTERVENED run; clean vs intervened below.';
   var ul=el('ul');for(var i=0;i<I.interventions.length;i++)ul.appendChild(el('li',null,I.interventions[i]));box.appendChild(ul);
   box.appendChild(el('p',{'class':'help'},'Next-token distribution after the last token, clean vs intervened (the union of '+
@@ -260,6 +267,7 @@ function intervene(){
 function sae(){
   var S=D.sae,box=document.getElementById('sae');
   if(!S)return;  // the page has no such panel
+  box.innerHTML='';
   var l0=0;for(var i=0;i<S.l0.length;i++)l0+=S.l0[i];
   box.appendChild(el('p',{'class':'help',id:'sae-summary'},S.architecture+' SAE, '+S.d_sae+' features, read at '+S.hook_name+
     ' (= '+S.name+(S.centred?', each position centred: its mean over the width removed, as the SAE\u2019s cfg.json asks':'')+
@@ -279,14 +287,15 @@ function sae(){
   var w=el('div',{'class':'scroll'});w.appendChild(tbl);box.appendChild(w);
 }
 
+var samplingWidget=null;  // made once: the sliders keep their settings from one text to the next
 function sampling(){
   var G=D.sampling;if(!G)return;
-  var w=GPT2Sampling.widget(document.getElementById('sample'),'samp-');
-  w.set(GPT2Sampling.b64f32(G.logits),function(i){var s=G.vocab[String(i)];return s===undefined?tok(i):s;});
+  if(!samplingWidget)samplingWidget=GPT2Sampling.widget(document.getElementById('sample'),'samp-');
+  samplingWidget.set(GPT2Sampling.b64f32(G.logits),function(i){var s=G.vocab[String(i)];return s===undefined?tok(i):s;});
 }
 
 function walk(){
-  var box=document.getElementById('walk'),cur=null,block=-2;
+  var box=document.getElementById('walk'),cur=null,block=-2;box.innerHTML='';
   document.getElementById('walk-pos').textContent=D.walk_position+' ('+JSON.stringify(D.tokens[D.walk_position])+')';
   for(var i=0;i<D.walk.length;i++){var s=D.walk[i];
     if(s.block!==block){block=s.block;
@@ -308,6 +317,16 @@ function walk(){
 
 var panels=[['summary',summary],['tokens',tokens],['heads',heads],['lens',lens],['dla',dla],['norms',norms],
   ['patch',patch],['sampling',sampling],['intervene',intervene],['sae',sae],['walk',walk]];
-for(var i=0;i<panels.length;i++){try{panels[i][1]();}catch(e){report(panels[i][0]+': '+(e&&e.stack||e));}}
-document.body.setAttribute('data-rendered',errs.textContent?'with-errors':'ok');
+function draw(name,fn){try{fn();}catch(e){report(name+': '+(e&&e.stack||e));}}
+// Every panel drawn from data (report.page_data); a page made without data (report.views_page) waits for it.
+function render(data){
+  D=data;T=D.ids.length;
+  for(var i=0;i<panels.length;i++)draw(panels[i][0],panels[i][1]);
+  document.body.setAttribute('data-rendered',errs.textContent?'with-errors':'ok');
+}
+// The logit lens sent after the rest (report.lens_data): its panel, and the names of the tokens it shows.
+function showLens(data){for(var k in data.vocab)D.vocab[k]=data.vocab[k];D.lens=data.lens;draw('lens',lens);}
+window.GPT2Report={render:render,lens:showLens};
+var first=JSON.parse(document.getElementById('trace-data').textContent);
+if(first)render(first);
 })();
