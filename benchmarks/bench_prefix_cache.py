@@ -23,11 +23,11 @@ import time
 import torch
 
 from gpt2kit.config import GPT2Config
-from gpt2kit.engine.routing import serve_engine
 from gpt2kit.machine import describe_cpu
 from gpt2kit.model import GPT2
 from gpt2kit.prefix_cache import PrefixCache
 from gpt2kit.sampling import SamplingSettings
+from gpt2kit.serve.engine import serve_engine
 
 GREEDY = SamplingSettings(temperature=0, max_new_tokens=1, stop_token_ids=())
 

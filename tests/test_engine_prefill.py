@@ -10,10 +10,10 @@ from helpers import SMALL, varied_model
 
 from gpt2kit.decode import decode_tokens
 from gpt2kit.engine import Engine
-from gpt2kit.engine.routing import serve_engine
 from gpt2kit.engine.scheduler import DEFAULT_PREFILL_CHUNK
 from gpt2kit.generation import generate
 from gpt2kit.sampling import SamplingSettings
+from gpt2kit.serve.engine import serve_engine
 from gpt2kit.serve.options import ServeOptions
 
 RUN = SamplingSettings(temperature=0, max_new_tokens=30, stop_token_ids=())

@@ -58,8 +58,9 @@ def test_speculating_server_answers_what_the_plain_engine_gives(dirs, opts):
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 10, "n": 2,
                                                       "use_beam_search": True, "temperature": 0}, timeout=120)
         assert [c["text"] for c in r.json()["choices"]] == [b.text for b in beams]
-        spec = app.state.server.engine_loop.engine.spec
-        assert spec.n_running == 0 and not spec.has_work and spec.drafted > 0 and 0 <= spec.accepted <= spec.drafted
+        engine = app.state.server.engine_loop.engine
+        spec = engine.spec  # the one engine's speculating rows
+        assert engine.n_running == 0 and not engine.has_work and spec.drafted > 0 and 0 <= spec.accepted <= spec.drafted
 
 
 def test_server_refuses_both_or_bad_counts():
@@ -76,11 +77,11 @@ def test_a_failing_draft_fails_its_requests_alone_and_promptly(dirs, monkeypatch
     import re
     from concurrent.futures import ThreadPoolExecutor
 
-    from gpt2kit.engine import speculative
+    from gpt2kit.engine import speculate
 
     short = tmp_path / "short"
     save_model(varied_model(CFG.replace(n_ctx=32), seed=4), short)
-    monkeypatch.setattr(speculative, "check_draft_model", lambda *a: None)
+    monkeypatch.setattr(speculate, "check_draft_model", lambda *a: None)
     model, tok = load_model(dirs["target"]), load_tokenizer(dirs["target"])
     sampled = [dict(max_tokens=30, temperature=0.9, seed=s) for s in (5, 6)]
     want = [generate(model, [PROMPTS[0]], SamplingSettings(max_new_tokens=30, temperature=0.9, seed=kw["seed"]),
@@ -103,4 +104,4 @@ def test_a_failing_draft_fails_its_requests_alone_and_promptly(dirs, monkeypatch
                   for name in ("gpt2kit_batch_size", "gpt2kit_queue_length")}
         assert counts == {"gpt2kit_batch_size": 0.0, "gpt2kit_queue_length": 0.0}
         engine = app.state.server.engine_loop.engine
-        assert not engine.spec.has_work and not engine.plain.has_work
+        assert not engine.has_work and not engine.spec.rows

@@ -218,40 +218,43 @@ SHORT = GPT2Config(n_vocab=50257, n_ctx=32, n_embd=32, n_head=4, n_layer=2)
 
 
 def test_a_draft_with_a_shorter_context_is_refused_naming_both_contexts(target):
-    from gpt2kit.engine.speculative import SpeculativeEngine, check_draft_model
+    from gpt2kit.engine import Engine
+    from gpt2kit.engine.speculate import Proposer, check_draft_model
 
     short = varied_model(SHORT, seed=1)
     needle = "has a context of n_ctx=32, shorter than the target's n_ctx=256"
     with pytest.raises(ValueError, match=f"the draft model {needle}"):
         generate(target, PROMPTS, _greedy(5), draft_model=short)  # before any row runs, not at its first step
     with pytest.raises(ValueError, match=needle):
-        SpeculativeEngine(target, draft=short)
+        Engine(target, proposer=Proposer(short))
     with pytest.raises(ValueError, match=f"the draft model gpt2-short {needle}"):
         check_draft_model(target, short, "gpt2-short")
     check_draft_model(short, target)  # a draft with a longer context than its target drafts
 
 
-def test_every_engine_is_the_declared_engine_interface(target, monkeypatch):
+def test_the_engine_decides_once_which_rows_speculate(target, monkeypatch):
+    """One engine with a proposer is the declared interface; its greedy rows speculate, its beams,
+    leases, sampled rows (a greedy-only proposer) and rows whose drafts would not fit do not."""
     from gpt2kit.engine import EngineInterface
-    from gpt2kit.engine.speculative import SpeculativeEngine
 
-    routed = _engines(target, varied_model(CTX, seed=1), monkeypatch)
-    assert all(isinstance(e, EngineInterface) for e in (routed, routed.plain, routed.spec))
+    engine = _engine(target, varied_model(CTX, seed=1), monkeypatch, max_batch=4)
+    assert isinstance(engine, EngineInterface)
     s = SamplingSettings(max_new_tokens=4, num_beams=2)
-    assert len(routed.new_beam_rows([1, 2], s)) == 2  # beams and leases are the plain engine's
-    for make in (SpeculativeEngine(target).new_beam_rows, SpeculativeEngine(target).new_lease):
-        with pytest.raises(ValueError, match="plain engine"):
-            make([1, 2], s)
+    beams = engine.new_beam_rows([1, 2], s)
+    assert len(beams) == 2 and not any(r.speculate for r in beams)  # beams and leases decode as always
+    assert not engine.new_lease([1, 2], _greedy(4)).speculate
+    assert engine.new_row([1, 2], _greedy(4)).speculate
+    assert not engine.new_row([1, 2], SamplingSettings(max_new_tokens=4, temperature=0.9), seed=1).speculate
+    assert not engine.new_row([1] * 60, _greedy(CTX.n_ctx - 63)).speculate  # + 4 drafts: past n_ctx
 
 
-def _engines(target, draft, monkeypatch):
-    """A RoutedEngine of a plain and a speculative engine on target with draft, its start-up check
-    bypassed (what the engines do when drafting itself fails)."""
-    from gpt2kit.engine import Engine, speculative
-    from gpt2kit.engine.routing import RoutedEngine
+def _engine(target, draft, monkeypatch, max_batch=None):
+    """An engine on target whose greedy rows speculate with draft (4 tokens a step, as a server's),
+    its start-up check bypassed (what the engine does when drafting itself fails)."""
+    from gpt2kit.engine import Engine, speculate
 
-    monkeypatch.setattr(speculative, "check_draft_model", lambda *a: None)
-    return RoutedEngine(Engine(target), speculative.SpeculativeEngine(target, draft=draft), 4)
+    monkeypatch.setattr(speculate, "check_draft_model", lambda *a: None)
+    return Engine(target, max_batch=max_batch, proposer=speculate.Proposer(draft, 4, sampled=False))
 
 
 def _drain(engine, rows, joins=(), steps=200):
@@ -296,7 +299,7 @@ def _assert_failed_once(events, rows, needle):
 def test_a_speculative_admission_that_fails_fails_its_rows_alone(target, monkeypatch):
     """A draft whose cache cannot be had (its context too short, the check bypassed): the greedy
     rows it takes fail with an event each; the plain rows beside them finish with their own tokens."""
-    engine = _engines(target, varied_model(SHORT, seed=1), monkeypatch)
+    engine = _engine(target, varied_model(SHORT, seed=1), monkeypatch)
     plain, want = _plain_rows(engine, target)
     spec = [engine.new_row(p, _greedy(12)) for p in PROMPTS[2:]]
     events = _drain(engine, plain, spec)
@@ -305,18 +308,18 @@ def test_a_speculative_admission_that_fails_fails_its_rows_alone(target, monkeyp
 
 
 def test_rows_joining_running_speculative_rows_fail_alone_when_their_prefill_raises(target, monkeypatch):
-    from gpt2kit.engine import speculative
+    from gpt2kit.engine import Engine, speculate
 
-    real, calls = speculative._prefill_rows, []
+    real, calls = speculate.prefill_draft, []
 
-    def second_fails(engine, rows, M):
-        calls.append(rows)
+    def second_fails(spec, pool, joining):
+        calls.append(joining)
         if len(calls) == 2:
             raise RuntimeError("no memory for the joining rows' cache")
-        return real(engine, rows, M)
+        return real(spec, pool, joining)
 
-    monkeypatch.setattr(speculative, "_prefill_rows", second_fails)
-    engine = speculative.SpeculativeEngine(target, draft=varied_model(CTX, seed=1))
+    monkeypatch.setattr(speculate, "prefill_draft", second_fails)
+    engine = Engine(target, proposer=speculate.Proposer(varied_model(CTX, seed=1)))
     first = [engine.new_row(p, _greedy(20)) for p in PROMPTS[:2]]
     late = [engine.new_row(p, _greedy(20)) for p in PROMPTS[2:]]
     events = _drain(engine, first, late)
@@ -324,27 +327,25 @@ def test_rows_joining_running_speculative_rows_fail_alone_when_their_prefill_rai
     _assert_finished_alone(events, first, [generate(target, [p], _greedy(20))[0].tokens for p in PROMPTS[:2]])
 
 
-@pytest.mark.parametrize("failing", ["spec", "plain"])
-def test_an_engine_whose_step_raises_fails_its_own_rows_and_keeps_the_others_events(target, monkeypatch, failing):
-    """One of a RoutedEngine's engines raises at its second step: its rows (running and waiting)
-    fail, an event each; the other engine's rows, stepped in the same call, lose no event."""
-    engine = _engines(target, varied_model(CTX, seed=1), monkeypatch)
-    broken = getattr(engine, failing)
-    real, calls = broken.step, []
+def test_a_speculative_step_that_raises_fails_its_own_rows_and_keeps_the_others_events(target, monkeypatch):
+    """The speculating rows' verify raises at its second step: those rows (running) fail, an event
+    each; the plain rows, stepped in the same call, lose no event."""
+    from gpt2kit.engine import speculate
 
-    def second_raises():
+    engine = _engine(target, varied_model(CTX, seed=1), monkeypatch)
+    real, calls = speculate.verify, []
+
+    def second_raises(*args):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("the step failed")
-        return real()
+        return real(*args)
 
-    monkeypatch.setattr(broken, "step", second_raises)
-    plain, plain_want = _plain_rows(engine, target)
+    monkeypatch.setattr(speculate, "verify", second_raises)
+    plain, want = _plain_rows(engine, target)
     spec = [engine.new_row(p, _greedy(12)) for p in PROMPTS[2:]]
-    spec_want = [generate(target, [p], _greedy(12))[0].tokens for p in PROMPTS[2:]]
     events = _drain(engine, plain + spec)
-    bad, good, want = (spec, plain, plain_want) if failing == "spec" else (plain, spec, spec_want)
-    for row in bad:
+    for row in spec:
         assert events[row][-1].error is row.error and "the step failed" in str(row.error)
         assert sum(e.error is not None for e in events[row]) == 1
-    _assert_finished_alone(events, good, want)
+    _assert_finished_alone(events, plain, want)

@@ -22,6 +22,7 @@ from gpt2kit.engine import Engine, EngineInterface, RowKey
 from gpt2kit.engine.beam import Beam
 from gpt2kit.engine.checks import check_request
 from gpt2kit.engine.scheduler import columns_needed
+from gpt2kit.engine.speculate import Proposer
 from gpt2kit.sampling import SamplingSettings
 from gpt2kit.sampling.sampler import resolve_seed
 from gpt2kit.validate import check_int
@@ -79,7 +80,7 @@ def generate_stream(model: GPT2, prompts: Sequence[Sequence[int]], settings: Sam
     room for the next at the following step. With a tokenizer, each step also carries the new
     text of each row and stop_strings apply. Bad arguments raise ValueError here, before the
     first step. With draft_model (or settings.prompt_lookup), decoding is speculative
-    (gpt2kit.engine.speculative): a step may give a row several tokens, yielded as consecutive Steps.
+    (gpt2kit.engine.speculate): a step may give a row several tokens, yielded as consecutive Steps.
     interventions: the trace's ablations, steering vectors, replacements and SAE clamps
     (gpt2kit.trace: ablate, steer, replace, clamp), applied at every forward to every row: a list
     (every position), or gpt2kit.trace.Interventions(items, on="prompt" | "generated" | "both").
@@ -110,19 +111,18 @@ def _start(model: GPT2, prompts: Sequence[Sequence[int]], settings: SamplingSett
     if len(prompts) * n > MAX_ROWS:
         raise ValueError(f"{len(prompts)} prompt(s) x num_samples={n} = {len(prompts) * n} rows; at most "
                          f"{MAX_ROWS} per call (each row's state is made up front): call again for more")
-    if draft_model is not None or settings.prompt_lookup:
+    proposer = None
+    if draft_model is not None or settings.prompt_lookup:  # every row speculates (gpt2kit.engine.speculate)
         if prefix_cache is not None:
             raise ValueError("prefix_cache is not used by speculative decoding (draft_model, prompt_lookup)")
-        from gpt2kit.engine.speculative import SpeculativeEngine
-
-        engine = SpeculativeEngine(model, tokenizer, draft=draft_model, max_batch=batch_size,
-                                   pack_weights=settings.pack_weights)
-    else:
-        # slots: as many as run at once, each as long as the longest row gets (engine.batch_cache)
-        rows = len(prompts) * n
-        max_len = max(columns_needed(len(p), settings.max_new_tokens, cfg.n_ctx) for p in prompts)
-        engine = Engine(model, tokenizer, max_batch=min(batch_size or rows, rows), pack_weights=settings.pack_weights,
-                        max_len=max_len, prefix_cache=prefix_cache)
+        proposer = Proposer(draft_model)
+    # slots: as many as run at once, each as long as the longest row gets (engine.batch_cache), and a
+    # step's drafts past it when speculating
+    rows = len(prompts) * n
+    max_len = max(columns_needed(len(p), settings.max_new_tokens, cfg.n_ctx) for p in prompts)
+    max_len = min(cfg.n_ctx, max_len + (proposer.tokens(settings) if proposer is not None else 0))
+    engine = Engine(model, tokenizer, max_batch=min(batch_size or rows, rows), pack_weights=settings.pack_weights,
+                    max_len=max_len, prefix_cache=prefix_cache, proposer=proposer)
     seed = resolve_seed(settings)
     engine.submit([engine.new_row(p, settings, seed=seed, sample_index=j, key=RowKey(i * n + j, i, j), edits=edits)
                    for i, p in enumerate(prompts) for j in range(n)])

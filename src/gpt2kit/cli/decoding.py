@@ -41,7 +41,7 @@ def load_draft(args: argparse.Namespace, model, tok):
     if args.draft_model is None:
         return None
     from gpt2kit.checkpoint import load_model, load_tokenizer, resolve_source
-    from gpt2kit.engine.speculative import check_draft_model
+    from gpt2kit.engine.speculate import check_draft_model
 
     _, path = resolve_source(args.draft_model)
     if not load_tokenizer(path).same_vocabulary(tok):

@@ -5,9 +5,11 @@ in loop.py, which runs it in a worker thread for the server), the batch's cache 
 processing (outputs.py: finish reasons, log-probs; text.py: text with stop strings held back).
 rows.py holds the row, its typed routing key, its one event shape and two declared protocols: a row
 group's (rows that run together: a beam search, beam_rows.py) and the engine's (EngineInterface, what
-EngineLoop, the server and gpt2kit.generation type against; Engine, speculative.SpeculativeEngine and
-routing.RoutedEngine satisfy it). checks.py is the one check of a request's decoding settings (for
-gpt2kit.generation, the server and the row makers). The generator API over it is gpt2kit.generation.
+EngineLoop, the server and gpt2kit.generation type against; Engine satisfies it). speculate.py holds
+the speculating rows the scheduler steps beside its others (per-row proposers: prompt lookup or a
+draft model, verified in each row's own slot; drafts.py the pure rule). checks.py is the one check of
+a request's decoding settings (for gpt2kit.generation, the server and the row makers). The generator
+API over it is gpt2kit.generation.
 """
 
 from gpt2kit.engine.batch_cache import SlotPool

@@ -20,6 +20,9 @@ this step's attention (the spec's forward and decode_step let each query see col
 its position as sum(mask) - 1 = n), and also at its own column n, where the next steps find them.
 A row of length P writes once. Slots in [0, hi) without a decoding row (free, or a row still being
 prefilled) ride along: their outputs are dropped, and a prefilling row's columns are never written.
+A step of T tokens a row (a speculative verify, gpt2kit.engine.speculate) writes them at [P, P + T)
+for its rows, and :meth:`SlotPool.settle` then keeps each row's accepted ones, moved to its own
+columns [n, n + kept) in its own slot: its length is what it kept.
 
 The columns a row reads masked ([n, P)) must be finite (a masked key's weight 0 times NaN is NaN):
 the pool keeps, per slot, how far its columns are known clean (written for this row, or zeroed),
@@ -65,17 +68,17 @@ class StepCache:
         return self._write is None and self._home is None
 
     def update_kv(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write kv (B, 2, nh, 1, hs) as described above; return views (B, nh, P + 1, hs)."""
-        P = self.length
-        assert kv.shape[3] == 1, "a StepCache takes one new token per row"
+        """Write kv (B, 2, nh, T, hs) as described above; return views (B, nh, P + T, hs)."""
+        P, T = self.length, kv.shape[3]
+        assert T == 1 or self._home is None, "a StepCache of several tokens a row writes them at P only"
         if self._write is None:
-            self.kv[layer, :, :, :, P:P + 1] = kv
+            self.kv[layer, :, :, :, P:P + T] = kv
         else:
-            self.kv[layer, :, :, :, P:P + 1][self._write] = kv[self._write]
+            self.kv[layer, :, :, :, P:P + T][self._write] = kv[self._write]
         if self._home is not None:
             rows, cols = self._home
             self.kv[layer][rows, :, :, cols] = kv[rows, :, :, 0]  # (k, 2, nh, hs) at each row's own column
-        return self.kv[layer, :, 0, :, :P + 1], self.kv[layer, :, 1, :, :P + 1]
+        return self.kv[layer, :, 0, :, :P + T], self.kv[layer, :, 1, :, :P + T]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.update_kv(layer, torch.stack((k, v), 1))  # (B, 2, nh, 1, hs)
@@ -208,9 +211,11 @@ class SlotPool:
         """The slot's row now holds `length` tokens (a forward through :meth:`row_cache` wrote them)."""
         self.lengths[slot] = self._clean[slot] = length
 
-    def step_cache(self, slots: list[int]) -> tuple[StepCache, torch.Tensor | None]:
-        """The cache and mask (B, P + 1) (None: every slot of [0, hi) decodes at length P) of a
-        decode step for the rows in `slots` (ascending); zeroes the masked columns not yet clean."""
+    def step_cache(self, slots: list[int], T: int = 1) -> tuple[StepCache, torch.Tensor | None]:
+        """The cache and mask (B, P + T) (None: every slot of [0, hi) decodes at length P) of a
+        decode step of T tokens a row for the rows in `slots` (ascending); zeroes the masked columns
+        not yet clean. With T > 1 (a speculative verify) every row's tokens go to columns [P, P + T),
+        and :meth:`settle` moves a shorter row's kept ones home after the step."""
         hi, lengths, clean = slots[-1] + 1, self.lengths, self._clean
         lens = [lengths[s] for s in slots]
         P = max(lens)
@@ -230,13 +235,13 @@ class SlotPool:
                 write = torch.tensor(slots, device=device)
         short = [(s, n) for s, n in zip(slots, lens, strict=True) if n < P]
         home = None
-        if short:
+        if short and T == 1:
             home = (torch.tensor([s for s, _ in short], device=device),
                     torch.tensor([n for _, n in short], device=device))
         n = torch.zeros(hi, dtype=torch.long, device=device)  # (B,): riders own no column
         n[torch.tensor(slots, device=device)] = torch.tensor(lens, device=device)
-        mask = torch.arange(P + 1, device=device)[None, :] < n[:, None]  # (B, P + 1)
-        mask[:, P] = True
+        mask = torch.arange(P + T, device=device)[None, :] < n[:, None]  # (B, P + T)
+        mask[:, P:] = True
         return StepCache(kv, P, write, home), mask
 
     def advance(self, slots: list[int], P: int) -> None:
@@ -246,6 +251,23 @@ class SlotPool:
             lengths[s] += 1
             if clean[s] <= P:
                 clean[s] = P + 1
+
+    def settle(self, slots: list[int], P: int, T: int, kept: list[int]) -> None:
+        """After a step of T tokens a row at columns [P, P + T) (step_cache): each row in `slots` keeps
+        its first kept[i] of them, moved to its own columns [n, n + kept[i]) when it was shorter than P
+        (its own slot's columns only); its length is then n + kept[i]. The rest are dropped."""
+        lengths, clean = self.lengths, self._clean
+        for s, k in zip(slots, kept, strict=True):
+            n = lengths[s]
+            if n < P and k:
+                self.kv[:, s, :, :, n:n + k] = self.kv[:, s, :, :, P:P + k].clone()
+            lengths[s] = n + k
+            clean[s] = max(clean[s], P + T)  # every column up to P + T holds this row's values or zeros
+
+    def hold(self, slot: int) -> None:
+        """Hold a given slot (a pool that mirrors another's slots: a draft model's, beside its target's)."""
+        self._taken[slot] = True
+        self.restart(slot)
 
     def copy(self, dst: list[int], src: list[int]) -> None:
         """Slot dst[i] takes slot src[i]'s keys, values and length (a beam group's slots, moving

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 class EngineLoop:
-    """Runs an engine (any EngineInterface: Engine, or the server's RoutedEngine) in a worker
+    """Runs an engine (any EngineInterface: the Engine) in a worker
     thread; the one object a server talks to. on_events(events) is called from the worker after
     every step; on_error(rows, exc) when a step raises (every row is
     dropped, the loop goes on) and, with just that row, for a row whose own sampling raised (its

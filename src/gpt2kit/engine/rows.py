@@ -134,6 +134,7 @@ class Row:
     lease: SlotLease | None = None  # a slot held for a search's own forwards (Engine.new_lease): never fed
     edits: RowEdits | None = None  # interventions applied to its forwards
     adapter: int = -1  # the LoRA adapter it runs (its index in model.adapter_bank), -1 the base
+    speculate: bool = False  # it drafts and verifies several tokens a step (gpt2kit.engine.speculate)
 
     @property
     def dropped(self) -> bool:
@@ -180,8 +181,8 @@ class EngineInterface(Protocol):
     gpt2kit.generation): rows are made by the engine that runs them, queued with submit, and stepped;
     step returns one RowEvent per token a row gained (several for one row in a speculative step), a
     row that fails alone an event of its own. Only the new_* methods, submit and cancel may be called
-    from another thread than the one stepping. Engine (scheduler.py) is the engine; SpeculativeEngine
-    (speculative.py) and RoutedEngine (routing.py) are the speculative ones."""
+    from another thread than the one stepping. Engine (scheduler.py) is the engine, its speculating
+    rows among the others (speculate.py)."""
 
     max_batch: int | None  # rows holding a slot at once (None: as many as wait)
 

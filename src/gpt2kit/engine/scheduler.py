@@ -24,6 +24,11 @@ model sees at most n_ctx tokens of a row. When a row's sequence (a prompt, or pr
 tokens) would exceed n_ctx, its context is cut to its most recent ``window`` tokens (default
 n_ctx // 2) and the row is prefilled again with that window, in its own slot.
 
+With a proposer (gpt2kit.engine.speculate), the rows it decides on (greedy ones, or sampled too;
+no beams, leases or interventions; their whole sequence and a step's drafts in the context) speculate
+once their first token is sampled: each step drafts and verifies several tokens for them in their
+own slots, before the other rows are fed as always.
+
 With a prefix_cache (gpt2kit.prefix_cache), a joining row starts from the keys and values of the
 blocks of its prompt that earlier rows left there and prefills only the rest, and leaves its own
 (gpt2kit.engine.prefill); None: every prompt is prefilled whole.
@@ -49,6 +54,7 @@ from gpt2kit.engine.checks import check_request
 from gpt2kit.engine.outputs import advance, token_logprobs
 from gpt2kit.engine.prefill import ChunkedPrefill, Joining
 from gpt2kit.engine.rows import Leases, Row, RowEdits, RowEvent, RowKey, SlotLease, edited, requeued_on_error
+from gpt2kit.engine.speculate import Proposer, Speculation
 from gpt2kit.engine.text import RowText
 from gpt2kit.lora import adapter_rows
 from gpt2kit.sampling import SamplingSettings
@@ -79,14 +85,15 @@ class Engine:
     """The iteration-level scheduler (module doc); at most max_batch rows hold a slot at once.
     prefill_chunk: prompt tokens per step while rows decode (a prompt's chunk size);
     prefill_idle_budget: the same while none decodes (>= prefill_chunk; None: one chunk of every
-    joining row); max_len: columns per slot (default n_ctx; :meth:`new_row` refuses more).
+    joining row); max_len: columns per slot (default n_ctx; :meth:`new_row` refuses more);
+    proposer: the rows it decides on draft and verify several tokens a step (gpt2kit.engine.speculate).
     Not thread-safe except :meth:`submit` and :meth:`cancel` (gpt2kit.engine.EngineLoop runs one
     in a worker thread)."""
 
     def __init__(self, model: GPT2, tokenizer: Tokenizer | None = None, *, max_batch: int | None = None,
                  pack_weights: bool | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  max_len: int | None = None, prefill_idle_budget: int | None = None,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, proposer: Proposer | None = None) -> None:
         n_ctx = model.config.n_ctx
         if max_batch is not None:
             check_int("max_batch", max_batch, ">= 1", lambda v: v >= 1)
@@ -110,6 +117,7 @@ class Engine:
         self._logits: torch.Tensor | None = None  # (B, V): each decoding row's next-token logits
         self._unfed: torch.Tensor | None = None  # (B,): tokens sampled last step, fed at the next
         self.kernels = KernelSets(model, max_batch, pack_weights)  # the steps' and the prefill's kernel sets
+        self.spec = Speculation(model, proposer, pack_weights)  # its speculating rows (none without a proposer)
 
     # -- rows in and out (any thread) --
 
@@ -125,7 +133,9 @@ class Engine:
                              self.tokenizer)
         text = RowText(self.tokenizer, settings.stop_strings) if self.tokenizer is not None else None
         self.kernels.plain &= edits is None  # steps with interventions run the model's own forward
-        return Row(list(prompt), settings, sampler, text, logprobs, key or RowKey(0, 0, sample_index), edits=edits)
+        row = Row(list(prompt), settings, sampler, text, logprobs, key or RowKey(0, 0, sample_index), edits=edits)
+        row.speculate = self.spec.speculates(row)
+        return row
 
     def new_beam_rows(self, prompt: Sequence[int], settings: SamplingSettings, *, key: RowKey | None = None
                       ) -> list[Row]:
@@ -153,8 +163,8 @@ class Engine:
 
     @property
     def n_running(self) -> int:
-        """Rows holding a slot: decoding, being prefilled, or lent (new_lease)."""
-        return len(self.rows) + len(self._joining) + len(self._leased)
+        """Rows holding a slot: decoding (speculating too), being prefilled, or lent (new_lease)."""
+        return len(self.rows) + len(self._joining) + len(self._leased) + len(self.spec.rows)
 
     @property
     def n_prefilling(self) -> int:
@@ -166,7 +176,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.rows or self._joining or self._waiting or self._leased.to_release)
+        return bool(self.rows or self._joining or self._waiting or self._leased.to_release or self.spec.rows)
 
     def reserve(self) -> SlotPool:
         """Make the max_batch slots now (the server does, so a pool that cannot be had fails at start-up)."""
@@ -177,7 +187,8 @@ class Engine:
     def reset(self) -> list[Row]:
         """Drop every row, running and waiting; returns them (after an error, to fail them)."""
         with self._lock:
-            dropped = self.rows + self._joining.clear() + list(self._waiting) + self._leased.take_back()
+            dropped = (self.rows + self._joining.clear() + list(self._waiting) + self._leased.take_back()
+                       + self.spec.clear())
             self._waiting.clear()
         self.rows, self._slots = [], []
         if self.pool is not None:
@@ -190,40 +201,47 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RowEvent]:
-        """Feed the last step's tokens, admit waiting rows into free slots, prefill (one chunk's
-        budget, prefill_idle_budget when no row decodes), sample each decoding row's next token;
-        one event per row, returned before the forward that feeds them (the next step's first)."""
+        """Draft and verify for the speculating rows, feed the others' last tokens, admit waiting rows,
+        prefill (one chunk's budget, prefill_idle_budget when no row decodes), sample each decoding row's
+        next token; an event per token a row gained, sampled ones before the forward that feeds them."""
         self._drop_cancelled()  # a row cancelled since the last step costs the forward nothing
-        if self._unfed is not None and self.rows:
-            self._feed(self._unfed)
+        events = self.spec.step(self.pool) if self.spec.rows else []  # several tokens a row (engine.speculate)
+        if self._unfed is not None and self.rows:  # feed each decoding row's newest token
+            self._logits = feed(self.model, self.kernels, self.pool, self.rows, self._slots, self._unfed)
         self._unfed = None
         self._drop_cancelled()
         self._admit()
         budget = self.prefill_chunk if self.rows else self.prefill_idle_budget  # rows decoding: keep their pace
         ready = self._joining.step(self.model, self.pool, budget, self.kernels.prefill()) if self._joining.rows else []
+        ready, failed = self.spec.admit(ready, self.pool) if self.spec.draft else (ready, [])  # its draft slots
+        events += failed
         if ready:  # prefilled rows join the decoding ones, with the logits of their first token
             self.rows, self._slots, self._logits = in_slot_order(
                 self.rows + [r for j, _ in ready for r in j.rows], self._slots + [s for j, _ in ready for s in j.slots],
                 torch.cat(([self._logits] if self.rows else []) + [lg.expand(len(j.rows), -1) for j, lg in ready]))
         if not self.rows:
-            return []
+            return events
         n_rows = len(self.rows)
-        tok, events, keep, src = sample_rows(self.rows, self._logits)
+        tok, sampled, keep, src = sample_rows(self.rows, self._logits)
         self._logits = None
         if src is not None:  # beams move to the slots of the beams they continue (their group's own)
             self.pool.copy(self._slots, [self._slots[s] for s in src])
         self._keep(keep)
         tok = tok[keep] if len(keep) < n_rows else tok
         full = self._joining.rejoin_full(self.rows, self._slots, self.pool, self.model.config.n_ctx)
-        if full:  # prefilled again, in their slots, with a window of their sequence
-            keep = [r for r in range(len(self.rows)) if r not in set(full)]
+        go = [r for r, row in enumerate(self.rows) if row.speculate] if self.spec.proposer else []
+        if full or go:  # prefilled again, in their slots, with a window of their sequence; or speculating now
+            self.spec.add([self.rows[r] for r in go], [self._slots[r] for r in go], tok[go].tolist())
+            keep = [r for r in range(len(self.rows)) if r not in full and not self.rows[r].speculate]
             self._keep(keep, release=False)
             tok = tok[keep]
         self._unfed = tok if self.rows else None
-        return events
+        return events + sampled
 
     def _drop_cancelled(self) -> None:
         self._keep([r for r, row in enumerate(self.rows) if not row.dropped])
+        if self.spec.rows:
+            self.spec.drop_cancelled(self.pool)
         self._leased.release_dropped(self.pool)
         if self._joining.rows:
             self._joining.drop_cancelled(self.pool)
@@ -262,19 +280,6 @@ class Engine:
             self._logits = self._logits[sel] if keep else None
         if self._unfed is not None:
             self._unfed = self._unfed[sel] if keep else None
-
-    def _feed(self, tok: torch.Tensor) -> None:
-        """Feed each decoding row's newest token tok (B,); their next logits become pending."""
-        cache, mask = self.pool.step_cache(self._slots)  # over slots [0, hi); mask (hi, P + 1) or None
-        B, P = cache.kv.shape[1], cache.length
-        sel = None
-        if B > len(self.rows):  # slots without a decoding row ride along; their outputs are dropped
-            sel = torch.tensor(self._slots, dtype=torch.long, device=tok.device)
-            tok = torch.full((B,), EOT_ID % self.model.config.n_vocab, dtype=tok.dtype,
-                             device=tok.device).index_copy_(0, sel, tok)
-        logits = feed_forward(self.model, self.kernels, self.rows, self._slots, tok, cache, mask)
-        self.pool.advance(self._slots, P)
-        self._logits = logits if sel is None else logits[sel]
 
 
 class KernelSets:
@@ -343,6 +348,21 @@ def sample_rows(rows: list[Row], logits: torch.Tensor
         if reason is None:
             keep.append(r)
     return tok, events, keep, src
+
+
+def feed(model: GPT2, kernels: KernelSets, pool: SlotPool, rows: list[Row], slots: list[int], tok: torch.Tensor
+         ) -> torch.Tensor:
+    """Feed each decoding row (rows in slots) its newest token tok (B,); their next logits (B, V)."""
+    cache, mask = pool.step_cache(slots)  # over slots [0, hi); mask (hi, P + 1) or None
+    B, P = cache.kv.shape[1], cache.length
+    sel = None
+    if B > len(rows):  # slots without a decoding row ride along; their outputs are dropped
+        sel = torch.tensor(slots, dtype=torch.long, device=tok.device)
+        tok = torch.full((B,), EOT_ID % model.config.n_vocab, dtype=tok.dtype,
+                         device=tok.device).index_copy_(0, sel, tok)
+    logits = feed_forward(model, kernels, rows, slots, tok, cache, mask)
+    pool.advance(slots, P)
+    return logits if sel is None else logits[sel]
 
 
 def feed_forward(model: GPT2, kernels: KernelSets, rows: list[Row], slots: list[int], tok: torch.Tensor, cache,

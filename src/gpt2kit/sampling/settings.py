@@ -105,7 +105,7 @@ class SamplingSettings:
     # a second copy of them in memory); None = where it is faster and the copy fits, True/False.
     pack_weights: bool | None = _setting(None, "CPU: no prepacked second copy of the weights (slower decode, less "
                                                "memory)", flag="--no-pack-weights", const=False)
-    # Speculative decoding (gpt2kit.engine.drafts, gpt2kit.engine.speculative; the draft model itself is an
+    # Speculative decoding (gpt2kit.engine.drafts, gpt2kit.engine.speculate; the draft model itself is an
     # argument of generate, not a setting)
     prompt_lookup: int = _setting(0, "speculative decoding: draft up to N tokens per step from n-gram matches in "
                                      "the context (0 = off; at most 64)", metavar="N")

@@ -67,7 +67,7 @@ class ServeOptions:
     allowed_hosts: tuple[str, ...] = _setting(
         (), "comma list of Host names (name or name:port) accepted besides localhost, 127.0.0.1 and [::1]; "
             "checked on loopback addresses always, elsewhere only if given; '*': any", metavar="NAMES")
-    # Speculative decoding for every eligible (greedy) request (gpt2kit.engine.routing; docs/serving.md)
+    # Speculative decoding for every eligible (greedy) request (gpt2kit.engine.speculate; docs/serving.md)
     draft_model: str | None = _setting(None, "a smaller GPT-2 with the same tokenizer drafts for every greedy request",
                                        metavar="M")
     draft_tokens: int = _setting(4, "tokens --draft-model proposes per step (1 .. 64)", metavar="K")

@@ -70,7 +70,7 @@ class Server:
 
     def _load(self) -> None:
         from gpt2kit.engine import EngineLoop
-        from gpt2kit.engine.routing import serve_engine
+        from gpt2kit.serve.engine import serve_engine
 
         try:
             model, tokenizer = self.loader()
@@ -154,3 +154,4 @@ def _index_for_structured_outputs(tokenizer) -> None:
         matcher_factory(tokenizer)
     except ImportError:
         pass
+
