@@ -349,3 +349,18 @@ def test_a_speculative_step_that_raises_fails_its_own_rows_and_keeps_the_others_
         assert events[row][-1].error is row.error and "the step failed" in str(row.error)
         assert sum(e.error is not None for e in events[row]) == 1
     _assert_finished_alone(events, plain, want)
+
+
+def test_a_row_that_ends_on_its_first_token_frees_its_draft_slot(target, monkeypatch):
+    """A speculating row whose prompt prefill gave its only token leaves no slot held, in the engine's
+    pool or the draft's mirror of it; the next rows take those slots again."""
+    engine = _engine(target, varied_model(CTX, seed=1), monkeypatch, max_batch=2)
+    rows = [engine.new_row(p, _greedy(1)) for p in PROMPTS[:2]]
+    _drain(engine, rows)
+    assert all(len(r.tokens) == 1 for r in rows)
+    draft_pool = engine.spec.draft_pool
+    assert draft_pool is not None and not any(draft_pool.taken(s) for s in range(draft_pool.n_slots))
+    assert not any(engine.pool.taken(s) for s in range(engine.pool.n_slots))
+    again = [engine.new_row(p, _greedy(6)) for p in PROMPTS[2:]]
+    _drain(engine, again)
+    assert [r.tokens for r in again] == [generate(target, [p], _greedy(6))[0].tokens for p in PROMPTS[2:]]

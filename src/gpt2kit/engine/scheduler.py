@@ -272,7 +272,7 @@ class Engine:
             return
         if release:
             for s in set(self._slots) - {self._slots[r] for r in keep}:
-                self.pool.release(s)
+                self.spec.release(self.pool, s)  # and its draft slot, where a speculating row held one
         self.rows = [self.rows[r] for r in keep]
         self._slots = [self._slots[r] for r in keep]
         sel = torch.tensor(keep, dtype=torch.long, device=self.device)

@@ -124,7 +124,7 @@ class Speculation:
             prefill_draft(self, pool, joining)
         except Exception as e:  # e.g. a draft pool that cannot be had: these rows alone
             for j in joining:
-                self._release(pool, j.slot)
+                self.release(pool, j.slot)
             return [(j, lg) for j, lg in ready if not j.row.speculate], fail([j.row for j in joining], e)
         return ready, []
 
@@ -212,12 +212,13 @@ class Speculation:
         if len(keep) == len(self.rows):
             return
         for r in set(range(len(self.rows))) - set(keep):
-            self._release(pool, self.slots[r])
+            self.release(pool, self.slots[r])
         self.rows = [self.rows[r] for r in keep]
         self.slots = [self.slots[r] for r in keep]
         self.pending = [self.pending[r] for r in keep]
 
-    def _release(self, pool: SlotPool | None, slot: int) -> None:
+    def release(self, pool: SlotPool | None, slot: int) -> None:
+        """Free `slot` in the engine's pool and its mirror in the draft's (a row that ended, speculating or not)."""
         if pool is not None:
             pool.release(slot)
         if self.draft_pool is not None and slot < self.draft_pool.n_slots:
