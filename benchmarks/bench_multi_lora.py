@@ -12,7 +12,8 @@ rows decoding (short prompts, more new tokens than the run takes): the plain mod
 with its rows spread over the adapters in turn; the adapter model with every row on the base. Each
 trial times one engine step of each, the order rotated trial by trial, after the prompts are in and
 a few steps of warm-up; the medians, tokens/s (rows a step / its median) and the ratios to the plain
-model are printed last, with the machine's load (os.getloadavg: on a busy machine the figures are rough).
+model are printed last, with the machine's load (os.getloadavg: on a busy machine the figures are rough),
+and beside them each step's CPU time (the process's, all its threads), which a busy machine disturbs less.
 """
 
 from __future__ import annotations
@@ -89,24 +90,27 @@ def main() -> None:
                "adapter model, base rows": engine(adapted, [-1] * n, n, budget)}
     load_before = os.getloadavg()
     times: dict[str, list[float]] = {k: [] for k in engines}
+    cpu: dict[str, list[float]] = {k: [] for k in engines}
     names = list(engines)
     with torch.inference_mode():
         for t in range(trials):
             for name in names[t % len(names):] + names[:t % len(names)]:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 engines[name].step()
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
     load_after = os.getloadavg()
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads; {args.preset}{' (cut small)' if args.quick else ''} float32, {n} rows a step, {args.adapters} adapters of rank {args.rank} on "
           f"{', '.join(TARGETS)}; median of {trials} steps each, interleaved")
     print(f"load average (1, 5, 15 min) before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
           f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
-    base = statistics.median(times[names[0]])
-    print(f"{'engine step':<28} {'median ms':>10} {'tokens/s':>9} {'vs plain':>9}")
+    base, base_cpu = statistics.median(times[names[0]]), statistics.median(cpu[names[0]])
+    print(f"{'engine step':<28} {'median ms':>10} {'tokens/s':>9} {'vs plain':>9} {'CPU ms':>9} {'vs plain':>9}")
     for name in names:
-        med = statistics.median(times[name])
-        print(f"{name:<28} {med * 1e3:>10.1f} {n / med:>9.1f} {base / med:>8.2f}x")
+        med, med_cpu = statistics.median(times[name]), statistics.median(cpu[name])
+        print(f"{name:<28} {med * 1e3:>10.1f} {n / med:>9.1f} {base / med:>8.2f}x {med_cpu * 1e3:>9.1f} "
+              f"{base_cpu / med_cpu:>8.2f}x")
 
 
 if __name__ == "__main__":
