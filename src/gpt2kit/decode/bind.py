@@ -183,8 +183,21 @@ def adapted_op(kernels: KernelSet, product: Adapted, role: str) -> Op:
     """The set's Op for the base matrix, the module's update added to what it gives: after a fused
     residual add (the sum's order the only change), and before the GELU, so a set that fuses the GELU
     runs its unfused product in a step where the module adds something, its fused one where not."""
-    add, updating = product.module.add_update, product.module.updating
-    op = kernels.op(product.base, role)
+    module, op = product.module, kernels.op(product.base, role)
+    updating = module.updating
+
+    def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # The update's products are a few rows by r columns: on one thread, as splitting them costs more than
+        # they do (and on a busy machine each split waits for the other threads).
+        threads = torch.get_num_threads()
+        if threads == 1 or not updating():
+            return module.add_update(x, y)
+        torch.set_num_threads(1)
+        try:
+            return module.add_update(x, y)
+        finally:
+            torch.set_num_threads(threads)
+
     if role == "gelu" and op.fused:
         plain = kernels.op(product.base, "linear")
 
