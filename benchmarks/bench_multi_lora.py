@@ -101,7 +101,8 @@ def main() -> None:
                 cpu[name].append(time.process_time() - c0)
     load_after = os.getloadavg()
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads; {args.preset}{' (cut small)' if args.quick else ''} float32, {n} rows a step, {args.adapters} adapters of rank {args.rank} on "
+          f"threads; {args.preset}{' (cut small)' if args.quick else ''} float32, {n} rows a step, "
+          f"{args.adapters} adapters of rank {args.rank} on "
           f"{', '.join(TARGETS)}; median of {trials} steps each, interleaved")
     print(f"load average (1, 5, 15 min) before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
           f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
