@@ -41,21 +41,65 @@ def multi(base, ads):
     return model
 
 
-def test_each_row_equals_its_adapter_merged_and_base_rows_the_base(setup):
+# Two adapters: 2 or more adapted rows run the stacked form, fewer the gathered one (AdapterBank.set_rows).
+@pytest.mark.parametrize("index", [[1, -1, 0, 1], [-1, 1, -1, -1], [0]], ids=["stacked", "gathered", "gathered-all"])
+def test_each_row_equals_its_adapter_merged_and_base_rows_the_base(setup, index):
     base, ads = setup
     model = multi(base, ads)
-    idx = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(3))
-    model.adapter_bank.set_rows([1, -1, 0, 1])
+    idx = torch.randint(0, 64, (len(index), 9), generator=torch.Generator().manual_seed(3))
+    model.adapter_bank.set_rows(index)
+    assert (model.adapter_bank.mask is not None) == (sum(i >= 0 for i in index) >= 2)
+    merged = {-1: load_model(base), 0: load_model(base, adapter=ads[0]), 1: load_model(base, adapter=ads[1])}
     with torch.no_grad():
         got = model(idx).logits
-        want = [load_model(base, adapter=ads[1]), load_model(base), load_model(base, adapter=ads[0])]
-        refs = [want[0](idx[r:r + 1]).logits for r in (0,)] + [want[1](idx[1:2]).logits, want[2](idx[2:3]).logits,
-                                                                want[0](idx[3:4]).logits]
-    for r, ref in enumerate(refs):
-        torch.testing.assert_close(got[r:r + 1], ref, atol=1e-4, rtol=0)
-    with torch.no_grad():  # the base row is the plain base on the same batch, exactly
-        assert torch.equal(got[1], want[1](idx).logits[1])
-    assert (got[0] - refs[1][0]).abs().max() > 1e-2  # the adapters do change the logits
+        for r, a in enumerate(index):
+            ref = merged[a](idx[r:r + 1]).logits
+            torch.testing.assert_close(got[r:r + 1], ref, atol=1e-4, rtol=0)
+            if a >= 0:
+                assert (ref - merged[-1](idx[r:r + 1]).logits).abs().max() > 1e-3  # the adapter changes the logits
+            else:  # a base row is the plain base on the same batch, exactly
+                assert torch.equal(got[r], merged[-1](idx).logits[r])
+
+
+def test_a_removed_adapter_frees_its_slot_and_the_others_keep_theirs(setup, tmp_path):
+    base, ads = setup
+    model = multi(base, ads)
+    bank = model.adapter_bank
+    before = [b for b in model.buffers()]
+    bank.remove("ad0")
+    assert bank.names == [None, "ad1"] and not any(a is b for a, b in zip(model.buffers(), before, strict=True))
+    with pytest.raises(ValueError, match="out of range: 0"):
+        bank.set_rows([0])
+    idx = torch.arange(6)[None]
+    bank.set_rows([1])
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx).logits, load_model(base, adapter=ads[1])(idx).logits, atol=1e-4, rtol=0)
+    c = make_adapter(tmp_path / "c", 3, "c_fc", 7)
+    assert add_adapter(model, "c", c) == 0  # the free slot
+    bank.set_rows([0])
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx).logits, load_model(base, adapter=c)(idx).logits, atol=1e-4, rtol=0)
+    bank.remove("ad1")
+    assert bank.names == ["c"]
+    with pytest.raises(ValueError, match="no adapter named 'ad1'"):
+        bank.remove("ad1")
+
+
+def test_an_engine_knows_which_adapters_its_rows_run(setup):
+    from gpt2kit.engine import Engine
+    from gpt2kit.engine.scheduler import runs_adapter
+    from gpt2kit.sampling import SamplingSettings
+
+    base, ads = setup
+    engine = Engine(multi(base, ads), max_batch=2)
+    row = engine.new_row([1, 2, 3], SamplingSettings(max_new_tokens=3, temperature=0, stop_token_ids=()))
+    row.adapter = 1
+    engine.submit([row])
+    seen = [runs_adapter(engine, 1)]
+    while engine.has_work:
+        engine.step()
+        seen.append(runs_adapter(engine, 1))
+    assert seen[:-1] == [True] * (len(seen) - 1) and seen[-1] is False and not runs_adapter(engine, 0)
 
 
 def test_no_index_is_the_base_and_a_bad_index_is_refused(setup):
@@ -143,15 +187,17 @@ def _decode(model, prompts, adapters, **kw):
     return [([e.token for e in events if e.row is row], [e.logprob for e in events if e.row is row]) for row in rows]
 
 
+@pytest.mark.parametrize("adapters", [[0, -1, 1, 0], [-1, 1, -1, -1]], ids=["stacked", "gathered"])
 @pytest.mark.parametrize("pack", [False, True])
-def test_engine_rows_of_different_adapters_decode_together_as_each_served_alone_merged(setup, pack):
+def test_engine_rows_of_different_adapters_decode_together_as_each_served_alone_merged(setup, pack, adapters):
     base, ads = setup
     prompts = [[5, 9, 2, 40, 7], [1, 2, 3, 4, 5, 6, 7], [60, 3, 8], [11, 12, 13, 14, 15, 16]]
-    adapters = [0, -1, 1, 0]
     got = _decode(multi(base, ads), prompts, adapters, pack_weights=pack, prefill_chunk=4)
     merged = {-1: load_model(base), 0: load_model(base, adapter=ads[0]), 1: load_model(base, adapter=ads[1])}
     for (tokens, logprobs), p, a in zip(got, prompts, adapters, strict=True):
         [(want_tokens, want_logprobs)] = _decode(merged[a], [p], [-1], pack_weights=pack, prefill_chunk=4)
         assert tokens == want_tokens
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=0)
-    assert got[0][0] != got[1][0] or got[2][0] != got[1][0]  # the adapters do change what is decoded
+        if a >= 0:  # the adapter does change what is decoded
+            [(_, plain)] = _decode(merged[-1], [p], [-1], pack_weights=pack, prefill_chunk=4)
+            assert (torch.tensor(logprobs) - torch.tensor(plain)).abs().max() > 1e-3

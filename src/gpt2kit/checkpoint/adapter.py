@@ -368,6 +368,4 @@ def add_adapter(model: nn.Module, name: str, directory: str | os.PathLike[str]) 
     if ad.biases or ad.tokens is not None:
         raise CheckpointError(f"{ad.path}: the adapter trains {'biases' if ad.biases else 'embedding rows'}, "
                               "which cannot differ per row; serve it alone (merged, --adapter)")
-    bank.adapters[name] = (ad.tensors, ad.scalings)
-    bank.restack()
-    return bank.index_of(name)
+    return bank.add(name, ad.tensors, ad.scalings)

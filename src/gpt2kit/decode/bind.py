@@ -4,8 +4,11 @@ llm.c resolves its weight pointers once.
 Reading ``model.h[i].attn.c_attn.weight`` walks four nn.Module.__getattr__ calls; a Binding reads every
 tensor a step needs once, into one tuple per block whose products are Ops: the function the kernel set
 runs the product on and its arguments (the matrix, or the set's copy of it, and the bias), so the flat
-loop (decode.step) calls the kernel itself. A swapped-in module (a quantized or adapted linear) is an
-Op of its own, called as the module it is. Whether a binding is still the model's is asked once per
+loop (decode.step) calls the kernel itself. A swapped-in module (a quantized linear) is an Op of its
+own, called as the module it is; one whose product is its plain matrix's plus an update it adds
+itself (a many-adapter linear: `add_update`) runs that matrix on the set's kernel like any other
+and then adds its update (Adapted), so its base rows cost what a plain model's do.
+Whether a binding is still the model's is asked once per
 step by the path that holds it (decode.path.Kernels): every module and parameter it read is looked up
 again in the dict nn.Module keeps it in (``_modules``, ``_parameters``: plain dict reads, no attribute
 machinery), so a module swap, a replaced parameter (``load_state_dict(assign=True)``,
@@ -24,6 +27,7 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -34,8 +38,22 @@ class Mat(NamedTuple):
     bias: torch.Tensor | None
 
 
-# A bound product: a Mat, or a swapped-in module (a quantized or adapted linear), called as itself.
-Product = Mat | nn.Module
+class Adapted(NamedTuple):
+    """A swapped-in module whose product is its plain matrix's (`base`, run on the kernel set as any
+    Mat) plus what module.add_update(x, y) adds to it (each row's own low-rank update, or nothing
+    where module.updating() is False): gpt2kit.lora.MultiLoRALinear."""
+
+    base: Mat
+    module: nn.Module
+
+
+# A bound product: a Mat, an Adapted, or another swapped-in module (a quantized linear), called as itself.
+Product = Mat | Adapted | nn.Module
+
+
+def adds_update(layer: nn.Module) -> bool:
+    """Whether a layer's product is its plain `weight` and `bias`'s plus an update it adds (Adapted)."""
+    return callable(getattr(layer, "add_update", None))
 
 ROLES = ("linear", "gelu", "add", "head")  # what the flat loop does with a product's result
 
@@ -125,11 +143,16 @@ class Binding:
         products = (self._product(attn, "c_attn"), self._product(attn, "c_proj"),
                     self._product(mlp, "c_fc"), self._product(mlp, "c_proj"))
         self.products.append(products)
-        op = self._kernels.op
+        op = self._op
         return Block(self._param(ln_1, "weight"), self._param(ln_1, "bias"),
                      op(products[0], "linear"), op(products[1], "add"),
                      self._param(ln_2, "weight"), self._param(ln_2, "bias"),
                      op(products[2], "gelu"), op(products[3], "add"))
+
+    def _op(self, product: Product, role: str) -> Op:
+        if product.__class__ is Adapted:
+            return adapted_op(self._kernels, product, role)
+        return self._kernels.op(product, role)
 
     def _module(self, owner: nn.Module, name: str) -> nn.Module:
         d = owner._modules
@@ -145,11 +168,44 @@ class Binding:
 
     def _product(self, owner: nn.Module, name: str) -> Product:
         layer = self._module(owner, name)
-        if type(layer) is not nn.Linear:
+        if type(layer) is not nn.Linear and not adds_update(layer):
             return layer
-        return Mat(self._matrix(self._param(layer, "weight")), self._param(layer, "bias"))
+        mat = Mat(self._matrix(self._param(layer, "weight")), self._param(layer, "bias"))
+        return mat if type(layer) is nn.Linear else Adapted(mat, layer)
 
     def _matrix(self, weight: torch.Tensor) -> torch.Tensor:
         if self._kernels.watches_versions:
             self.versions.append((weight, weight._version))
         return self._kernels.matrix(weight)
+
+
+def adapted_op(kernels: KernelSet, product: Adapted, role: str) -> Op:
+    """The set's Op for the base matrix, the module's update added to what it gives: after a fused
+    residual add (the sum's order the only change), and before the GELU, so a set that fuses the GELU
+    runs its unfused product in a step where the module adds something, its fused one where not."""
+    module, op = product.module, kernels.op(product.base, role)
+    updating = module.updating
+
+    def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # The update's products are a few rows by r columns: on one thread, as splitting them costs more than
+        # they do (and on a busy machine each split waits for the other threads).
+        threads = torch.get_num_threads()
+        if threads == 1 or not updating():
+            return module.add_update(x, y)
+        torch.set_num_threads(1)
+        try:
+            return module.add_update(x, y)
+        finally:
+            torch.set_num_threads(threads)
+
+    if role == "gelu" and op.fused:
+        plain = kernels.op(product.base, "linear")
+
+        def gelu_after_update(x, *_):
+            if updating():
+                return F.gelu(add(x, plain.fn(x, *plain.args)), approximate="tanh")
+            return op.fn(x, *op.args)
+        return Op(gelu_after_update, (), True)
+    if role == "add" and op.fused:
+        return Op(lambda x, residual, *args: add(x, op.fn(x, residual, *args)), op.args, True)
+    return Op(lambda x, *args: add(x, op.fn(x, *args)), op.args, False)

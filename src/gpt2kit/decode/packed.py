@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gpt2kit.decode.bind import Binding, KernelSet, Mat, Op, Product
+from gpt2kit.decode.bind import Binding, KernelSet, Mat, Op, Product, adds_update
 from gpt2kit.decode.plain import PlainKernels, cpu_has_native_bfloat16
 from gpt2kit.machine import mem_available
 
@@ -208,11 +208,12 @@ def bound_caches(entries: int) -> dict[str, str]:
 
 def _matrices(model: torch.nn.Module) -> list[torch.Tensor]:
     """The matrices a decode step multiplies by: the blocks' four and the tied LM head (wte), where
-    they are plain (a swapped-in module, e.g. a quantized linear, keeps its own product)."""
+    they are plain or the base of an update (decode.bind.Adapted; a swapped-in module, e.g. a quantized
+    linear, keeps its own product)."""
     mats = [model.wte.weight] if isinstance(model.wte, nn.Embedding) else []
     for block in model.h:
         for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
-            if type(layer) is nn.Linear:
+            if type(layer) is nn.Linear or adds_update(layer):
                 mats.append(layer.weight)
     return mats
 

@@ -26,7 +26,7 @@ from torch.nn.modules import module as _module
 
 import gpt2kit.decode.f32 as f32
 import gpt2kit.decode.native_step as native_step
-from gpt2kit.decode.bind import Binding, KernelSet
+from gpt2kit.decode.bind import Binding, KernelSet, adds_update
 from gpt2kit.decode.packed import packed_weights
 from gpt2kit.decode.plain import PlainKernels, choose_half_kernels
 from gpt2kit.model import GPT2
@@ -142,13 +142,14 @@ def f32_kernel(model: GPT2) -> str:
 
 def _f32_matrices(model: GPT2) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(weight, bias) of a single-row step's products in order, the tied head last, where every one
-    is a plain float32 CPU nn.Linear in the decode layout (stored (in, out)); [] otherwise."""
+    is a plain float32 CPU nn.Linear (or the base of an update, decode.bind.Adapted) in the decode
+    layout (stored (in, out)); [] otherwise."""
     if type(model.wte) is not nn.Embedding:
         return []
     mats = []
     for block in model.h:
         for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
-            if type(layer) is not nn.Linear:
+            if type(layer) is not nn.Linear and not adds_update(layer):
                 return []
             mats.append((layer.weight, layer.bias))
     mats.append((model.wte.weight, None))
@@ -166,6 +167,6 @@ def _has_hooks(model: nn.Module) -> bool:
 def _largest_matrix(model: GPT2) -> torch.Tensor | None:
     """A float matrix to measure the half-precision kernels on (None when all are swapped, e.g. int8)."""
     fc = model.h[0].mlp.c_fc
-    if type(fc) is nn.Linear:
+    if type(fc) is nn.Linear or adds_update(fc):
         return fc.weight
     return model.wte.weight if type(model.wte) is nn.Embedding else None

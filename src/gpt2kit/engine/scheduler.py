@@ -319,6 +319,16 @@ class KernelSets:
         self._step = self._prefill = None
 
 
+def runs_adapter(engine: Engine, index: int) -> bool:
+    """Whether a row the engine holds (waiting, being prefilled, decoding, lent a slot; a cancelled one
+    until its next step drops it) runs LoRA adapter `index` (Row.adapter): a server unloading an
+    adapter waits for this to turn False (gpt2kit.serve.adapters). Call it where the engine steps."""
+    with engine._lock:
+        waiting = list(engine._waiting)
+    joining = [r for j in engine._joining.rows for r in j.rows]
+    return any(r.adapter == index for r in (*waiting, *joining, *engine.rows, *engine._leased.held))
+
+
 def sample_rows(rows: list[Row], logits: torch.Tensor
                 ) -> tuple[torch.Tensor, list[RowEvent], list[int], list[int] | None]:
     """Each row's next token from logits (B, V): the tokens (B,), one event per row (a beam group's

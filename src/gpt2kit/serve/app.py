@@ -3,7 +3,7 @@ size and deadline in serve/gate.py) over the server's state (serve/server.py: th
 engine loop, a worker thread, so the event loop never waits on the model). What /v1/completions
 computes is serve/completions.py, what /v1/chat/completions adds serve/chat.py (its template
 serve/template.py); log-probs are formatted in serve/logprobs.py. GET / is the playground page
-(serve/playground.py).
+(serve/playground.py); with --allow-runtime-lora, vLLM's adapter loading routes (serve/adapters.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
+import gpt2kit.serve.adapters as adapters
 import gpt2kit.serve.chat as chat
 import gpt2kit.serve.playground as playground
 import gpt2kit.serve.schemas as S
@@ -43,7 +44,8 @@ _SSE_EVENT = {"type": "object", "required": ["data"],
 _STREAM_200 = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}},
                      "description": "the completion, or with stream: server-sent events"}}
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-              "/detokenize")
+              "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+_TEXT_200 = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "vLLM's success text"}}
 
 
 # --- the app ----------------------------------------------------------------------------------
@@ -108,6 +110,8 @@ def create_app(loader: Callable[[], tuple[GPT2, Tokenizer]], opts: ServeOptions 
     _completion_routes(app, server)
     _info_routes(app, server)
     _token_routes(app, server)
+    if opts.allow_runtime_lora:  # else not served: 404, as vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        _adapter_routes(app, server)
     app.openapi = functools.partial(_openapi, app, server)
     app.add_middleware(Gate, server=server)  # inside _Guard: its answers are counted and need the key
     app.add_middleware(_Guard, server=server)
@@ -182,6 +186,17 @@ def _token_routes(app: FastAPI, server: Server) -> None:
         return {"prompt": server.tokenizer.decode(body.tokens), "pieces": [server.piece(t) for t in body.tokens]}
 
 
+def _adapter_routes(app: FastAPI, server: Server) -> None:
+    """vLLM's runtime LoRA updating (serve/adapters.py), answered in plain text as vLLM answers."""
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses={**_TEXT_200, **_ERRORS})
+    async def load_lora_adapter(body: S.LoadLoRAAdapterRequest):
+        return PlainTextResponse(await adapters.load(server, body.lora_name, body.lora_path))
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses={**_TEXT_200, **_ERRORS})
+    async def unload_lora_adapter(body: S.UnloadLoRAAdapterRequest):
+        return PlainTextResponse(await adapters.unload(server, body.lora_name))
+
+
 def _openapi(app: FastAPI, server: Server) -> dict:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
@@ -203,7 +218,7 @@ def _card(server: Server, adapter: str | None = None) -> dict:
     q = quantization(server.model)
     base = server.opts.served_model_name
     lineage = {"root": base, "parent": None} if adapter is None else \
-        {"root": dict(server.opts.loras)[adapter], "parent": base}
+        {"root": server.adapter_roots[adapter], "parent": base}
     return {"id": adapter or base, "object": "model", "created": server.started, "owned_by": "gpt2kit",
             "max_model_len": server.model.config.n_ctx, "quantization": q and q["scheme"]} | lineage
 

@@ -76,6 +76,10 @@ class ServeOptions:
         (), "a LoRA adapter (peft's format) served beside the base as model NAME, its rows batched with the "
             "base's and other adapters' (repeat for more)", metavar="NAME=DIR")
     max_loras: int = _setting(8, "LoRA adapters served at most (default 8)", metavar="N")
+    # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (serve/adapters.py; docs/serving.md)
+    allow_runtime_lora: bool = _setting(
+        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA updating): "
+               "adapters from directories on this server added and removed while it runs, behind --api-key")
     prompt_lookup: int = _setting(0, "every greedy request drafts up to N tokens per step from n-gram matches in its "
                                      "context (0 = off; at most 64)", metavar="N")
     # Interventions a request may carry (serve/interventions.py; docs/serving.md)
@@ -131,6 +135,6 @@ class ServeOptions:
             if not name or name == self.served_model_name or names.count(name) > 1:
                 raise ValueError(f"ServeOptions.loras: adapter name {name!r} must be non-empty, unique and not the "
                                  f"base's name {self.served_model_name!r}")
-        if names and (self.draft_model is not None or self.prompt_lookup):
-            raise ValueError("ServeOptions: LoRA adapters (loras) are not served with speculative decoding "
-                             "(draft_model, prompt_lookup)")
+        if (names or self.allow_runtime_lora) and (self.draft_model is not None or self.prompt_lookup):
+            raise ValueError("ServeOptions: LoRA adapters (loras, allow_runtime_lora) are not served with "
+                             "speculative decoding (draft_model, prompt_lookup)")

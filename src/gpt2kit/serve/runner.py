@@ -74,7 +74,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str |
         m = load_model(model, dtype=dtype, device=device, adapter=adapter)
         if quantize is not None:
             m = quantize_model(m, quantize)
-        if opts is not None and opts.loras:
+        if opts is not None and (opts.loras or opts.allow_runtime_lora):
             add_loras(m, opts.loras)
         tokenizer = load_tokenizer(model)
         if gate_data is not None:

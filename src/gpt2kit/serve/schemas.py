@@ -283,6 +283,22 @@ class Health(BaseModel):
 Piece = str | list[int]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    model_config = _STRICT
+    lora_name: str = Field(description="the model name requests will send")
+    lora_path: str = Field(description="an adapter directory on the server (peft's format)")
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/unload_lora_adapter body (lora_int_id, vLLM's internal id, is accepted and not used)."""
+
+    model_config = _STRICT
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class TokenizeRequest(BaseModel):
     model_config = _STRICT
     model: str | None = None

@@ -45,6 +45,7 @@ class Server:
         self.engine_loop: EngineLoop | None = None
         self.library = Library()  # the vectors and SAEs requests may name (serve/interventions.py)
         self.adapters: dict[str, int] = {}  # a LoRA adapter's model name: its index in model.adapter_bank
+        self.adapter_roots: dict[str, str] = {}  # its directory (/v1/models' root); both: serve/adapters.py
         self.ready = False
         self.load_error: BaseException | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
@@ -88,6 +89,7 @@ class Server:
             _index_for_structured_outputs(tokenizer)
             bank = getattr(model, "adapter_bank", None)
             self.adapters = {name: bank.index_of(name) for name in bank.adapters} if bank is not None else {}
+            self.adapter_roots = {name: d for name, d in o.loras if name in self.adapters}
             self.model, self.tokenizer = model, tokenizer
             self.ready = True
         except Exception as e:  # reported by /health and to the CLI

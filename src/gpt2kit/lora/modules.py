@@ -62,7 +62,7 @@ def parse_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def _switched_off(module: nn.Module) -> Iterator[None]:
+def switched_off(module: nn.Module) -> Iterator[None]:
     """module.disabled within the block, an error included (GPT2.disable_adapter's per-module step)."""
     module.disabled = True
     try:
@@ -159,7 +159,7 @@ class TrainableTokens(nn.Module):
     disabled = False  # within disable_adapter: the frozen table
 
     def adapter_off(self) -> contextlib.AbstractContextManager[None]:
-        return _switched_off(self)
+        return switched_off(self)
 
     def table(self) -> torch.Tensor:
         return self.weight if self.disabled else self.merged_weight()
@@ -298,129 +298,9 @@ def merge_lora(model: nn.Module, *, unload: bool = True) -> nn.Module:
     return model
 
 
-# -- many adapters on one base, chosen per row --
-
-class AdapterBank:
-    """The adapters a model's MultiLoRALinear modules hold, by name (slot 0.. in load order), and the
-    per-row index the next forward uses: row b runs adapter index[b], or the base where it is -1."""
-
-    def __init__(self) -> None:
-        # name: its (A, B) per module (our names) and scaling per module, from checkpoint.adapter.read_adapter
-        self.adapters: dict[str, tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, float]]] = {}
-        self.modules: dict[str, MultiLoRALinear] = {}
-        self.slots: torch.Tensor | None = None  # (B,) slot per row, the base's zero slot for -1; None: all base
-
-    def index_of(self, name: str) -> int:
-        return list(self.adapters).index(name)
-
-    def set_rows(self, index: Sequence[int] | None) -> None:
-        """The adapter of each row of the next forwards (-1: the base); None or all -1: every row the base."""
-        if index is None or all(i < 0 for i in index):
-            self.slots = None
-            return
-        n = len(self.adapters)
-        if any(i >= n for i in index):
-            raise ValueError(f"adapter index out of range: {max(index)} with {n} adapters loaded")
-        device = next(iter(self.modules.values())).weight.device
-        self.slots = torch.tensor([i if i >= 0 else n for i in index], dtype=torch.long, device=device)
-
-    @torch.no_grad()
-    def restack(self) -> None:
-        """Each module's products from the adapters held (MultiLoRALinear's legend): every adapter's A
-        side by side, its B likewise, and each slot's scaling over its own block (the base's none)."""
-        adapters = list(self.adapters.values())
-        for name, m in self.modules.items():
-            pairs = [tensors.get(name) for tensors, _ in adapters]
-            r = max([a.shape[0] for a, _ in filter(None, pairs)] or [1])
-            kw = {"device": m.weight.device, "dtype": m.weight.dtype}
-            n = len(pairs)
-            A = torch.zeros(n, r, m.in_features, **kw)
-            B = torch.zeros(m.out_features, n, r, **kw)
-            scale = torch.zeros(n + 1, n, r, **kw)  # the last slot: the base, no update
-            for i, ((_, scalings), pair) in enumerate(zip(adapters, pairs, strict=True)):
-                if pair is not None:  # rank below r: zero rows of A and columns of B add exact zeros
-                    A[i, :pair[0].shape[0]], B[:, i, :pair[1].shape[1]] = pair
-                    scale[i, i] = scalings[name]
-            m.lora_A, m.lora_B = A.view(n * r, m.in_features), B.view(m.out_features, n * r)
-            m.scale = scale.view(n + 1, n * r)
-
-
-class MultiLoRALinear(nn.Module):
-    """nn.Linear's frozen weight and bias plus the bank's N adapters stacked: lora_A (N r, in) every
-    adapter's A, lora_B (out, N r) every B, scale (N + 1, N r) slot k's scaling over block k (slot N:
-    the base, zeros). Each row adds its own adapter's update in one batched product for all rows
-    (Punica's batched LoRA idea, as two plain products): z = (x lora_A^T) * scale[k_row], whose
-    other adapters' blocks are exact zeros, then y = x W^T + b + z lora_B^T; s[k] (x A[k]^T) B[k]^T
-    for row k, and for a base row y + 0, the base exactly. r: the largest rank (smaller ones padded with
-    zeros, which add exact zeros)."""
-
-    def __init__(self, linear: nn.Linear, bank: AdapterBank) -> None:
-        super().__init__()
-        self.out_features, self.in_features = linear.weight.shape
-        self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
-        self.bias = nn.Parameter(linear.bias.detach(), requires_grad=False) if linear.bias is not None else None
-        self.bank = bank
-        self.lora_A = self.lora_B = self.scale = torch.empty(0)
-        self.disabled = False  # within disable_adapter: the base alone
-
-    def adapter_off(self) -> contextlib.AbstractContextManager[None]:
-        return _switched_off(self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # (..., out)
-        slots = self.bank.slots
-        if slots is None or self.disabled:
-            return y
-        n = slots.shape[0]
-        rows = x.numel() // x.shape[-1]  # (B, T, in), (B, in) or the flat step's (B * T, in): rows b-major
-        if rows % n:
-            raise ValueError(f"the adapter index has {n} rows, the input {tuple(x.shape)} does not split into them")
-        z = F.linear(x.reshape(n, rows // n, self.in_features), self.lora_A) * self.scale[slots][:, None]  # (n, T, N r)
-        return y + F.linear(z, self.lora_B).reshape(y.shape)  # (..., out)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, adapters={len(self.bank.adapters)}"
-
-
-def enable_multi_lora(model: nn.Module) -> AdapterBank:
-    """Swap every block matrix of a float GPT2 for a MultiLoRALinear sharing one AdapterBank, in
-    place (model.adapter_bank); the model computes the base until adapters are added
-    (gpt2kit.checkpoint.adapter.add_adapter)
-    and rows are given them (bank.set_rows)."""
-    from gpt2kit.quant.modules import is_quantized
-
-    if is_quantized(model) or any(isinstance(m, (LoRALinear, MultiLoRALinear)) for m in model.modules()):
-        raise ValueError("many adapters need a plain float model (no int8, no LoRA modules already)")
-    bank = AdapterBank()
-    for i, block in enumerate(model.h):
-        for target in TARGETS:
-            parent, attr = block.get_submodule(target.split(".")[0]), target.split(".")[1]
-            bank.modules[f"h.{i}.{target}"] = module = MultiLoRALinear(getattr(parent, attr), bank)
-            setattr(parent, attr, module)
-    bank.restack()
-    model.adapter_bank = bank
-    return bank
-
-
 def unmerge_lora(model: nn.Module) -> nn.Module:
     """Take each merged LoRALinear's update back out of its weight (merge_lora(unload=False)'s
     inverse, W within float rounding, as peft's unmerge_adapter), in place."""
     for m in lora_modules(model).values():
         m.unmerge()
     return model
-
-
-@contextlib.contextmanager
-def adapter_rows(model: nn.Module, adapters: Sequence[int]) -> Iterator[None]:
-    """Within the block each row b of the model's forwards runs adapter adapters[b] (-1: the base),
-    then none again; nothing on a model without an adapter bank. The one place an engine's steps
-    give their rows' adapters to the model."""
-    bank: AdapterBank | None = getattr(model, "adapter_bank", None)
-    if bank is None:
-        yield
-        return
-    bank.set_rows(adapters)
-    try:
-        yield
-    finally:
-        bank.set_rows(None)
