@@ -326,7 +326,7 @@ def runs_adapter(engine: Engine, index: int) -> bool:
     with engine._lock:
         waiting = list(engine._waiting)
     joining = [r for j in engine._joining.rows for r in j.rows]
-    return any(r.adapter == index for r in (*waiting, *joining, *engine.rows, *engine._leased.held))
+    return any(r.adapter == index for r in (*waiting, *joining, *engine.rows, *engine.spec.rows, *engine._leased.held))
 
 
 def sample_rows(rows: list[Row], logits: torch.Tensor
