@@ -19,9 +19,13 @@
  *                 instruction against ones, is subtracted (exact, for any int8 weight, -128 included)
  *   AVX2          the activations widened to int16 once per row, the weights per load; vpmaddwd
  *                 sums pairs of int16 products into int32 (no saturation: |pair| <= 2 * 128 * 127)
+ *   AVX2, 16-bit  the same kernel with codes of +-qmax in place of +-127 (a16_qmax: the widest that
+ *                 keeps the int32 sums exact), the weight-only int8 kernel native-a16 of
+ *                 gpt2kit/decode/int8.py: integer products at weight-only accuracy
  * Blocking as csrc/int8_linear.c: threads split the output channels in blocks of 4; within a
  * block, 4 rows x 2 channels at a time (each loaded weight feeds 4 rows), then (AVX2) 2 rows, then 1
- * (one sequential stream per channel, prefetched ahead). Legend: R rows, K in, N out. */
+ * (one sequential stream per channel, prefetched ahead); many rows go in tiles of TILE_BYTES of
+ * codes, each tile passed by every channel block. Legend: R rows, K in, N out. */
 #include <float.h>
 #include <immintrin.h>
 #include <math.h>
