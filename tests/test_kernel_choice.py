@@ -178,7 +178,7 @@ def test_bench_kernels_shows_the_choice_and_where_it_came_from(tmp_path):
 
 @pytest.mark.parametrize("argv, env, said", [
     (["bench", "--kernels", "--int8-kernel", "int3"], {},
-     "--int8-kernel 'int3' is not a kernel; valid choices: native-avx2, i8pack-bf16, i8pack, dequant"),
+     "--int8-kernel 'int3' is not a kernel; valid choices: native-avx2, native-a16, i8pack-bf16, i8pack, dequant"),
     (["bench", "--kernels", "--int8-kernel", "native-avx2"], {"GPT2KIT_NO_NATIVE": "1"},
      "--int8-kernel 'native-avx2' is unavailable here (GPT2KIT_NO_NATIVE is set); available: i8pack-bf16, "
      "i8pack, dequant"),

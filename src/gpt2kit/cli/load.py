@@ -29,7 +29,7 @@ def add_quantize_arg(p: argparse.ArgumentParser) -> None:
                    help="quantize the weights at load time: int8 (weight-only; see docs/quantization.md)")
     p.add_argument("--int8-kernel", default=None, metavar="KERNEL",
                    help="run int8 products with this kernel instead of the measured choice (as GPT2KIT_INT8_KERNEL): "
-                        "native-avx2, i8pack-bf16, i8pack, dequant")
+                        "native-avx2, native-a16, i8pack-bf16, i8pack, dequant")
     p.add_argument("--int8-activations", action="store_true",
                    help="run the int8 model with int8 activations too (per-row scales, int8 x int8 products, as "
                         "CTranslate2 and ONNX Runtime do), if it passes its quality gate on --gate-data "

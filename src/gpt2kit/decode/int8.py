@@ -15,6 +15,10 @@ the product. The formulations this module can run (docs/quantization.md and docs
   native-avx2  gpt2kit's own C kernel (decode/native.py, csrc/int8_linear.c), float32 activations
                on an AVX2 CPU: streams the int8 weights near memory bandwidth, ahead of ATen's kernel
                for a few rows; built with the system's C compiler on first use, absent without one
+  native-a16   integer products for several rows (csrc/int8act_linear.c, isa avx2-a16): float32 rows
+               rounded to 16-bit codes, one scale per row (the widest codes whose int32 sums stay exact:
+               +-21845 for 768 inputs, +-5461 for 3072), times the int8 weights by AVX2's vpmaddwd. Not
+               int8 activations: within weight-only int8's accuracy (docs/quantization.md)
 
 Which one runs is decided per (device type, activation dtype, row bucket) by `decide_for`: the choice
 stored for this machine (decode/kernel_choice.py), else the CPU family's known-good default unless
@@ -26,14 +30,9 @@ before it is timed (a wrong kernel is fast, and would otherwise win).
 multiple of 16: other sizes crash or return wrong values in torch 2.13's CPU kernel; on AVX-512 it
 segfaults on weight rows not aligned to 16 bytes or activation rows not aligned to 32, so a weight
 that is not (a view, a tensor read from a file) takes dequant and activations are re-allocated).
-On CUDA the candidates are the same ops, measured the same way (not yet run on a GPU): a candidate
-that raises in the measurement (an op or dtype the device lacks, native-avx2 where it could not be
-built) is left out, and one that raises later on a shape the measurement did not try falls back to
-dequant for that shape with one RuntimeWarning (`unavailable()` lists both), so an int8 model runs on
-any device torch supports, at worst at dequant's speed.
-
-This lives with the decode fast path (gpt2kit/decode/) because the choice is about CPU speed; the
-scheme and the modules that call it are gpt2kit.quant.modules.
+On CUDA (not yet run on a GPU) a candidate that raises in the measurement is left out, and one that
+raises later on a shape the measurement did not try falls back to dequant for that shape with one
+RuntimeWarning (`unavailable()` lists both): an int8 model runs on any device torch supports.
 
 Legend: R rows (batch x tokens), in/out the matrix's features.
 """
@@ -55,15 +54,14 @@ import torch.nn.functional as F
 import gpt2kit.decode.kernel_choice as kernel_choice
 import gpt2kit.decode.native as native
 
-KERNELS = ("native-avx2", "i8pack-bf16", "i8pack", "dequant")
+KERNELS = ("native-avx2", "native-a16", "i8pack-bf16", "i8pack", "dequant")
 ENV = "GPT2KIT_INT8_KERNEL"
 _CHOSEN = kernel_choice.REGISTRY.chosen  # ("int8", (device type, activation dtype, rows bucket)) -> kernel
 _UNAVAILABLE: dict[str, str] = {}  # where a kernel failed -> the error (measurement or first use)
 
 
-# Row buckets and the row count each is measured at: decode steps (1, few), small batches of
-# tokens (many), prompts (prefill: 129-512 rows) and long prompts (long), where the winner changes:
-# on an AVX2 CPU native-avx2 wins up to ~512 rows and dequantize-then-GEMM beyond (docs/benchmarks.md).
+# Row buckets and the row count each is measured at: decode steps (1, few), small batches of tokens
+# (many), prompts (prefill: 129-512 rows) and long prompts (long), where the winner changes.
 _BUCKET_ROWS = {"1": 1, "few": 8, "many": 64, "prefill": 256, "long": 1024}
 _HOPELESS = 10.0  # a candidate this many times slower than the fastest on the screening slice is not timed
 
@@ -90,10 +88,8 @@ def _aligned(x2: torch.Tensor) -> torch.Tensor:
     return x2 if x2.data_ptr() % 64 == 0 else x2.clone()
 
 
-# A decode step makes ~50 products of one row, each a few microseconds of Python around the kernel,
-# so a model's scales are converted to the kernel's dtype once per scale tensor (again when it is
-# written in place or replaced), not once per product. Inference tensors have no version counter,
-# so they are converted every time.
+# A model's scales are converted to the kernel's dtype once per scale tensor (again when it is written
+# in place or replaced), not once per product; inference tensors (no version counter) every time.
 _SCALES: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
@@ -116,6 +112,8 @@ def run_kernel(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch
     """x2 (R, in) float, weight (out, in) int8, scale (out,) [, bias (out,)] -> (R, out) in x2's dtype."""
     if kernel == "native-avx2":
         return _native(x2, weight, scale, bias)
+    if kernel == "native-a16":
+        return _native(x2, weight, scale, bias, kernel)
     if kernel == "dequant" or not _i8pack_ok(x2, weight):
         y = F.linear(x2, weight.to(x2.dtype)) * _scale_as(scale, x2.dtype)
         return y if bias is None else y + bias
@@ -131,17 +129,19 @@ def run_kernel(kernel: str, x2: torch.Tensor, weight: torch.Tensor, scale: torch
 
 
 def _native(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-            bias: torch.Tensor | None) -> torch.Tensor:
-    """The C kernel, for what it takes: CPU, float32 activations, 2-D; anything else (a dtype or device
-    it lacks) raises NotImplementedError, so the measurement leaves it out for that dtype. Inputs that
-    need a gradient take dequant (the C kernel is not differentiable)."""
+            bias: torch.Tensor | None, kernel: str = "native-avx2") -> torch.Tensor:
+    """A C kernel (native-avx2, or native-a16), for what it takes: CPU, float32 activations, 2-D;
+    anything else (a dtype or device it lacks) raises NotImplementedError, so the measurement leaves it
+    out for that dtype. Inputs that need a gradient take dequant (the C kernels are not differentiable)."""
     if not x2.is_cpu or x2.dtype != torch.float32 or x2.dim() != 2:  # is_cpu: no device object per product
-        raise NotImplementedError(f"native-avx2 takes 2-D float32 CPU activations, not {x2.dtype} on {x2.device}")
+        raise NotImplementedError(f"{kernel} takes 2-D float32 CPU activations, not {x2.dtype} on {x2.device}")
     if torch.is_grad_enabled() and x2.requires_grad:
         return run_kernel("dequant", x2, weight, scale, bias)
     plain_bias = bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.is_cpu)
-    y = native.run_int8_linear(x2.contiguous(), weight.contiguous(), _scale_as(scale, torch.float32).contiguous(),
-                               bias if plain_bias else None)
+    x2, weight, scale = x2.contiguous(), weight.contiguous(), _scale_as(scale, torch.float32).contiguous()
+    b = bias if plain_bias else None
+    y = (native.run_int8_linear(x2, weight, scale, b) if kernel == "native-avx2"
+         else native.run_int8act_linear(x2, weight, scale, b, "avx2-a16"))
     return y if plain_bias else y + bias
 
 
@@ -287,13 +287,15 @@ def _left_out_as_wrong(where: str, wrong: str) -> None:
                   f"{where.rsplit(' ', 1)[0]} ({wrong}); it is left out", RuntimeWarning, stacklevel=4)
 
 
-# The family's known-good kernel for each rows bucket, in order of preference (the first one that runs
-# here and passes the measurement's checks). gpt2kit's AVX2 kernel streams int8 weights near the memory
-# bandwidth on AVX2 CPUs (docs/quantization.md) and runs unchanged on AVX-512 and AMX ones; the
-# measurement may replace it there only by being MARGIN faster. Long prompts are GEMM-bound: dequant.
+# The family's known-good kernel per rows bucket, in order of preference (the first that runs here and
+# passes the measurement's checks; a measurement replaces it only by being MARGIN faster). Several rows
+# on AVX-512 CPUs: native-a16, measured ahead there (docs/benchmarks.md); on AVX2 CPUs a candidate only.
 _FEW = ("native-avx2", "i8pack-bf16", "i8pack", "dequant")
+_A16 = ("native-a16", *_FEW)
+_FLOAT32 = {"1": _FEW, "few": _FEW, "many": _FEW, "prefill": ("native-avx2", "dequant"), "long": ("dequant",)}
 DEFAULTS = {
-    "float32": {"1": _FEW, "few": _FEW, "many": _FEW, "prefill": ("native-avx2", "dequant"), "long": ("dequant",)},
+    "float32": _FLOAT32,
+    "float32 avx512": {**_FLOAT32, "few": _A16, "many": _A16, "prefill": _A16, "long": ("native-a16", "dequant")},
     "bfloat16": {"1": ("i8pack", "dequant"), "few": ("i8pack", "dequant"), "many": ("i8pack", "dequant"),
                  "prefill": ("dequant",), "long": ("dequant",)},
 }
@@ -312,14 +314,20 @@ def _why_not(kernel: str, device: torch.device) -> str | None:
         if device.type != "cpu":
             return f"gpt2kit's native kernel runs on CPU, not {device.type}"
         return native.why_unavailable()
+    if kernel == "native-a16":
+        if device.type != "cpu":
+            return f"gpt2kit's native kernel runs on CPU, not {device.type}"
+        return native.why_int8act_unavailable("avx2-a16")
     if kernel.startswith("i8pack") and _I8PACK is None:
         return f"this torch ({torch.__version__}) has no _weight_int8pack_mm"
     return None
 
 
 def _default(dtype: torch.dtype, bucket: str, measured: Mapping[str, object]) -> str:
-    table = DEFAULTS["bfloat16" if dtype in (torch.bfloat16, torch.float16) else "float32"]
-    prefs = table[bucket] if kernel_choice.family() != "other" else ("dequant",)
+    fam = kernel_choice.family()
+    table = DEFAULTS["bfloat16" if dtype in (torch.bfloat16, torch.float16)
+                     else "float32 avx512" if fam in ("avx512", "amx") else "float32"]
+    prefs = table[bucket] if fam != "other" else ("dequant",)
     return next((k for k in prefs if k in measured), min(measured, key=lambda k: KERNELS.index(k)
                                                           if k in KERNELS else len(KERNELS)))
 

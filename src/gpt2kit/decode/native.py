@@ -60,7 +60,7 @@ from gpt2kit.machine import cpu_flags
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 ABI = 1  # csrc/int8_linear.c's gpt2kit_int8_linear_abi(): the signature this module calls
-ABI_INT8ACT = 1  # csrc/int8act_linear.c's gpt2kit_int8act_linear_abi()
+ABI_INT8ACT = 2  # csrc/int8act_linear.c's gpt2kit_int8act_linear_abi()
 ABI_F32 = 1  # csrc/f32_linear.c's gpt2kit_f32_linear_abi()
 ABI_STEP = 1  # csrc/step.c's gpt2kit_step_abi()
 # The libraries, by their C source's stem: each is built, cached and loaded on its own, so one that
@@ -69,7 +69,7 @@ _LIBS = {"int8_linear": ABI, "int8act_linear": ABI_INT8ACT, "f32_linear": ABI_F3
 _SOLO_STATS: dict[str, object] = {}  # library -> its C function gpt2kit_<lib>_solo_stats (csrc/solo.h)
 _ROWS: dict[str, object] = {}  # "quantize", "rescale": csrc/int8act_linear.c's halves around another GEMM
 _STATE: dict[str, dict[str, object]] = {}  # library -> {"fn": the loaded function} or {"why": the reason there is none}
-ISAS = {"avx2": 1, "avx512-vnni": 2}  # csrc/int8act_linear.c's isa argument
+ISAS = {"avx2": 1, "avx512-vnni": 2, "avx2-a16": 3}  # csrc/int8act_linear.c's isa argument (avx2-a16: int16 codes)
 _VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
 F32_ISAS = {"avx2": 1, "avx512": 2}  # csrc/f32_linear.c's isa argument
 
@@ -242,7 +242,7 @@ def why_int8act_unavailable(isa: str) -> str | None:
         raise ValueError(f"unknown instruction set {isa!r}; valid choices: {', '.join(ISAS)}")
     int8act_linear()
     state = _STATE["int8act_linear"]
-    if state.get("why") is not None or isa == "avx2":
+    if state.get("why") is not None or isa in ("avx2", "avx2-a16"):
         return state.get("why")
     return _avx512_why(state, "vnni", _VNNI_FLAGS)
 
@@ -274,6 +274,8 @@ def run_int8act_linear(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     if int8act_linear()(x2.data_ptr(), R, K, weight.data_ptr(), N, scale.data_ptr(),
                         None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads(),
                         ISAS[isa]) != 0:
+        if isa == "avx2-a16" and K > 131072:
+            raise NotImplementedError(f"the 16-bit activation kernel takes in_features up to 131072, got {K}")
         raise MemoryError(f"the int8-activation kernel could not allocate {R} x {K} bytes of scratch")
     return y
 
@@ -319,7 +321,7 @@ def why_f32_unavailable(isa: str) -> str | None:
         raise ValueError(f"unknown instruction set {isa!r}; valid choices: {', '.join(F32_ISAS)}")
     f32_linear()
     state = _STATE["f32_linear"]
-    if state.get("why") is not None or isa == "avx2":
+    if state.get("why") is not None or isa in ("avx2", "avx2-a16"):
         return state.get("why")
     return _avx512_why(state, "avx512", frozenset({"avx512f"}))
 

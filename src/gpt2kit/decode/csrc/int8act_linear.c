@@ -19,9 +19,13 @@
  *                 instruction against ones, is subtracted (exact, for any int8 weight, -128 included)
  *   AVX2          the activations widened to int16 once per row, the weights per load; vpmaddwd
  *                 sums pairs of int16 products into int32 (no saturation: |pair| <= 2 * 128 * 127)
+ *   AVX2, 16-bit  the same kernel with codes of +-qmax in place of +-127 (a16_qmax: the widest that
+ *                 keeps the int32 sums exact), the weight-only int8 kernel native-a16 of
+ *                 gpt2kit/decode/int8.py: integer products at weight-only accuracy
  * Blocking as csrc/int8_linear.c: threads split the output channels in blocks of 4; within a
  * block, 4 rows x 2 channels at a time (each loaded weight feeds 4 rows), then (AVX2) 2 rows, then 1
- * (one sequential stream per channel, prefetched ahead). Legend: R rows, K in, N out. */
+ * (one sequential stream per channel, prefetched ahead); many rows go in tiles of TILE_BYTES of
+ * codes, each tile passed by every channel block. Legend: R rows, K in, N out. */
 #include <float.h>
 #include <immintrin.h>
 #include <math.h>
@@ -33,12 +37,13 @@
 #include "solo.h"
 
 #define PREFETCH 4096
+#define TILE_BYTES (192L << 10) /* a tile of rows' codes (the product's row tiles, below) */
 
 /* --- per-row quantization (plain C: it reads R * K floats once, against N * K weights) ------------- */
 
 /* sx[r] and q as the row's codes: as int16 (AVX2 kernel), as q + 128 in a byte (VNNI kernel), or as
  * int8 (for another GEMM: gpt2kit_int8act_quantize); the outputs not wanted are NULL. */
-static void quantize_row(const float *x, long K, float *sx, int16_t *q16, uint8_t *qu8, int8_t *q8) {
+static void quantize_row(const float *x, long K, float qmax, float *sx, int16_t *q16, uint8_t *qu8, int8_t *q8) {
     float a = 0.0f;
     int finite = 1;
     for (long k = 0; k < K; k++) {
@@ -53,11 +58,11 @@ static void quantize_row(const float *x, long K, float *sx, int16_t *q16, uint8_
         if (q8) memset(q8, 0, K);
         return;
     }
-    const float inv = 127.0f / a;
-    *sx = a / 127.0f;
+    const float inv = qmax / a;
+    *sx = a / qmax;
     for (long k = 0; k < K; k++) {
         float v = rintf(x[k] * inv);
-        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        v = v > qmax ? qmax : v < -qmax ? -qmax : v;
         if (q16) q16[k] = (int16_t)v;
         if (qu8) qu8[k] = (uint8_t)((int)v + 128);
         if (q8) q8[k] = (int8_t)v;
@@ -233,13 +238,24 @@ VNNI static void block_vnni(const uint8_t *q, const float *sx, long R, long K, c
 
 /* --- the entry points ---------------------------------------------------------------------------------- */
 
-int gpt2kit_int8act_linear_abi(void) { return 1; } /* bumped when the signatures below change */
+int gpt2kit_int8act_linear_abi(void) { return 2; } /* bumped when the signatures or isa codes below change */
 
-/* isa: 1 AVX2, 2 AVX-512 VNNI (the caller checked the CPU has it). Returns 0, or -1 when the
+/* The widest activation code of isa 3 for K inputs: sum_k |q[k] * W[n, k]| <= K * qmax * 128 stays
+ * below 2^31 (and qmax within int16), so the int32 sums are exact: 21845 for K = 768, 5461 for 3072. */
+static float a16_qmax(long K) {
+    const long q = K > 0 ? 2147483647L / (128L * K) : 32767L;
+    return (float)(q > 32767L ? 32767L : q < 127L ? 127L : q);
+}
+
+/* isa: 1 AVX2, 2 AVX-512 VNNI (the caller checked the CPU has it), 3 AVX2 with 16-bit activation
+ * codes (qmax = a16_qmax(K) in place of 127: int16 activations, the weight-only accuracy class;
+ * K above 131,072 would need qmax below 128 and is refused with -2). Returns 0, or -1 when the
  * scratch memory could not be allocated (y is then untouched). */
 int gpt2kit_int8act_linear(const float *x, long R, long K, const int8_t *W, long N, const float *s,
                            const float *b, float *y, int threads, int isa) {
     if (R <= 0) return 0;
+    if (isa == 3 && K > 131072L) return -2;
+    const float qmax = isa == 3 ? a16_qmax(K) : 127.0f;
     float *sx = malloc(R * sizeof(float));
     /* rows of codes on 64-byte lines (a row of K bytes starts on one where K is a multiple of 64), so
      * a 64-byte load of them does not straddle two */
@@ -251,6 +267,11 @@ int gpt2kit_int8act_linear(const float *x, long R, long K, const int8_t *W, long
         return -1;
     }
     const long blocks = (N + 3) / 4;
+    /* Many rows (a prompt) go in tiles whose codes stay in the core's L2 while every channel block of
+     * the thread passes over them (a multiple of 4 rows, for the 4-row blocks); a few rows are one tile. */
+    const long row_bytes = (K > 0 ? K : 1) * (isa == 2 ? 1 : (long)sizeof(int16_t));
+    long tile = (TILE_BYTES / row_bytes) & ~3L;
+    tile = tile < 4 ? 4 : tile;
     solo_call sc = {0};
     threads = solo_begin(&sc, threads);
     #pragma omp parallel num_threads(threads)
@@ -258,13 +279,17 @@ int gpt2kit_int8act_linear(const float *x, long R, long K, const int8_t *W, long
         SOLO_MARK(&sc);
         #pragma omp for schedule(static)
         for (long r = 0; r < R; r++)
-            quantize_row(x + r * K, K, sx + r, isa == 2 ? NULL : (int16_t *)q + r * K,
+            quantize_row(x + r * K, K, qmax, sx + r, isa == 2 ? NULL : (int16_t *)q + r * K,
                          isa == 2 ? (uint8_t *)q + r * K : NULL, NULL);
-        #pragma omp for schedule(static)
-        for (long i = 0; i < blocks; i++) {
-            const long n0 = 4 * i, width = N - n0 >= 4 ? 4 : N - n0;
-            if (isa == 2) block_vnni(q, sx, R, K, W, N, s, b, y, n0, width);
-            else block_avx2(q, sx, R, K, W, N, s, b, y, n0, width);
+        for (long r0 = 0; r0 < R; r0 += tile) {
+            const long rt = R - r0 < tile ? R - r0 : tile;
+            const void *qt = (const char *)q + r0 * row_bytes;
+            #pragma omp for schedule(static)
+            for (long i = 0; i < blocks; i++) {
+                const long n0 = 4 * i, width = N - n0 >= 4 ? 4 : N - n0;
+                if (isa == 2) block_vnni(qt, sx + r0, rt, K, W, N, s, b, y + r0 * N, n0, width);
+                else block_avx2(qt, sx + r0, rt, K, W, N, s, b, y + r0 * N, n0, width);
+            }
         }
     }
     solo_end(&sc);
@@ -284,7 +309,7 @@ void gpt2kit_int8act_quantize(const float *x, long R, long K, int8_t *q, float *
     {
         SOLO_MARK(&sc);
         #pragma omp for schedule(static)
-        for (long r = 0; r < R; r++) quantize_row(x + r * K, K, sx + r, NULL, NULL, q + r * K);
+        for (long r = 0; r < R; r++) quantize_row(x + r * K, K, 127.0f, sx + r, NULL, NULL, q + r * K);
     }
     solo_end(&sc);
 }
