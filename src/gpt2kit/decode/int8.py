@@ -287,9 +287,9 @@ def _left_out_as_wrong(where: str, wrong: str) -> None:
                   f"{where.rsplit(' ', 1)[0]} ({wrong}); it is left out", RuntimeWarning, stacklevel=4)
 
 
-# The family's known-good kernel per rows bucket, in order of preference (the first that runs here and
-# passes the measurement's checks; a measurement replaces it only by being MARGIN faster). Several rows
-# on AVX-512 CPUs: native-a16, measured ahead there (docs/benchmarks.md); on AVX2 CPUs a candidate only.
+# The family's known-good kernel per rows bucket, in preference order (the first that runs and passes the
+# measurement's checks; a measured one replaces it only by being MARGIN faster). Several rows on the avx512
+# family: native-a16, measured ahead there (docs/benchmarks.md); on AVX2-only and AMX CPUs a candidate.
 _FEW = ("native-avx2", "i8pack-bf16", "i8pack", "dequant")
 _A16 = ("native-a16", *_FEW)
 _FLOAT32 = {"1": _FEW, "few": _FEW, "many": _FEW, "prefill": ("native-avx2", "dequant"), "long": ("dequant",)}
@@ -326,7 +326,7 @@ def _why_not(kernel: str, device: torch.device) -> str | None:
 def _default(dtype: torch.dtype, bucket: str, measured: Mapping[str, object]) -> str:
     fam = kernel_choice.family()
     table = DEFAULTS["bfloat16" if dtype in (torch.bfloat16, torch.float16)
-                     else "float32 avx512" if fam in ("avx512", "amx") else "float32"]
+                     else "float32 avx512" if fam == "avx512" else "float32"]
     prefs = table[bucket] if fam != "other" else ("dequant",)
     return next((k for k in prefs if k in measured), min(measured, key=lambda k: KERNELS.index(k)
                                                           if k in KERNELS else len(KERNELS)))
