@@ -7,11 +7,13 @@ them, resolved once and checked once per step by the Kernels), so a token makes 
 lookups. decode_step (T = 1, a token per row), decode_tokens (a few tokens per row: a speculative
 step's verify) and the prefills with a kernel set all run it. It computes what
 ``model(idx, cache=..., attention_mask=...)`` computes in eval mode: with the plain kernels in float32,
-the same ops on the same values (tests prove the logits bit-identical); in bfloat16/float16 and with
+the same ops on the same values (tests prove the logits bit-identical; where only the last positions'
+logits are read, the last block runs on those rows alone, equal to rounding); in bfloat16/float16 and with
 packed kernels, the same math by other kernels (equal to rounding). With kernels=None (or the forward
 path: a model in training mode or with hooks registered) the model's own forward runs, so dropout and
-hooks behave as they do everywhere else. A step of one unmasked row may run whole in C instead
-(decode.native_step), where the Kernels bound one.
+hooks behave as they do everywhere else; prefill given kernels=None takes the path
+decode.path.prompt_kernels picks (the flat loop where it applies). A step of one unmasked row may
+run whole in C instead (decode.native_step), where the Kernels bound one.
 
 Legend: B rows, T new tokens a row, R = B * T, C n_embd, nh heads, hs head size, P cached tokens, V vocab.
 """
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 
 from gpt2kit.decode.path import PLAIN, Kernels, prompt_kernels
 from gpt2kit.kv_cache import KVCache
-from gpt2kit.model import GPT2, attention_mask_for
+from gpt2kit.model import GPT2, attention_mask_for, check_inputs
 
 
 @torch.inference_mode()
@@ -35,6 +37,7 @@ def prefill(model: GPT2, idx: torch.Tensor, attention_mask: torch.Tensor | None,
     decode.path.prompt_kernels picks (the forward for a model in training, with hooks, or not a
     float32 CPU model; else the flat loop, its products of many rows on the kernel decode.dnn chose)."""
     if kernels is None:
+        idx = check_inputs(model, idx, attention_mask, cache)  # as the forward would: one clear ValueError
         kernels = prompt_kernels(model)
     if not kernels.forward:
         return _network(model, kernels, idx, cache, attention_mask, [idx.shape[1] - 1] * idx.shape[0])
