@@ -232,6 +232,13 @@ def attention_mask_for(attention_mask: torch.Tensor | None, P: int, T: int,
     return allowed | diag
 
 
+def check_inputs(model: GPT2, idx: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 cache: KVCache | None = None) -> torch.Tensor:
+    """forward's checks of idx, attention_mask and cache (a ValueError naming what is wrong), for a
+    caller that runs the network another way (decode.prefill); idx as int64 (or int32) ids."""
+    return _check_inputs(model, idx, None, attention_mask, None, cache, -100)[0]
+
+
 def _check_inputs(model: GPT2, idx: torch.Tensor, past: torch.Tensor | None, attention_mask: torch.Tensor | None,
                   targets: torch.Tensor | None, cache: KVCache | None, ignore_index: int) -> tuple[torch.Tensor, int]:
     """Validate forward's inputs; returns idx as int64 (or int32) ids and P, the cached length.

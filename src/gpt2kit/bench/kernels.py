@@ -2,12 +2,13 @@
 
 For every rows bucket of the int8 products (float32 activations; with int8_activations, also the
 int8-activation products of gpt2kit.decode.int8act), the bfloat16 few-row products and the float32
-single-row products of a GPT-2 124M-shaped model (gpt2kit.decode.f32, on random matrices in the decode layout),
+single-row and 2-8-row products of a GPT-2 124M-shaped model (gpt2kit.decode.f32, on random matrices in the
+decode layout) and the float32 prompt products (gpt2kit.decode.dnn),
 the choice gpt2kit.decode makes at first use is made here and printed with where it came from
 (default: the CPU family's known-good kernel, kept where the measurement was disturbed or not clearly
 better; stored: measured earlier on this machine; measured: now; forced: GPT2KIT_INT8_KERNEL or
---int8-kernel, GPT2KIT_F32_KERNEL) and the medians behind it. `--remeasure` measures anew (and stores what a quiet
-measurement decides).
+--int8-kernel, GPT2KIT_F32_KERNEL, GPT2KIT_PROMPT_KERNEL) and the medians behind it. `--remeasure` measures
+anew (and stores what a quiet measurement decides).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 
 import torch
 
-from gpt2kit.decode import f32, int8, int8act, kernel_choice, plain
+from gpt2kit.decode import dnn, f32, int8, int8act, kernel_choice, plain
 from gpt2kit.machine import describe_cpu
 
 ROWS = {"1": 1, "few": 8, "many": 64, "prefill": 256, "long": 1024}
@@ -48,8 +49,19 @@ def kernel_choices(remeasure: bool = False, dtypes: tuple[torch.dtype, ...] = (t
     for name, c in plain.half_decisions().items():
         dtype, bucket = name.split("/")
         rows.append({"what": f"{dtype} few-row products", "bucket": bucket, **c.as_json()})
-    c = f32.decide_for(F32_SHAPE, _f32_mats(), fresh=remeasure)
+    mats = _f32_mats()
+    c = f32.decide_for(F32_SHAPE, mats, fresh=remeasure)
     rows.append({"what": f"float32 products, GPT-2 124M ({F32_SHAPE})", "bucket": "1 row", **c.as_json()})
+    if dnn.available():
+        def pack(w: torch.Tensor) -> torch.Tensor:
+            return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 8)  # as decode.packed copies it
+
+        c = f32.decide_few(F32_SHAPE, mats, pack, fresh=remeasure)
+        rows.append({"what": f"float32 products, GPT-2 124M ({F32_SHAPE})", "bucket": f"2-{f32.MAX_ROWS} rows",
+                     **c.as_json()})
+    w, b = mats[2]  # c_fc (3072, 768)
+    c = dnn.choose(w, b, fresh=remeasure)
+    rows.append({"what": "float32 prompt products (c_fc + GELU)", "bucket": f"{dnn.PROBE_ROWS} rows", **c.as_json()})
     return rows
 
 

@@ -15,8 +15,9 @@ elsewhere until measured otherwise), interleaved medians on the model's own matr
 products, so the weights stream from memory as they do when decoding) that override it only on clear
 evidence, the result stored per machine and model shape; a candidate whose product differs from
 F.linear's by more than float32 round-off is never chosen. GPT2KIT_F32_KERNEL names one outright
-(checked: one line naming the choices). Only single rows are covered: batches of 2+ run on
-decode/packed.py's oneDNN-prepacked copies, measured faster than the plain products there."""
+(checked: one line naming the choices). Steps of 2..MAX_ROWS rows (a small batch) run on
+decode/packed.py's oneDNN-prepacked copies or on the C kernel, chosen the same way (decide_few:
+FEW_DEFAULTS, the medians of a whole step's products at FEW_ROWS rows); more rows run on packed."""
 
 from __future__ import annotations
 
@@ -123,13 +124,13 @@ def default_kernel() -> str:
     return kernel if not _why_not(kernel, torch.device("cpu")) else "torch"
 
 
-def disagreement(kernel: str, mats: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> str | None:
-    """Why `kernel`'s single-row products on `mats` are not F.linear's within float32 round-off (the
+def disagreement(kernel: str, mats: Sequence[tuple[torch.Tensor, torch.Tensor | None]], rows: int = 1) -> str | None:
+    """Why `kernel`'s products of `rows` rows on `mats` are not F.linear's within float32 round-off (the
     bound 2 K eps sum_k |x_k w_k| covers both summation orders), or None when they are."""
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for w, b in mats:
-            x = torch.randn(1, w.shape[1], generator=g)
+            x = torch.randn(rows, w.shape[1], generator=g)
             ref = F.linear(x.double(), w.double(), None if b is None else b.double())
             got = product(kernel)(x, w, b).double()
             allowed = 2 * w.shape[1] * torch.finfo(torch.float32).eps * (x.abs().double() @ w.abs().double().t())
@@ -158,6 +159,65 @@ def sample(mats: Sequence[tuple[torch.Tensor, torch.Tensor | None]], rounds: int
                 t0 = time.perf_counter()
                 for w, b in mats:
                     fn(xs[w.shape[1]], w, b)
+                if r:
+                    out[k].append(time.perf_counter() - t0)
+    return out
+
+
+# Steps of 2..MAX_ROWS float32 rows (a small batch) run on oneDNN's prepacked copies (decode/packed.py,
+# "packed") or on the C kernel; per family the known-good one, replaced only by a measurement MARGIN faster.
+FEW_DEFAULTS = {"amx": "packed", "avx512": "packed", "avx2": "packed", "other": "packed"}
+FEW_ROWS = MAX_ROWS  # the rows of the measurement: the C kernel's most, a batch of 8
+
+
+def few_bucket(shape: str) -> str:
+    return f"f32 cpu 2-{MAX_ROWS} rows {shape} threads={torch.get_num_threads()}"
+
+
+def chosen_few(shape: str) -> str | None:
+    """The kernel decided for 2..MAX_ROWS rows of `shape` in this process (None: not decided yet)."""
+    return _CHOSEN.get(("f32-few", shape))
+
+
+def decide_few(shape: str, mats: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+               packed: Callable[[torch.Tensor], torch.Tensor], *, fresh: bool = False,
+               rounds: int = kernel_choice.ROUNDS) -> kernel_choice.Choice:
+    """How float32 steps of 2..MAX_ROWS rows of a model of `shape` run here: "packed" (oneDNN on the
+    copies packed(weight) gives) or a C kernel (native-*), as single rows' choice is made: the choice
+    stored for this machine, else interleaved rounds of a whole step's products at FEW_ROWS rows decided
+    by kernel_choice against FEW_DEFAULTS; a measured choice is stored. `fresh`: measure even where one is."""
+    def still_right(kernel: str) -> bool:
+        return kernel == "packed" or (kernel in KERNELS[1:] and not _why_not(kernel, torch.device("cpu"))
+                                      and disagreement(kernel, mats[:1], FEW_ROWS) is None)
+
+    default = FEW_DEFAULTS[kernel_choice.family()]
+    return kernel_choice.REGISTRY.settle(
+        "f32-few", shape, few_bucket(shape), still_right,
+        lambda: kernel_choice.measured(lambda: sample_few(mats, packed, rounds), default), fresh=fresh)
+
+
+def sample_few(mats: Sequence[tuple[torch.Tensor, torch.Tensor | None]], packed: Callable[[torch.Tensor], torch.Tensor],
+               rounds: int) -> dict[str, list[float]]:
+    """Seconds per step's products at FEW_ROWS rows for "packed" and each C kernel that runs here and
+    agrees with F.linear, in `rounds` interleaved rounds (GPT2KIT_KERNEL_TIMINGS replaces the timings)."""
+    cands = ["packed"] + [k for k in KERNELS[1:] if _why_not(k, torch.device("cpu")) is None
+                          and disagreement(k, mats[:2] + mats[-1:], FEW_ROWS) is None]
+    forced = kernel_choice.forced_timings()
+    if forced is not None:
+        return {k: v for k, v in forced.items() if k in cands}
+    op = torch.ops.mkldnn._linear_pointwise.default
+    copies = [(packed(w), b) for w, b in mats]
+    xs = {w.shape[1]: torch.randn(FEW_ROWS, w.shape[1]) for w, _ in mats}
+    fns = {"packed": lambda: [op(xs[w.shape[1]], w, b, "none", [], "") for w, b in copies]}
+    for k in cands[1:]:
+        fn = product(k)
+        fns[k] = lambda fn=fn: [fn(xs[w.shape[1]], w, b) for w, b in mats]
+    out: dict[str, list[float]] = {k: [] for k in fns}
+    with torch.inference_mode():
+        for r in range(rounds + 1):  # the first round warms up
+            for k in cands[r % len(cands):] + cands[:r % len(cands)]:
+                t0 = time.perf_counter()
+                fns[k]()
                 if r:
                     out[k].append(time.perf_counter() - t0)
     return out

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+import gpt2kit.decode.f32 as f32
 from gpt2kit.decode.bind import Binding, KernelSet, Mat, Op, Product, adds_update
 from gpt2kit.decode.plain import PlainKernels, cpu_has_native_bfloat16
 from gpt2kit.machine import mem_available
@@ -50,6 +51,7 @@ class PackedWeights:
         self._plain = PlainKernels()  # what a step the packing does not cover runs on (for_rows)
         self._unary = self._binary = None  # the oneDNN ops, resolved with the first copies
         self._wide = _Bucketed(self)  # steps of more than EXACT_ROWS rows
+        self._few: PlainKernels | None = None  # float32 steps of 2..f32.MAX_ROWS rows on a C kernel (use_few)
 
     def refresh(self, params: list[torch.Tensor]) -> None:
         """Keep exactly `params` packed: repack those whose storage or contents changed since they
@@ -77,12 +79,19 @@ class PackedWeights:
         """The kernel single float32 rows (which the packing does not cover) run on (decode.f32)."""
         self._plain.use_f32(kernel)
 
+    def use_few(self, kernel: str) -> None:
+        """What float32 steps of 2..f32.MAX_ROWS rows run on: "packed" (these copies) or a C kernel
+        (decode.f32.decide_few), on the model's own matrices."""
+        self._few = None if kernel == "packed" else PlainKernels(_product=f32.product(kernel))
+
     def covers(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether a step of `rows` rows should use the packed matrices (a float32 single row
         is faster on MKL's mat-vec, e.g. when a batch has finished down to one row)."""
         return bool(self._mats) and not (rows == 1 and dtype == torch.float32)
 
     def for_rows(self, rows: int, dtype: torch.dtype, cpu: bool) -> KernelSet:
+        if self._few is not None and 1 < rows <= f32.MAX_ROWS and dtype == torch.float32 and cpu:
+            return self._few
         if not self.covers(rows, dtype):
             return self._plain.for_rows(rows, dtype, cpu)
         return self if rows <= EXACT_ROWS else self._wide

@@ -24,10 +24,11 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
+import gpt2kit.decode.dnn as dnn
 import gpt2kit.decode.f32 as f32
 import gpt2kit.decode.native_step as native_step
 from gpt2kit.decode.bind import Binding, KernelSet, adds_update
-from gpt2kit.decode.packed import packed_weights
+from gpt2kit.decode.packed import PackedWeights, packed_weights
 from gpt2kit.decode.plain import PlainKernels, choose_half_kernels
 from gpt2kit.model import GPT2
 
@@ -102,6 +103,7 @@ class Kernels:
 
 FORWARD = Kernels(None)  # the spec's forward, for every model
 PLAIN = Kernels(PlainKernels(), keep=False)  # the flat loop on the plain products, bound on every call
+_PROMPT = Kernels(dnn.DnnKernels(PlainKernels()), keep=False)  # many float32 rows on oneDNN, bound on every call
 
 
 def kernels_for(model: GPT2, batch_size: int, pack: bool | None = None) -> Kernels:
@@ -117,7 +119,24 @@ def kernels_for(model: GPT2, batch_size: int, pack: bool | None = None) -> Kerne
         choose_half_kernels(largest)
     k_set = packed_weights(model, batch_size, pack) or PlainKernels()
     k_set.use_f32(f32_kernel(model))  # single float32 rows (a batch of 1, or one finished down to 1)
+    if isinstance(k_set, PackedWeights):
+        k_set.use_few(f32_few_kernel(model, k_set))  # float32 batches of 2..f32.MAX_ROWS rows
     return Kernels(k_set)
+
+
+def prompt_kernels(model: GPT2) -> Kernels:
+    """The path of a prefill given none: the forward for a model in training or with hooks, or whose
+    MLP is not a plain float32 CPU nn.Linear; else the flat loop, its products of many rows on oneDNN
+    where decode.dnn chose it for this CPU (measured once per process, stored per machine), else on
+    the plain products. The loop takes the last block's attention and MLP at the last position alone."""
+    if model.training or _has_hooks(model):
+        return FORWARD
+    fc = model.h[0].mlp.c_fc if len(model.h) else None
+    if type(fc) is not nn.Linear or fc.weight.dtype != torch.float32 or not fc.weight.is_cpu:
+        return FORWARD
+    if not dnn.available() or dnn.choose(fc.weight, fc.bias).kernel == "torch":
+        return PLAIN
+    return _PROMPT
 
 
 F32_MIN_BYTES = 64 << 20  # smaller models' matrices stay in cache: no single-row choice is made for them
@@ -138,6 +157,19 @@ def f32_kernel(model: GPT2) -> str:
     shape = f"{cfg.n_embd}x{cfg.n_layer}x{model.wte.weight.shape[0]}"
     kernel = f32.chosen_kernel(shape)
     return kernel if kernel is not None else f32.decide_for(shape, mats).kernel
+
+
+def f32_few_kernel(model: GPT2, packed: PackedWeights) -> str:
+    """What float32 steps of 2..f32.MAX_ROWS rows of this model run on: "packed" (oneDNN on `packed`'s
+    copies) or a C kernel, decode.f32.decide_few's choice for a CPU float32 model in the decode layout
+    whose matrices are F32_MIN_BYTES or more; "packed" for any other."""
+    mats = _f32_matrices(model)
+    if not mats or sum(w.numel() * 4 for w, _ in mats) < F32_MIN_BYTES or not all(packed.holds(w) for w, _ in mats):
+        return "packed"
+    cfg = model.config
+    shape = f"{cfg.n_embd}x{cfg.n_layer}x{model.wte.weight.shape[0]}"
+    kernel = f32.chosen_few(shape)
+    return kernel if kernel is not None else f32.decide_few(shape, mats, packed.matrix).kernel
 
 
 def _f32_matrices(model: GPT2) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

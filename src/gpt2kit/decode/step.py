@@ -7,11 +7,13 @@ them, resolved once and checked once per step by the Kernels), so a token makes 
 lookups. decode_step (T = 1, a token per row), decode_tokens (a few tokens per row: a speculative
 step's verify) and the prefills with a kernel set all run it. It computes what
 ``model(idx, cache=..., attention_mask=...)`` computes in eval mode: with the plain kernels in float32,
-the same ops on the same values (tests prove the logits bit-identical); in bfloat16/float16 and with
+the same ops on the same values (tests prove the logits bit-identical; where only the last positions'
+logits are read, the last block runs on those rows alone, equal to rounding); in bfloat16/float16 and with
 packed kernels, the same math by other kernels (equal to rounding). With kernels=None (or the forward
 path: a model in training mode or with hooks registered) the model's own forward runs, so dropout and
-hooks behave as they do everywhere else. A step of one unmasked row may run whole in C instead
-(decode.native_step), where the Kernels bound one.
+hooks behave as they do everywhere else; prefill given kernels=None takes the path
+decode.path.prompt_kernels picks (the flat loop where it applies). A step of one unmasked row may
+run whole in C instead (decode.native_step), where the Kernels bound one.
 
 Legend: B rows, T new tokens a row, R = B * T, C n_embd, nh heads, hs head size, P cached tokens, V vocab.
 """
@@ -21,9 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpt2kit.decode.path import PLAIN, Kernels
+from gpt2kit.decode.path import PLAIN, Kernels, prompt_kernels
 from gpt2kit.kv_cache import KVCache
-from gpt2kit.model import GPT2, attention_mask_for
+from gpt2kit.model import GPT2, attention_mask_for, check_inputs
 
 
 @torch.inference_mode()
@@ -31,8 +33,13 @@ def prefill(model: GPT2, idx: torch.Tensor, attention_mask: torch.Tensor | None,
             kernels: Kernels | None = None) -> torch.Tensor:
     """Encode idx (B, T) into the cache after the tokens it holds (a prompt in chunks: the engine's
     chunked prefill); logits of the last position (B, V). kernels: a flat path (kernels_for) runs the
-    flat loop (logits at the last position only); None: the model's own forward."""
-    if kernels is not None and not kernels.forward:
+    flat loop (logits at the last position only); FORWARD: the model's own forward; None: the path
+    decode.path.prompt_kernels picks (the forward for a model in training, with hooks, or not a
+    float32 CPU model; else the flat loop, its products of many rows on the kernel decode.dnn chose)."""
+    if kernels is None:
+        idx = check_inputs(model, idx, attention_mask, cache)  # as the forward would: one clear ValueError
+        kernels = prompt_kernels(model)
+    if not kernels.forward:
         return _network(model, kernels, idx, cache, attention_mask, [idx.shape[1] - 1] * idx.shape[0])
     return model(idx, attention_mask=attention_mask, cache=cache, last_logits_only=True).logits[:, -1]
 
@@ -137,6 +144,9 @@ def _network(model: GPT2, kernels: Kernels, idx: torch.Tensor, cache: KVCache, a
         kv = cache.kv if cache.plain else None
     except AttributeError:  # a cache that does not say (engine.FirstChunkCache)
         kv = None
+    # A prefill reads logits at one position a row: past the last block's keys and values (the cache),
+    # only those rows go on (_last_rows), its attention, c_proj and MLP on B rows instead of B * T.
+    cut, final = last is not None and T > 1 and head and bool(bound.blocks), len(bound.blocks) - 1
     for i, (ln_1w, ln_1b, attn, proj, ln_2w, ln_2b, fc, mlp) in enumerate(bound.blocks):
         h = layer_norm(x, shape, ln_1w, ln_1b, eps, cudnn)
         qkv = attn.fn(h, *attn.args)  # (R, 3C)
@@ -147,7 +157,11 @@ def _network(model: GPT2, kernels: Kernels, idx: torch.Tensor, cache: KVCache, a
         else:
             kv[i, :, :, :, P:P + T] = qkv[:, 1:]
             k, v = kv[i, :, 0, :, :P + T], kv[i, :, 1, :, :P + T]  # (B, nh, P + T, hs)
-        y = sdpa(qkv[:, 0], k, v, attn_mask=mask, is_causal=causal)  # (B, nh, T, hs)
+        q = qkv[:, 0]  # (B, nh, T, hs)
+        if cut and i == final:
+            q, x, mask, causal = _last_rows(q, x, mask, last, P)  # (B, nh, 1, hs), (B, C)
+            R, one = B, True
+        y = sdpa(q, k, v, attn_mask=mask, is_causal=causal)  # (B, nh, T, hs)
         y = y.view(R, C) if one else y.transpose(1, 2).reshape(R, C)  # (R, C)
         x = proj.fn(y, x, *proj.args) if proj.fused else x + proj.fn(y, *proj.args)  # (R, C)
         h = layer_norm(x, shape, ln_2w, ln_2b, eps, cudnn)
@@ -156,11 +170,30 @@ def _network(model: GPT2, kernels: Kernels, idx: torch.Tensor, cache: KVCache, a
     cache.length = P + T
     if not head:
         return None
-    if last is not None:  # each row's one position: (B, C)
+    if last is not None and not cut:  # each row's one position: (B, C)
         x = x.view(B, T, C)[torch.arange(B, device=idx.device), torch.tensor(last, device=idx.device)]
     x = layer_norm(x, shape, bound.ln_f_weight, bound.ln_f_bias, eps, cudnn)
     logits = bound.head.fn(x, *bound.head.args)  # (R, Vp) or (B, Vp): the tied head
     return logits if logits.shape[-1] == cfg.n_vocab else logits[:, :cfg.n_vocab]
+
+
+def _last_rows(q: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None, last: list[int], P: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+    """The last block's queries and residual rows at row b's position last[b] alone: q (B, nh, T, hs) ->
+    (B, nh, 1, hs), x (R, C) -> (B, C); the mask those queries see (B, 1, 1, P + T), or None where each
+    is its row's last token and sees every key (mask: the block's, None meaning causal); causal False."""
+    B, _, T, _ = q.shape
+    rows, at = torch.arange(B, device=q.device), torch.tensor(last, device=q.device)
+    q = q[rows, :, at][:, :, None]  # (B, nh, 1, hs)
+    x = x.view(B, T, -1)[rows, at]  # (B, C)
+    if mask is None and all(n == T - 1 for n in last):
+        return q, x, None, False
+    S = P + T
+    if mask is None:  # causal: query P + last[b] sees keys 0 .. P + last[b]
+        seen = torch.arange(S, device=q.device)[None] <= (P + at)[:, None]  # (B, S)
+    else:
+        seen = mask.expand(B, 1, T, S)[rows, 0, at]  # (B, S): the rows of the block's mask
+    return q, x, seen[:, None, None, :], False
 
 
 def _positions(attention_mask: torch.Tensor | None, P: int, B: int, T: int, device: torch.device

@@ -287,8 +287,8 @@ class KernelSets:
     count (chosen again when that changes; each set keeps the model's binding between steps), and its
     prefill's: a batching engine's (max_batch None or > 1) few-row set, prepacked where packing
     applies (decode.packed: the copy batched decode steps use), so prompt chunks run on the flat
-    network's products (decode.prefill_ragged); an engine of one row keeps the model's own forward
-    for its prompts and makes no second copy of the matrices."""
+    network's products (decode.prefill_ragged); an engine of one row makes no second copy of the
+    matrices: its prompts take decode.prefill's own path (decode.path.prompt_kernels)."""
 
     def __init__(self, model: GPT2, max_batch: int | None, pack: bool | None) -> None:
         self.plain = getattr(model, "adapter_bank", None) is None  # False: a step must set rows' adapters
