@@ -1192,3 +1192,24 @@ def test_prompt_sized_products_get_their_own_kernel_choice():
         want = x @ (w.float() * s[:, None]).T
         torch.testing.assert_close(int8_linear(x, w, s), want, atol=5e-2, rtol=2e-2)
     assert {"cpu float32 1", "cpu float32 prefill"} <= set(chosen())
+
+
+def test_single_rows_never_leave_the_native_step_for_a_faster_product(monkeypatch, tmp_path):
+    """native-a16 is not a single-row choice (the batch-1 step in C runs native-avx2's product): not
+    measured for the bucket, and a stored one is measured again."""
+    import json
+
+    from gpt2kit.decode import int8, kernel_choice
+
+    monkeypatch.setenv(kernel_choice.STORE_ENV, str(tmp_path))
+    monkeypatch.setenv(kernel_choice.TIMINGS_ENV, json.dumps({"native-a16": 1e-6, "native-avx2": 1e-3, "dequant": 1e-2,
+                                                             "i8pack-bf16": 1e-2, "i8pack": 1e-2, "float32": 1e-2}))
+    int8.forget()
+    try:
+        one = int8.decide_for(torch.device("cpu"), torch.float32, 1, fresh=True)
+        few = int8.decide_for(torch.device("cpu"), torch.float32, 8, fresh=True)
+    finally:
+        int8.forget()
+    assert one.kernel != "native-a16" and "native-a16" not in one.medians_ms
+    if native.int8act_linear() is not None:
+        assert few.kernel == "native-a16"

@@ -5,20 +5,15 @@ scale per output channel, so y = (x @ W^T) * s exactly, and a kernel may apply s
 the product. The formulations this module can run (docs/quantization.md and docs/benchmarks.md,
 "Figures behind the code's choices", have the measurements):
 
-  i8pack-bf16  torch.ops.aten._weight_int8pack_mm on bfloat16 activations (cast in, cast back):
-               ATen's vectorised int8-weight kernel; the fastest on an AVX2 CPU for a few rows
-  i8pack       the same op on the activations' own dtype; on CPU in float32 it is a scalar loop
-               (much slower than on bfloat16 activations), in bfloat16 it is i8pack-bf16 without casts
-  dequant      F.linear(x, W.to(x.dtype)) * s: converts the whole matrix each call, then the
-               dtype's GEMM; slow for a few rows, the best for many (prefill) where the GEMM
-               dominates, and the portable path (any device, any shape)
-  native-avx2  gpt2kit's own C kernel (decode/native.py, csrc/int8_linear.c), float32 activations
-               on an AVX2 CPU: streams the int8 weights near memory bandwidth, ahead of ATen's kernel
-               for a few rows; built with the system's C compiler on first use, absent without one
+  i8pack-bf16  torch.ops.aten._weight_int8pack_mm on bfloat16 activations (cast in, cast back)
+  i8pack       the same op on the activations' own dtype (a scalar loop on CPU in float32)
+  dequant      F.linear(x, W.to(x.dtype)) * s: the whole matrix converted each call, then the dtype's
+               GEMM; slow for a few rows, the portable path (any device, any shape)
+  native-avx2  gpt2kit's own C kernel (decode/native.py, csrc/int8_linear.c), float32 activations on
+               an AVX2 CPU: streams the int8 weights near memory bandwidth; built on first use
   native-a16   integer products for several rows (csrc/int8act_linear.c, isa avx2-a16): float32 rows
-               rounded to 16-bit codes, one scale per row (the widest codes whose int32 sums stay exact:
-               +-21845 for 768 inputs, +-5461 for 3072), times the int8 weights by AVX2's vpmaddwd. Not
-               int8 activations: within weight-only int8's accuracy (docs/quantization.md)
+               rounded to 16-bit codes, one scale per row (the widest codes whose int32 sums stay exact),
+               times the int8 weights by AVX2's vpmaddwd: weight-only accuracy (docs/quantization.md)
 
 Which one runs is decided per (device type, activation dtype, row bucket) by `decide_for`: the choice
 stored for this machine (decode/kernel_choice.py), else the CPU family's known-good default unless
@@ -30,9 +25,8 @@ before it is timed (a wrong kernel is fast, and would otherwise win).
 multiple of 16: other sizes crash or return wrong values in torch 2.13's CPU kernel; on AVX-512 it
 segfaults on weight rows not aligned to 16 bytes or activation rows not aligned to 32, so a weight
 that is not (a view, a tensor read from a file) takes dequant and activations are re-allocated).
-On CUDA (not yet run on a GPU) a candidate that raises in the measurement is left out, and one that
-raises later on a shape the measurement did not try falls back to dequant for that shape with one
-RuntimeWarning (`unavailable()` lists both): an int8 model runs on any device torch supports.
+On CUDA a candidate that raises in the measurement is left out, one that raises later on another shape
+falls back to dequant there with one RuntimeWarning (`unavailable()` lists both).
 
 Legend: R rows (batch x tokens), in/out the matrix's features.
 """
@@ -300,6 +294,8 @@ DEFAULTS = {
                  "prefill": ("dequant",), "long": ("dequant",)},
 }
 _BOUNDED = ("1", "few")  # weight streaming: int8 must beat the float32 product
+# Single rows run in the native step on native-avx2's product: a faster product alone would cost the step.
+_ONE_ROW = {"native-a16"}
 
 
 def check_kernel(name: str, device: torch.device | str = "cpu", given_as: str | None = None) -> str:
@@ -357,13 +353,17 @@ def decide_for(device: torch.device, dtype: torch.dtype, rows: int, *, fresh: bo
     name = f"int8 {device.type} {str(dtype).removeprefix('torch.')} {key[2]} threads={torch.get_num_threads()}"
     rows = _BUCKET_ROWS[key[2]]
 
-    def still_right(kernel: str) -> bool:
-        return kernel in KERNELS and not _why_not(kernel, device) and _still_right(kernel, device, dtype, rows)
+    barred = _ONE_ROW if key[2] == "1" else set()
 
-    return kernel_choice.REGISTRY.settle(
-        "int8", key, name, still_right,
-        lambda: kernel_choice.measured(lambda: sample(device, dtype, rows, float32=key[2] in _BOUNDED),
-                                       "dequant", lambda m: _default(dtype, key[2], m), "float32"), fresh=fresh)
+    def still_right(kernel: str) -> bool:
+        return (kernel in KERNELS and kernel not in barred and not _why_not(kernel, device)
+                and _still_right(kernel, device, dtype, rows))
+
+    def take() -> dict[str, list[float]]:
+        return {k: v for k, v in sample(device, dtype, rows, float32=key[2] in _BOUNDED).items() if k not in barred}
+
+    return kernel_choice.REGISTRY.settle("int8", key, name, still_right, lambda: kernel_choice.measured(
+        take, "dequant", lambda m: _default(dtype, key[2], m), "float32"), fresh=fresh)
 
 
 @torch.inference_mode()
