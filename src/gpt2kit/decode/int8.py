@@ -282,20 +282,20 @@ def _left_out_as_wrong(where: str, wrong: str) -> None:
 
 
 # The family's known-good kernel per rows bucket, in preference order (the first that runs and passes the
-# measurement's checks; a measured one replaces it only by being MARGIN faster). Several rows on the avx512
-# family: native-a16, measured ahead there (docs/benchmarks.md); on AVX2-only and AMX CPUs a candidate.
+# checks; a measured one replaces it by being MARGIN faster). Prompts on the avx512 family: native-a16.
 _FEW = ("native-avx2", "i8pack-bf16", "i8pack", "dequant")
 _A16 = ("native-a16", *_FEW)
 _FLOAT32 = {"1": _FEW, "few": _FEW, "many": _FEW, "prefill": ("native-avx2", "dequant"), "long": ("dequant",)}
 DEFAULTS = {
     "float32": _FLOAT32,
-    "float32 avx512": {**_FLOAT32, "few": _A16, "many": _A16, "prefill": _A16, "long": ("native-a16", "dequant")},
+    "float32 avx512": {**_FLOAT32, "many": _A16, "prefill": _A16, "long": ("native-a16", "dequant")},
     "bfloat16": {"1": ("i8pack", "dequant"), "few": ("i8pack", "dequant"), "many": ("i8pack", "dequant"),
                  "prefill": ("dequant",), "long": ("dequant",)},
 }
 _BOUNDED = ("1", "few")  # weight streaming: int8 must beat the float32 product
-# Single rows run in the native step on native-avx2's product: a faster product alone would cost the step.
-_ONE_ROW = {"native-a16"}
+# Decode steps never take native-a16: single rows run in the native step on native-avx2's product, and whole
+# batch-8 steps ran slower on it than on i8pack-bf16 though its product alone measured ahead (docs/benchmarks.md).
+_STEP_BARRED = {"1": {"native-a16"}, "few": {"native-a16"}}
 
 
 def check_kernel(name: str, device: torch.device | str = "cpu", given_as: str | None = None) -> str:
@@ -353,7 +353,7 @@ def decide_for(device: torch.device, dtype: torch.dtype, rows: int, *, fresh: bo
     name = f"int8 {device.type} {str(dtype).removeprefix('torch.')} {key[2]} threads={torch.get_num_threads()}"
     rows = _BUCKET_ROWS[key[2]]
 
-    barred = _ONE_ROW if key[2] == "1" else set()
+    barred = _STEP_BARRED.get(key[2], set())
 
     def still_right(kernel: str) -> bool:
         return (kernel in KERNELS and kernel not in barred and not _why_not(kernel, device)
