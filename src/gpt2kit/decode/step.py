@@ -146,7 +146,7 @@ def _network(model: GPT2, kernels: Kernels, idx: torch.Tensor, cache: KVCache, a
         kv = None
     # A prefill reads logits at one position a row: past the last block's keys and values (the cache),
     # only those rows go on (_last_rows), its attention, c_proj and MLP on B rows instead of B * T.
-    cut, final = last is not None and T > 1 and head and bool(bound.blocks), len(bound.blocks) - 1
+    cut = last is not None and T > 1 and head and bool(bound.blocks)  # (a decode step: no call spent here)
     for i, (ln_1w, ln_1b, attn, proj, ln_2w, ln_2b, fc, mlp) in enumerate(bound.blocks):
         h = layer_norm(x, shape, ln_1w, ln_1b, eps, cudnn)
         qkv = attn.fn(h, *attn.args)  # (R, 3C)
@@ -158,7 +158,7 @@ def _network(model: GPT2, kernels: Kernels, idx: torch.Tensor, cache: KVCache, a
             kv[i, :, :, :, P:P + T] = qkv[:, 1:]
             k, v = kv[i, :, 0, :, :P + T], kv[i, :, 1, :, :P + T]  # (B, nh, P + T, hs)
         q = qkv[:, 0]  # (B, nh, T, hs)
-        if cut and i == final:
+        if cut and i == len(bound.blocks) - 1:
             q, x, mask, causal = _last_rows(q, x, mask, last, P)  # (B, nh, 1, hs), (B, C)
             R, one = B, True
         y = sdpa(q, k, v, attn_mask=mask, is_causal=causal)  # (B, nh, T, hs)
